@@ -58,6 +58,7 @@ class GradeResult:
     timed_out: bool  # True: grading overran the time limit (counted as wrong)
     seconds: float  # wall-clock time spent grading this answer
     error: str | None = None  # unexpected exception inside the grader (counted as wrong)
+    gold_as_text: bool = False  # gold parsed only as a string (no math): compared by exact string match
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,12 +149,16 @@ class _MathVerifyGrader:
             self._gold_cache.popitem(last=False)
         return parsed_golds
 
-    def grade(self, completion: str, golds: tuple[str, ...]) -> tuple[bool, str | None, bool, str | None]:
-        """(correct, extracted answer, gold parsed, error): plain tuple so it pickles across modules."""
+    def grade(
+        self, completion: str, golds: tuple[str, ...]
+    ) -> tuple[bool, str | None, bool, str | None, bool]:
+        """(correct, extracted, gold parsed, error, gold as text): a plain tuple, so it pickles across modules."""
+        gold_as_text = False
         try:
             parsed_golds = self.parse_gold(golds)
             if not parsed_golds:
-                return False, None, False, None
+                return False, None, False, None, False
+            gold_as_text = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
             pred = self._parse(completion, self._pred_config, parsing_timeout=None)
             extracted = None
             if pred:
@@ -162,9 +167,9 @@ class _MathVerifyGrader:
             correct = bool(pred) and any(
                 self._verify(gold, pred, timeout_seconds=None) for gold in parsed_golds
             )
-            return correct, extracted, True, None
+            return correct, extracted, True, None, gold_as_text
         except (Exception, RecursionError) as exc:  # a parser bug must not kill training
-            return False, None, True, f"{type(exc).__name__}: {exc}"[:500]
+            return False, None, True, f"{type(exc).__name__}: {exc}"[:500], gold_as_text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,7 +269,7 @@ class _WorkerProcess:
     def send(self, completion: str, golds: tuple[str, ...]) -> None:
         _write_message(self._to_child, (completion, golds))
 
-    def receive(self) -> tuple[bool, str | None, bool, str | None]:
+    def receive(self) -> tuple[bool, str | None, bool, str | None, bool]:
         return _read_message(self._from_child)
 
     def kill(self) -> None:
@@ -356,10 +361,9 @@ class Grader:
             if not golds:
                 results.append(GradeResult(False, None, False, False, 0.0))
                 continue
-            correct, extracted, gold_parsed, error = self._inline.grade(completion, golds)
-            results.append(
-                GradeResult(correct, extracted, gold_parsed, False, time.perf_counter() - start, error)
-            )
+            correct, extracted, gold_parsed, error, as_text = self._inline.grade(completion, golds)
+            seconds = time.perf_counter() - start
+            results.append(GradeResult(correct, extracted, gold_parsed, False, seconds, error, as_text))
         return results
 
     def _grade_in_workers(self, jobs: list[tuple[str, tuple[str, ...]]]) -> list[GradeResult]:
@@ -397,11 +401,19 @@ class Grader:
                 index, start = busy[slot]
                 if id(self._workers[slot]) in readable:
                     try:
-                        correct, extracted, gold_parsed, error = self._workers[slot].receive()
+                        correct, extracted, gold_parsed, error, as_text = self._workers[slot].receive()
                     except EOFError:  # the worker died (e.g. out of memory): wrong, and replace it
-                        correct, extracted, gold_parsed, error = False, None, True, "grading worker died"
+                        correct, extracted, gold_parsed, error, as_text = (
+                            False,
+                            None,
+                            True,
+                            "grading worker died",
+                            False,
+                        )
                         self._replace(slot)
-                    results[index] = GradeResult(correct, extracted, gold_parsed, False, now - start, error)
+                    results[index] = GradeResult(
+                        correct, extracted, gold_parsed, False, now - start, error, as_text
+                    )
                     del busy[slot]
                 elif now - start >= self.time_limit:
                     self.timeouts += 1

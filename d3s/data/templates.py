@@ -59,7 +59,7 @@ def build_prompt(
     if concrete == "raw":
         return question
     if concrete == "plain":
-        return PLAIN_TEMPLATE.format(question=question)
+        return PLAIN_TEMPLATE.replace("{question}", question)
     if not has_chat_template(tokenizer):
         raise ValueError(
             "template 'qwen_math_cot' needs a tokenizer with a chat template; this model has none: "

@@ -1,0 +1,285 @@
+"""Generation backends behind one interface: vLLM (GPU, fast) and transformers (anywhere).
+
+Both take already-templated prompt strings, tokenize them with the model's own tokenizer (so the two
+backends see identical token ids), and return ``samples`` completions per prompt. vLLM is imported
+only when its backend is constructed, so nothing here needs it installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+BACKENDS = ("auto", "vllm", "transformers")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling settings of an evaluation (the paper's: 32 samples, temperature 0.6, top-p 0.95)."""
+
+    samples: int = 32
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 4096
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated completion."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_new_tokens)
+
+
+class GenerationBackend(Protocol):
+    name: str
+    tokenizer: Any
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        settings: GenerationSettings,
+        seeds: Sequence[int],
+        add_special_tokens: bool,
+    ) -> list[list[Sample]]:
+        """``settings.samples`` completions for each prompt; ``seeds[i]`` seeds prompt i where supported."""
+        ...
+
+
+def problem_seed(seed: int, benchmark: str, problem_id: str) -> int:
+    """A stable 31-bit seed per problem, so a resumed run samples a problem as a fresh run would."""
+    digest = hashlib.sha256(f"{seed}/{benchmark}/{problem_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def choose_backend(name: str) -> str:
+    """Resolve ``auto`` (vLLM when installed and a GPU is present, else transformers); validate the rest."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "vllm" if vllm_installed() and gpu_available() else "transformers"
+    if name == "vllm" and not vllm_installed():
+        raise ValueError(
+            "backend 'vllm' requested but vllm is not installed: pip install 'd3s[gpu]' or use --backend transformers"
+        )
+    return name
+
+
+def _load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+class TransformersBackend:
+    """Batched ``model.generate`` with left padding; each prompt is repeated ``samples`` times."""
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        batch_size: int = 8,
+        tokenizer: Any = None,
+        model: Any = None,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.batch_size = batch_size  # prompts per generate call (each expanded to `samples` rows)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
+        if model is None:
+            torch_dtype: Any = dtype
+            if dtype == "auto":  # bf16 on GPUs that support it; fp32 on CPU, where bf16 is slow
+                use_bf16 = self.device.startswith("cuda") and torch.cuda.is_bf16_supported()
+                torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
+            elif isinstance(dtype, str):
+                torch_dtype = getattr(torch, dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.model = model.to(self.device).eval()
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        settings: GenerationSettings,
+        seeds: Sequence[int],
+        add_special_tokens: bool,
+    ) -> list[list[Sample]]:
+        out: list[list[Sample]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = list(prompts[start : start + self.batch_size])
+            out.extend(self._generate_chunk(chunk, settings, seeds[start], add_special_tokens))
+        return out
+
+    def _generate_chunk(
+        self, prompts: list[str], settings: GenerationSettings, seed: int, add_special_tokens: bool
+    ) -> list[list[Sample]]:
+        import torch
+        from transformers import set_seed
+
+        n = settings.samples
+        encoded = self.tokenizer(
+            prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens
+        )
+        # Repeat each prompt n times (rows i*n .. i*n+n-1) instead of num_return_sequences, which greedy
+        # decoding rejects; the two are equivalent for sampling.
+        input_ids = encoded["input_ids"].repeat_interleave(n, dim=0).to(self.device)
+        attention_mask = encoded["attention_mask"].repeat_interleave(n, dim=0).to(self.device)
+        sampling = settings.temperature > 0
+        # repetition_penalty=1.0 overrides model defaults (Qwen ships 1.05) so both backends sample alike.
+        kwargs: dict[str, Any] = {
+            "do_sample": sampling,
+            "max_new_tokens": settings.max_new_tokens,
+            "repetition_penalty": 1.0,
+        }
+        if sampling:
+            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+        set_seed(seed)  # seeds python, numpy, torch (and CUDA) for this batch
+        with torch.inference_mode():
+            sequences = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                pad_token_id=self.tokenizer.pad_token_id,
+                **kwargs,
+            )
+        new_tokens = sequences[:, input_ids.shape[1] :].tolist()
+        eos_ids = self._eos_ids()
+        results: list[list[Sample]] = []
+        for i in range(len(prompts)):
+            samples = []
+            for row in new_tokens[i * n : (i + 1) * n]:
+                length, finish = len(row), "length"
+                for position, token in enumerate(row):
+                    if token in eos_ids:
+                        length, finish = position, "stop"
+                        break
+                text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
+                samples.append(
+                    Sample(text=text, num_tokens=length + (finish == "stop"), finish_reason=finish)
+                )
+            results.append(samples)
+        return results
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+
+class VLLMBackend:
+    """``LLM.generate`` with ``SamplingParams(n=samples)``; prompts are passed as token ids."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        batch_size: int = 64,
+        tokenizer: Any = None,
+    ) -> None:
+        import vllm  # only here: the transformers path must work without vLLM installed
+
+        self._vllm = vllm
+        self.batch_size = batch_size
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
+        llm_kwargs: dict[str, Any] = {
+            "model": model_path,
+            "seed": seed,
+            "dtype": dtype,
+            "tensor_parallel_size": tensor_parallel_size,
+            "gpu_memory_utilization": gpu_memory_utilization,
+        }
+        if max_model_len is not None:
+            llm_kwargs["max_model_len"] = max_model_len
+        self.llm = vllm.LLM(**llm_kwargs)
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        settings: GenerationSettings,
+        seeds: Sequence[int],
+        add_special_tokens: bool,
+    ) -> list[list[Sample]]:
+        token_prompts = [
+            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]}
+            for p in prompts
+        ]
+        params = [
+            self._vllm.SamplingParams(
+                n=settings.samples,
+                temperature=settings.temperature,
+                top_p=settings.top_p if settings.temperature > 0 else 1.0,
+                max_tokens=settings.max_new_tokens,
+                seed=seed,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
+        results: list[list[Sample]] = []
+        for request in outputs:
+            samples = [
+                Sample(
+                    text=choice.text,
+                    num_tokens=len(choice.token_ids),
+                    finish_reason="length" if choice.finish_reason == "length" else "stop",
+                )
+                for choice in request.outputs
+            ]
+            results.append(samples)
+        return results
+
+
+def make_backend(
+    name: str, model_path: str, *, seed: int = 0, batch_size: int | None = None, **kwargs: Any
+) -> GenerationBackend:
+    """Build the backend ``name`` (``auto`` resolved by :func:`choose_backend`)."""
+    resolved = choose_backend(name)
+    if resolved == "vllm":
+        return VLLMBackend(model_path, seed=seed, batch_size=batch_size or 64, **kwargs)
+    return TransformersBackend(model_path, batch_size=batch_size or 8, **kwargs)

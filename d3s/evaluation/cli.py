@@ -1,0 +1,299 @@
+"""``d3s eval``: evaluate a model on math benchmarks, or audit the grader (``--audit``).
+
+Arguments are validated (benchmark names, k <= samples, data present, backend available) before any
+model is loaded, so a typo costs seconds, not a GPU allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from d3s.data.benchmarks import (
+    BENCHMARKS,
+    DATA_DIR_ENV,
+    EVAL_BENCHMARKS,
+    BenchmarkError,
+    Problem,
+    load_benchmark,
+    parse_benchmark_list,
+    resolve_data_dir,
+)
+from d3s.data.templates import TEMPLATES
+from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
+from d3s.rewards import DEFAULT_TIME_LIMIT_S
+
+DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _k_list(text: str) -> list[int]:
+    try:
+        ks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--k takes comma-separated integers such as 1,8; got {text!r}"
+        ) from None
+    if not ks or ks[0] < 1:
+        raise argparse.ArgumentTypeError(f"--k values must be positive integers, got {text!r}")
+    return ks
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``d3s eval`` options to ``parser``."""
+    parser.add_argument("--model", help="model directory or Hugging Face id (required unless --audit)")
+    parser.add_argument(
+        "--benchmarks",
+        default=DEFAULT_BENCHMARKS,
+        help=f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); valid: {', '.join(BENCHMARKS)}",
+    )
+    parser.add_argument("--samples", type=_positive_int, default=32, help="samples per problem (default 32)")
+    parser.add_argument(
+        "--k", type=_k_list, default=[1, 8], help="Pass@k values to report, e.g. 1,8 (default)"
+    )
+    parser.add_argument("--out", type=Path, help="output directory (required unless --audit)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (0.6)"
+    )
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling top-p (0.95)")
+    parser.add_argument(
+        "--max-tokens", type=_positive_int, default=4096, help="max new tokens per completion (4096)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"benchmark root <dir>/<benchmark>/test.jsonl (default ${DATA_DIR_ENV})",
+    )
+    parser.add_argument(
+        "--limit", type=_positive_int, default=None, help="only the first N problems per benchmark"
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="auto", help="generation backend (auto: vLLM if GPU)"
+    )
+    parser.add_argument("--template", choices=TEMPLATES, default="auto", help="prompt template (auto)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed (0)")
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help="problems per generate call (transformers 8, vLLM 64)",
+    )
+    parser.add_argument(
+        "--answer-extraction",
+        choices=("boxed_first", "boxed_only"),
+        default="boxed_first",
+        help="boxed_first: prefer \\boxed{}, else fall back to the last answer-like expression (default)",
+    )
+    parser.add_argument(
+        "--grading-workers",
+        type=_positive_int,
+        default=max(1, min(4, (os.cpu_count() or 2) // 2)),
+        help="grading subprocesses",
+    )
+    parser.add_argument(
+        "--grading-time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT_S,
+        help=f"seconds per answer before it counts as wrong and timed out ({DEFAULT_TIME_LIMIT_S:g})",
+    )
+    parser.add_argument(
+        "--bootstrap", type=_positive_int, default=1000, help="bootstrap resamples for the CI (1000)"
+    )
+    parser.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
+    parser.add_argument(
+        "--tensor-parallel-size", type=_positive_int, default=1, help="vLLM tensor parallel size"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM GPU memory fraction")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM max model length")
+    parser.add_argument("--overwrite", action="store_true", help="discard existing samples in --out")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument(
+        "--audit",
+        action="store_true",
+        help="audit the grader on the benchmarks' gold answers and reference solutions instead of evaluating",
+    )
+
+
+def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationSettings, str]:
+    """Check everything that can be checked without the model; raise ValueError saying what to change."""
+    names = parse_benchmark_list(args.benchmarks)
+    if args.audit:
+        return names, GenerationSettings(), ""
+    if not args.model:
+        raise ValueError("--model is required (a model directory or Hugging Face id); or use --audit")
+    if args.out is None:
+        raise ValueError("--out is required: the directory for samples.jsonl and summary.json")
+    bad_k = [k for k in args.k if k > args.samples]
+    if bad_k:
+        raise ValueError(
+            f"--k {','.join(map(str, bad_k))} exceeds --samples {args.samples}: Pass@k needs at least k samples "
+            f"per problem; raise --samples to {max(bad_k)} or more, or lower --k"
+        )
+    if args.grading_time_limit <= 0:
+        raise ValueError(f"--grading-time-limit must be positive seconds, got {args.grading_time_limit}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    settings = GenerationSettings(
+        samples=args.samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--samples/--temperature/--top-p/--max-tokens)") from None
+    if settings.temperature == 0 and settings.samples > 1:
+        print("note: --temperature 0 is greedy; all samples of a problem will be identical", file=sys.stderr)
+    model_path = Path(args.model).expanduser()
+    looks_local = args.model.startswith((".", "/", "~")) or model_path.exists() or args.model.count("/") > 1
+    if looks_local and not (model_path / "config.json").is_file():
+        raise ValueError(
+            f"--model {args.model}: no model found there (expected {model_path / 'config.json'})"
+        )
+    backend = choose_backend(args.backend)
+    return names, settings, backend
+
+
+def _load_all(names: list[str], data_dir: Path | None, limit: int | None) -> dict[str, list[Problem]]:
+    """Load every benchmark up front: missing or malformed data fails before the model loads."""
+    return {name: load_benchmark(name, data_dir, limit=limit) for name in names}
+
+
+def _run_audit(args: argparse.Namespace, names: list[str] | None) -> int:
+    from d3s.evaluation.audit import audit_details, audit_markdown, run_audit, write_audit
+    from d3s.rewards import Grader
+
+    data_dir = resolve_data_dir(args.data_dir)
+    with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
+        rows = run_audit(data_dir, names, grader)
+    print(audit_markdown(rows))
+    details = audit_details(rows)
+    if details:
+        print("\n" + details)
+    if args.out is not None:
+        for path in write_audit(rows, args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Run ``d3s eval`` with parsed ``args``; returns the process exit code (2 = bad arguments or data)."""
+    try:
+        names, settings, backend_name = validate_eval_args(args)
+        if args.audit:
+            explicit = args.benchmarks != DEFAULT_BENCHMARKS
+            return _run_audit(args, names if explicit else None)
+        data_dir = resolve_data_dir(args.data_dir)
+        problems = _load_all(names, data_dir, args.limit)
+    except (ValueError, BenchmarkError) as exc:
+        print(f"d3s eval: error: {exc}", file=sys.stderr)
+        return 2
+    return _evaluate(args, names, settings, backend_name, problems, data_dir)
+
+
+def _evaluate(
+    args: argparse.Namespace,
+    names: list[str],
+    settings: GenerationSettings,
+    backend_name: str,
+    problems: dict[str, list[Problem]],
+    data_dir: Path | None,
+) -> int:
+    import shutil
+
+    from d3s.data.benchmarks import get_benchmark
+    from d3s.data.templates import resolve_template
+    from d3s.evaluation.backends import TransformersBackend, VLLMBackend, _load_tokenizer
+    from d3s.evaluation.runner import (
+        BenchmarkRun,
+        ResumeMismatchError,
+        ScoringOptions,
+        evaluate_benchmark,
+        format_results_table,
+        write_overall_summary,
+    )
+    from d3s.rewards import Grader
+
+    out: Path = args.out
+    tokenizer = _load_tokenizer(args.model)
+    for name in names:  # a chat-template prompt needs a chat template: check before loading weights
+        if resolve_template(
+            args.template, tokenizer, get_benchmark(name).default_template
+        ) == "qwen_math_cot" and (not getattr(tokenizer, "chat_template", None)):
+            print(
+                f"d3s eval: error: --template qwen_math_cot needs a chat template, and {args.model} has none; "
+                "use --template plain or auto",
+                file=sys.stderr,
+            )
+            return 2
+    if args.overwrite:
+        for name in names:
+            shutil.rmtree(out / name, ignore_errors=True)
+    if backend_name == "vllm":
+        batch_size = args.batch_size or 64
+        backend = VLLMBackend(
+            args.model,
+            seed=args.seed,
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            batch_size=batch_size,
+            tokenizer=tokenizer,
+        )
+    else:
+        batch_size = args.batch_size or 8
+        backend = TransformersBackend(
+            args.model, dtype=args.dtype, batch_size=batch_size, tokenizer=tokenizer
+        )
+    scoring = ScoringOptions(ks=tuple(args.k), bootstrap_resamples=args.bootstrap, bootstrap_seed=args.seed)
+    summaries = {}
+    with Grader(
+        num_workers=args.grading_workers,
+        time_limit=args.grading_time_limit,
+        answer_extraction=args.answer_extraction,
+    ) as grader:
+        for name in names:
+            run = BenchmarkRun(
+                benchmark=name,
+                problems=problems[name],
+                out_dir=out / name,
+                settings=settings,
+                template=args.template,
+                model_path=args.model,
+                scoring=scoring,
+                data_source=str(data_dir) if data_dir is not None else "huggingface hub",
+                extra_provenance={"limit": args.limit, "batch_size": batch_size},
+            )
+            try:
+                summaries[name] = evaluate_benchmark(
+                    backend, grader, run, batch_size=batch_size, progress=not args.no_progress
+                )
+            except ResumeMismatchError as exc:
+                print(f"d3s eval: error: {exc}", file=sys.stderr)
+                return 2
+    write_overall_summary(out, args.model, summaries)
+    print(format_results_table(summaries, args.k))
+    print(f"results in {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="d3s eval", description=__doc__.splitlines()[0])
+    add_eval_arguments(parser)
+    return run_eval(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

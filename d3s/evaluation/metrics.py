@@ -1,0 +1,79 @@
+"""Pass@k (the unbiased estimator of Chen et al., 2021) and bootstrap confidence intervals."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of ``k`` samples drawn without replacement from ``n`` is correct.
+
+    ``c`` of the ``n`` samples are correct. Computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which equals
+    ``1 - C(n-c, k) / C(n, k)`` without forming huge binomials, so it stays accurate for n in the
+    thousands. With k = 1 it is c / n, the mean accuracy.
+    """
+    if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)):
+        raise TypeError(f"n, c, k must be integers, got {n!r}, {c!r}, {k!r}")
+    if n < 1 or not 0 <= c <= n:
+        raise ValueError(f"need n >= 1 and 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be between 1 and n={n} (the samples per problem), got k={k}")
+    if n - c < k:  # every k-subset contains a correct sample
+        return 1.0
+    if k == 1:
+        return c / n  # exact; the product form agrees up to rounding
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
+    """Pass@k of a benchmark: the mean over problems of ``pass_at_k(n_i, c_i, k)``."""
+    if not counts:
+        raise ValueError("no problems to score")
+    return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
+
+
+def bootstrap_ci(
+    values: Sequence[float], *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of per-problem ``values`` (problems resampled).
+
+    Seeded, so the same values always give the same interval.
+    """
+    if not values:
+        raise ValueError("no values to bootstrap")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    rng = random.Random(seed)
+    size = len(values)
+    means = sorted(sum(values[rng.randrange(size)] for _ in range(size)) / size for _ in range(resamples))
+    alpha = (1.0 - confidence) / 2.0
+    low = means[max(0, math.floor(alpha * resamples))]
+    high = means[min(resamples - 1, math.ceil((1.0 - alpha) * resamples) - 1)]
+    return low, high
+
+
+def pass_at_k_table(
+    counts: Sequence[tuple[int, int]],
+    ks: Sequence[int],
+    *,
+    resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, dict[str, float | list[float]]]:
+    """``{"1": {"value": .., "ci": [lo, hi]}, "8": ...}`` for a benchmark's (n_i, c_i) counts."""
+    table: dict[str, dict[str, float | list[float]]] = {}
+    for k in ks:
+        per_problem = [pass_at_k(n, c, k) for n, c in counts]
+        low, high = bootstrap_ci(per_problem, resamples=resamples, confidence=confidence, seed=seed)
+        table[str(k)] = {"value": sum(per_problem) / len(per_problem), "ci": [low, high]}
+    return table
+
+
+def average_over_benchmarks(per_benchmark: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Unweighted mean of each Pass@k over benchmarks (the "Avg." column of the paper's tables)."""
+    keys = set.intersection(*(set(v) for v in per_benchmark.values())) if per_benchmark else set()
+    return {k: sum(v[k] for v in per_benchmark.values()) / len(per_benchmark) for k in sorted(keys, key=int)}

@@ -1,0 +1,361 @@
+"""Evaluate a model on benchmarks: generate, grade, write per-sample JSONL and a summary, resumably.
+
+Layout of an evaluation directory (one per model)::
+
+    <out>/summary.json                      all benchmarks, Pass@k, their average
+    <out>/<benchmark>/run.json              settings the samples were generated with (resume check)
+    <out>/<benchmark>/samples.jsonl         one line per sample, appended one whole problem at a time
+    <out>/<benchmark>/summary.json          Pass@k with bootstrap CI, counts, settings, provenance
+
+The JSONL is appended per completed problem (all its samples in one write, flushed and fsynced). On
+restart, complete problems are kept and skipped; a truncated last line or a partially written problem
+is discarded and generated again, so no problem is duplicated or lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from d3s.data.benchmarks import Problem, get_benchmark
+from d3s.data.templates import build_prompt, resolve_template
+from d3s.evaluation.backends import GenerationBackend, GenerationSettings, Sample, problem_seed
+from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table
+from d3s.rewards import Grader, GradeResult
+
+SAMPLES_FILE, SUMMARY_FILE, RUN_FILE = "samples.jsonl", "summary.json", "run.json"
+
+
+class ResumeMismatchError(ValueError):
+    """The output directory holds samples generated with different settings."""
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    ks: tuple[int, ...] = (1, 8)
+    bootstrap_resamples: int = 1000
+    confidence: float = 0.95
+    bootstrap_seed: int = 0
+
+
+@dataclass
+class BenchmarkRun:
+    """Everything :func:`evaluate_benchmark` needs besides the model and the grader."""
+
+    benchmark: str
+    problems: Sequence[Problem]
+    out_dir: Path  # <out>/<benchmark>
+    settings: GenerationSettings
+    template: str = "auto"
+    model_path: str = ""
+    scoring: ScoringOptions = field(default_factory=ScoringOptions)
+    data_source: str | None = None
+    extra_provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write JSON to a temp file in the same folder and ``os.replace`` it: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(obj, handle, indent=2, ensure_ascii=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_write_lines(path: Path, lines: Sequence[str]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.writelines(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
+    """Records of every problem whose ``samples`` samples are all in ``path``, keyed by problem id.
+
+    Anything else (a truncated or invalid line, a problem with missing or duplicated samples) is
+    discarded and the file rewritten atomically without it, so appending can continue safely.
+    """
+    if not path.exists():
+        return {}
+    raw = path.read_bytes()
+    pieces = raw.split(b"\n")
+    complete_lines, tail = pieces[:-1], pieces[-1]  # tail: bytes after the last newline (a cut-off line)
+    discarded = 1 if tail.strip() else 0
+    by_problem: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    for line in complete_lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problem_id = str(record["problem_id"])
+            int(record["sample_index"])
+        except (ValueError, KeyError, TypeError):
+            discarded += 1
+            continue
+        by_problem.setdefault(problem_id, []).append((record, line.decode("utf-8") + "\n"))
+    completed: dict[str, list[dict[str, Any]]] = {}
+    kept_lines: list[str] = []
+    for problem_id, entries in by_problem.items():
+        indices = sorted(int(r["sample_index"]) for r, _ in entries)
+        if indices == list(range(samples)):
+            completed[problem_id] = sorted((r for r, _ in entries), key=lambda r: int(r["sample_index"]))
+            kept_lines.extend(line for _, line in entries)
+        else:
+            discarded += len(entries)
+    if discarded:
+        warnings.warn(
+            f"{path}: discarded {discarded} incomplete or invalid line(s) from an interrupted run; "
+            "their problems are generated again",
+            stacklevel=2,
+        )
+        _atomic_write_lines(path, kept_lines)
+    return completed
+
+
+def _run_identity(run: BenchmarkRun, resolved_template: str, grader: Grader) -> dict[str, Any]:
+    """The settings that make samples comparable; resuming with different ones is refused."""
+    return {
+        "benchmark": run.benchmark,
+        "model_path": run.model_path,
+        "template": resolved_template,
+        "generation": run.settings.to_dict(),
+        "answer_extraction": grader.answer_extraction,
+    }
+
+
+def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
+    run_file = out_dir / RUN_FILE
+    if run_file.exists():
+        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        differing = sorted(k for k in identity if previous.get(k) != identity[k])
+        if differing:
+            details = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity[k]!r}" for k in differing)
+            raise ResumeMismatchError(
+                f"{out_dir} holds samples generated with other settings ({details}). "
+                "Use a new --out directory, the same settings, or --overwrite to start again."
+            )
+    elif (out_dir / SAMPLES_FILE).exists():
+        raise ResumeMismatchError(
+            f"{out_dir / SAMPLES_FILE} exists without {RUN_FILE}, so its settings are unknown. "
+            "Use a new --out directory or --overwrite."
+        )
+    atomic_write_json(run_file, identity)
+
+
+def _sample_records(
+    problem: Problem, samples: Sequence[Sample], grades: Sequence[GradeResult]
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "problem_id": problem.problem_id,
+            "sample_index": index,
+            "completion": sample.text,
+            "extracted": grade.extracted,
+            "correct": grade.correct,
+            "timed_out": grade.timed_out,
+            "gold_parsed": grade.gold_parsed,
+            "grading_error": grade.error,
+            "num_tokens": sample.num_tokens,
+            "finish_reason": sample.finish_reason,
+            "gold": list(problem.gold),
+        }
+        for index, (sample, grade) in enumerate(zip(samples, grades, strict=True))
+    ]
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in ("torch", "transformers", "math-verify", "latex2sympy2_extended", "vllm", "trl"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = platform.python_version()
+    return versions
+
+
+def evaluate_benchmark(
+    backend: GenerationBackend,
+    grader: Grader,
+    run: BenchmarkRun,
+    *,
+    batch_size: int = 8,
+    on_problem_done: Callable[[Problem], None] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Generate and grade every problem not already done, then write and return the summary."""
+    from tqdm.auto import tqdm
+
+    spec = get_benchmark(run.benchmark)
+    resolved_template = resolve_template(run.template, backend.tokenizer, spec.default_template)
+    # Chat templates already hold any BOS token; plain prompts get the tokenizer's special tokens.
+    add_special_tokens = resolved_template != "qwen_math_cot"
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    _check_resume(run.out_dir, _run_identity(run, resolved_template, grader))
+    samples_path = run.out_dir / SAMPLES_FILE
+    completed = load_completed_samples(samples_path, run.settings.samples)
+    todo = [p for p in run.problems if p.problem_id not in completed]
+    started = time.perf_counter()
+    with (
+        samples_path.open("a", encoding="utf-8") as handle,
+        tqdm(
+            total=len(run.problems),
+            initial=len(run.problems) - len(todo),
+            desc=run.benchmark,
+            unit="problem",
+            disable=not progress,
+        ) as bar,
+    ):
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            prompts = [build_prompt(p.question, resolved_template, backend.tokenizer) for p in batch]
+            seeds = [problem_seed(run.settings.seed, run.benchmark, p.problem_id) for p in batch]
+            generated = backend.generate(prompts, run.settings, seeds, add_special_tokens)
+            completions = [s.text for samples in generated for s in samples]
+            golds = [p.gold for p, samples in zip(batch, generated, strict=True) for _ in samples]
+            grades = grader.grade_many(completions, golds)
+            offset = 0
+            for problem, samples in zip(batch, generated, strict=True):
+                if len(samples) != run.settings.samples:
+                    raise RuntimeError(
+                        f"backend returned {len(samples)} samples for problem {problem.problem_id}, "
+                        f"expected {run.settings.samples}"
+                    )
+                records = _sample_records(problem, samples, grades[offset : offset + len(samples)])
+                offset += len(samples)
+                # One write per problem, flushed and fsynced: a crash loses at most this problem.
+                handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                handle.flush()
+                os.fsync(handle.fileno())
+                completed[problem.problem_id] = records
+                bar.update(1)
+                if on_problem_done is not None:
+                    on_problem_done(problem)
+    summary = summarize_benchmark(run, completed, resolved_template, grader, backend.name)
+    summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
+    atomic_write_json(run.out_dir / SUMMARY_FILE, summary)
+    return summary
+
+
+def summarize_benchmark(
+    run: BenchmarkRun,
+    completed: dict[str, list[dict[str, Any]]],
+    resolved_template: str,
+    grader: Grader,
+    backend_name: str,
+) -> dict[str, Any]:
+    """Pass@k over the problems of ``run`` (problems with unparsable gold are excluded and counted)."""
+    counts: list[tuple[int, int]] = []
+    unparsable: list[str] = []
+    timeouts = grading_errors = truncated = 0
+    correct_samples = total_samples = 0
+    for problem in run.problems:
+        records = completed[problem.problem_id]
+        timeouts += sum(bool(r["timed_out"]) for r in records)
+        grading_errors += sum(r.get("grading_error") is not None for r in records)
+        truncated += sum(r.get("finish_reason") == "length" for r in records)
+        if not all(r["gold_parsed"] for r in records):
+            unparsable.append(problem.problem_id)  # reported, never scored as wrong
+            continue
+        correct = sum(bool(r["correct"]) for r in records)
+        counts.append((len(records), correct))
+        correct_samples += correct
+        total_samples += len(records)
+    scoring = run.scoring
+    table = (
+        pass_at_k_table(
+            counts,
+            scoring.ks,
+            resamples=scoring.bootstrap_resamples,
+            confidence=scoring.confidence,
+            seed=scoring.bootstrap_seed,
+        )
+        if counts
+        else {}
+    )
+    return {
+        "benchmark": run.benchmark,
+        "model_path": run.model_path,
+        "n_problems": len(run.problems),
+        "n_problems_scored": len(counts),
+        "samples_per_problem": run.settings.samples,
+        "n_samples": len(run.problems) * run.settings.samples,
+        "pass_at_k": {k: v["value"] for k, v in table.items()},
+        "ci": {k: v["ci"] for k, v in table.items()},
+        "ci_confidence": scoring.confidence,
+        "bootstrap_resamples": scoring.bootstrap_resamples,
+        "mean_accuracy": correct_samples / total_samples if total_samples else None,
+        "unparsable_gold": len(unparsable),
+        "unparsable_gold_ids": unparsable,
+        "timeouts": timeouts,
+        "grading_errors": grading_errors,
+        "truncated_samples": truncated,
+        "generation": run.settings.to_dict(),
+        "backend": backend_name,
+        "template": resolved_template,
+        "answer_extraction": grader.answer_extraction,
+        "grading_time_limit_s": grader.time_limit,
+        "data_source": run.data_source,
+        "versions": package_versions(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **run.extra_provenance,
+    }
+
+
+def write_overall_summary(
+    out_dir: Path, model_path: str, summaries: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """``<out>/summary.json``: every benchmark's Pass@k and the unweighted average over benchmarks."""
+    per_benchmark = {name: s["pass_at_k"] for name, s in summaries.items() if s["pass_at_k"]}
+    overall = {
+        "model_path": model_path,
+        "benchmarks": {
+            name: {key: s[key] for key in ("pass_at_k", "ci", "n_problems", "unparsable_gold", "timeouts")}
+            for name, s in summaries.items()
+        },
+        "average": average_over_benchmarks(per_benchmark),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    atomic_write_json(out_dir / SUMMARY_FILE, overall)
+    return overall
+
+
+def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
+    """A Markdown table: one row per benchmark plus the average, Pass@k in percent with the CI."""
+    header = "| benchmark | problems | " + " | ".join(f"Pass@{k} (95% CI)" for k in ks) + " | timeouts |"
+    lines = [header, "|" + "---|" * (len(ks) + 3)]
+    for name, s in summaries.items():
+        cells = []
+        for k in ks:
+            value, ci = s["pass_at_k"].get(str(k)), s["ci"].get(str(k))
+            cells.append(
+                "n/a" if value is None else f"{100 * value:.1f} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+            )
+        lines.append(f"| {name} | {s['n_problems']} | " + " | ".join(cells) + f" | {s['timeouts']} |")
+    average = average_over_benchmarks({n: s["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]})
+    if len(summaries) > 1 and average:
+        cells = [f"{100 * average[str(k)]:.1f}" if str(k) in average else "n/a" for k in ks]
+        lines.append("| average | | " + " | ".join(cells) + " | |")
+    return "\n".join(lines)
