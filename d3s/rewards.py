@@ -380,7 +380,12 @@ class Grader:
             for slot, worker in enumerate(self._workers):
                 if worker.ready and slot not in busy and pending:
                     index = pending.pop()
-                    worker.send(*jobs[index])
+                    try:
+                        worker.send(*jobs[index])
+                    except OSError:  # the worker died while idle (killed, out of memory): replace, retry
+                        pending.append(index)
+                        self._replace(slot)
+                        continue
                     busy[slot] = (index, time.perf_counter())
             # Wait for an answer, a deadline, or a (re)starting worker; start-up is charged to no answer.
             starting = [w for w in self._workers if not w.ready]

@@ -1,0 +1,313 @@
+"""Grading: real answer formats of every benchmark, LaTeX variants, adversarial inputs under the time
+limit, threads and worker processes, and the TRL reward function."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from eval_fixtures import shared_data_dir
+
+from d3s import rewards
+from d3s.data.benchmarks import load_benchmark
+from d3s.rewards import Grader, accuracy_reward, grade, grade_detailed, normalize_gold
+
+LIMIT_S = 1.5  # per-answer limit used by the adversarial tests
+SLACK_S = 1.0  # scheduling slack on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def grader() -> Iterator[Grader]:
+    with Grader(num_workers=2, time_limit=LIMIT_S) as shared:
+        yield shared
+
+
+# ---------------------------------------------------------------------------------------------- gold
+
+
+@pytest.mark.parametrize(
+    ("gold", "expected"),
+    [
+        ("025", ("025",)),
+        (70, ("70",)),
+        (27.0, ("27",)),  # AMC floats
+        (2.5, ("2.5",)),
+        (["$69$,$84$"], ("$69$,$84$",)),
+        (["", "  3 "], ("3",)),
+        ("", ()),
+    ],
+)
+def test_normalize_gold(gold: object, expected: tuple[str, ...]) -> None:
+    assert normalize_gold(gold) == expected  # type: ignore[arg-type]
+
+
+def test_gold_candidates_wrap_bare_latex() -> None:
+    assert rewards.gold_candidates(r"\dfrac{9}{7}")[0] == r"\boxed{\dfrac{9}{7}}"
+    assert rewards.gold_candidates(r"$\frac{1}{2}$")[0] == r"\boxed{\frac{1}{2}}"  # $ stripped first
+    assert rewards.gold_candidates(r"\$18")[0] == r"\boxed{\$18}"  # escaped dollar kept
+    assert rewards.gold_candidates(r"\boxed{3}") == [r"\boxed{3}"]
+
+
+# ---------------------------------------------------------------------------------- real benchmarks
+
+REAL_FORMAT_CASES = {
+    # benchmark: (correct completion for the first problem, a wrong one)
+    "aime24": (r"so the answer is $\boxed{204}$.", r"\boxed{205}"),
+    "aime25": (r"Therefore \boxed{70}", r"\boxed{71}"),
+    "amc23": (r"They meet \boxed{27} miles from A.", r"\boxed{27.5}"),
+    "math500": (r"\boxed{\left(3, \frac{\pi}{2}\right)}", r"\boxed{(3, \pi)}"),
+    "gsm8k": (r"She makes 9 * 2 = 18 dollars. \boxed{18}", r"\boxed{16}"),
+    "minerva_math": (r"s = 1.6 cm, \boxed{1.6}", r"\boxed{16}"),
+    "olympiadbench": (r"Sergey needs \boxed{2} moves.", r"\boxed{3}"),
+    "math_level3to5": (r"\boxed{118}", r"\boxed{119}"),
+}
+
+
+@pytest.mark.parametrize("benchmark", sorted(REAL_FORMAT_CASES))
+def test_real_benchmark_gold_formats(benchmark: str, grader: Grader) -> None:
+    problem = load_benchmark(benchmark, shared_data_dir(), limit=1)[0]
+    right, wrong = REAL_FORMAT_CASES[benchmark]
+    assert grader.grade(right, problem.gold).correct, (benchmark, problem.gold)
+    result = grader.grade(wrong, problem.gold)
+    assert result.gold_parsed and not result.correct and not result.timed_out
+
+
+@pytest.mark.parametrize("benchmark", sorted(REAL_FORMAT_CASES))
+def test_every_gold_verifies_against_itself_boxed(benchmark: str, grader: Grader) -> None:
+    """The first 25 golds of each benchmark, written back boxed by a model, must be graded correct."""
+    problems = load_benchmark(benchmark, shared_data_dir(), limit=25)
+    results = grader.grade_many(
+        [rf"The answer is \boxed{{{p.gold[0]}}}." for p in problems], [p.gold for p in problems]
+    )
+    failures = [(p.problem_id, p.gold) for p, r in zip(problems, results, strict=True) if not r.correct]
+    assert not failures
+
+
+def test_aime_zero_padding_and_amc_floats(grader: Grader) -> None:
+    assert grader.grade(r"\boxed{25}", "025").correct
+    assert grader.grade(r"\boxed{025}", "025").correct
+    assert not grader.grade(r"\boxed{250}", "025").correct
+    assert grader.grade(r"\boxed{27}", 27.0).correct
+    assert grader.grade(r"\boxed{-1}", -1.0).correct
+
+
+# ---------------------------------------------------------------------------------- LaTeX variants
+
+LATEX_CASES = [
+    # (completion, gold, correct)
+    (r"\boxed{\dfrac{1}{2}}", r"\frac12", True),
+    (r"\boxed{\frac{9}{7}}", r"\dfrac{9}{7}", True),  # bare-LaTeX gold (math-verify #70)
+    (r"\boxed{0.5}", r"\frac{1}{2}", True),  # decimal vs fraction
+    (r"\boxed{1.60}", "1.6", True),
+    (r"\boxed{1.7}", "1.6", False),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", True),
+    (r"\boxed{\frac{\pi}{2}}", r"\dfrac{\pi}{2}", True),
+    (r"\boxed{(3, \infty)}", r"(3,\infty)", True),  # intervals
+    (r"\boxed{[3, \infty)}", r"(3,\infty)", False),
+    (r"\boxed{\{1, 2\}}", r"\{2, 1\}", True),  # sets are unordered
+    (r"\boxed{1, 2}", r"\{2, 1\}", True),
+    (r"\boxed{(1,2)}", r"(2,1)", False),  # tuples are ordered
+    (r"\boxed{5\text{ cm}}", "5", True),  # units
+    (r"\boxed{5 \mathrm{~cm}}", "5", True),
+    (r"\boxed{90^\circ}", "90", True),
+    (r"\boxed{50\%}", "50", True),
+    (r"\boxed{\text{Monday}}", r"\text{Monday}", True),  # text answers
+    (r"\boxed{\text{Tuesday}}", r"\text{Monday}", False),
+    (r"\boxed{\text{(C)}}", r"\text{(C)}", True),
+    (r"\boxed{x=5}", "5", True),
+    ("The answer is 68", "68", True),  # no boxed answer: falls back to the last expression
+    (r"First 5, then finally \boxed{7}", "7", True),  # boxed preferred over earlier numbers
+    (r"First 5, then finally \boxed{7}", "5", False),
+    # Several boxed answers are read together as one set answer (math-verify), not "the last one".
+    (r"\boxed{3} or maybe \boxed{4}", "4", False),
+    (r"\boxed{3} and \boxed{4}", "3, 4", True),
+    ("I don't know", "5", False),
+    ("", "5", False),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "correct"), LATEX_CASES)
+def test_latex_variants(completion: str, gold: str, correct: bool, grader: Grader) -> None:
+    result = grader.grade(completion, gold)
+    assert result.correct is correct
+    assert result.gold_parsed and not result.timed_out and result.error is None
+
+
+def test_multiple_golds_any_matches(grader: Grader) -> None:
+    assert grader.grade(r"\boxed{4}", ["3", "4"]).correct
+    assert not grader.grade(r"\boxed{5}", ["3", "4"]).correct
+
+
+def test_boxed_only_extraction() -> None:
+    with Grader(time_limit=LIMIT_S, answer_extraction="boxed_only") as strict:
+        assert not strict.grade("The answer is 68", "68").correct
+        assert strict.grade(r"\boxed{68}", "68").correct
+
+
+def test_unparsable_gold_is_reported_not_scored(grader: Grader) -> None:
+    for gold in ["", "$ $", []]:
+        result = grader.grade(r"\boxed{1}", gold)  # type: ignore[arg-type]
+        assert result.gold_parsed is False and result.correct is False and not result.timed_out
+
+
+def test_extracted_answer_reported(grader: Grader) -> None:
+    result = grader.grade(r"so $x = \boxed{\frac{3}{4}}$", "0.75")
+    assert result.correct and result.extracted == r"\frac{3}{4}"
+    assert grader.grade("no answer here", "3").extracted is None
+    assert result.to_dict()["correct"] is True
+
+
+# ------------------------------------------------------------------------------ adversarial inputs
+
+HANGING = [
+    r"\boxed{9^{9^{9^{9}}}}",  # sympy tries to evaluate a tower of powers
+    r"\boxed{10^{10^{10^{10}}}}",
+    "9**9**9**9",
+]
+
+
+def test_adversarial_inputs_return_within_the_limit(grader: Grader) -> None:
+    nested = "\\boxed{" + "{" * 3000 + "1" + "}" * 3000 + "}"
+    long_correct = "x" * 100_000 + r" so \boxed{5}"
+    long_wrong = ("1+" * 50_000) + "1"
+    brace_soup = "{" * 5000 + "5" + "}" * 5000
+    completions = [*HANGING, nested, long_correct, long_wrong, brace_soup]
+    start = time.perf_counter()
+    results = grader.grade_many(completions, ["5"] * len(completions))
+    elapsed = time.perf_counter() - start
+    for completion, result in zip(completions, results, strict=True):
+        assert result.seconds <= LIMIT_S + SLACK_S, completion[:40]
+        if result.timed_out:
+            assert result.correct is False
+    for result in results[: len(HANGING)]:  # the power towers must hit the limit and count as wrong
+        assert result.timed_out and not result.correct
+    assert results[4].correct and not results[4].timed_out  # 100k characters, answer at the end
+    assert not results[5].correct
+    # Two workers, each answer capped: total time is bounded by the limit times answers per worker,
+    # plus restarts of killed workers (they start while other answers are graded).
+    assert elapsed <= LIMIT_S * len(completions) / 2 + 4 * SLACK_S + 3.0
+    assert grader.timeouts >= len(HANGING)
+    # The grader is healthy after killing workers.
+    assert grader.grade(r"\boxed{5}", "5").correct
+
+
+def test_worker_killed_while_idle_is_replaced() -> None:
+    with Grader(time_limit=LIMIT_S) as fresh:
+        assert fresh.grade(r"\boxed{1}", "1").correct
+        fresh._workers[0].process.kill()
+        fresh._workers[0].process.wait()
+        assert fresh.grade(r"\boxed{2}", "2").correct
+        assert fresh.restarts == 1
+
+
+def test_inline_grader_without_limit() -> None:
+    inline = Grader(time_limit=None)
+    assert inline.grade(r"\boxed{\frac{1}{2}}", "0.5").correct
+    assert inline.grade("", "").gold_parsed is False
+
+
+def test_invalid_grader_settings() -> None:
+    with pytest.raises(ValueError):
+        Grader(num_workers=0)
+    with pytest.raises(ValueError):
+        Grader(time_limit=0)
+    with pytest.raises(ValueError):
+        Grader(answer_extraction="last_number")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Grader(time_limit=1).grade_many(["a"], [])
+
+
+# ------------------------------------------------------------------------ threads and processes
+
+
+def test_time_limit_from_non_main_threads() -> None:
+    results: dict[str, object] = {}
+
+    def work() -> None:  # math-verify's signal.alarm would raise ValueError here
+        with Grader(time_limit=LIMIT_S) as in_thread:
+            results["right"] = in_thread.grade(r"\boxed{\frac{1}{2}}", "0.5")
+            results["hang"] = in_thread.grade(HANGING[0], "1")
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert results["right"].correct  # type: ignore[attr-defined]
+    assert results["hang"].timed_out and not results["hang"].correct  # type: ignore[attr-defined]
+
+
+def test_default_grader_shared_by_thread_pool() -> None:
+    cases = [(rf"\boxed{{{i}}}", str(i if i % 3 else i + 1)) for i in range(24)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        verdicts = list(pool.map(lambda case: grade(*case), cases))
+    assert verdicts == [i % 3 != 0 for i in range(24)]
+
+
+def _grade_in_child(payload: tuple[str, str]) -> tuple[bool, bool, float]:
+    completion, gold = payload
+    with Grader(time_limit=LIMIT_S) as child_grader:  # a daemonic pool worker may not fork children;
+        result = child_grader.grade(completion, gold)  # the grader uses a subprocess, which it may
+    return result.correct, result.timed_out, result.seconds
+
+
+def _default_grade_in_child(payload: tuple[str, str]) -> bool:
+    return grade(*payload)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_time_limit_inside_worker_processes(start_method: str) -> None:
+    context = multiprocessing.get_context(start_method)
+    with context.Pool(2) as pool:
+        right, hang = pool.map(_grade_in_child, [(r"\boxed{3}", "3"), (HANGING[0], "1")])
+    assert right[0] and not right[1]
+    assert hang == (False, True, pytest.approx(LIMIT_S, abs=SLACK_S))
+
+
+def test_default_grader_after_fork() -> None:
+    assert grade(r"\boxed{1}", "1")  # the parent's default grader exists before the fork
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.map(_default_grade_in_child, [(r"\boxed{2}", "2"), (r"\boxed{2}", "3")]) == [True, False]
+
+
+# ---------------------------------------------------------------------------------- TRL reward
+
+
+def test_accuracy_reward_trl_signature() -> None:
+    assert accuracy_reward.__name__ == "accuracy_reward"
+    completions = [
+        r"\boxed{68}",
+        "The answer is 67",
+        [{"role": "assistant", "content": r"$\boxed{\frac{1}{2}}$"}],
+        "x",
+    ]
+    rewards_out = accuracy_reward(
+        prompts=["Q: 23+45=\nA:"] * 4,
+        completions=completions,
+        completion_ids=[[1, 2]] * 4,
+        answer=["68", "68", "0.5", ""],
+        trainer_state=None,
+        log_extra=None,
+        other_column=[1, 2, 3, 4],
+    )
+    assert rewards_out == [1.0, 0.0, 1.0, None]
+
+
+def test_accuracy_reward_fast_path() -> None:
+    from d3s.data.synthetic import arithmetic_problems
+
+    problems = arithmetic_problems(200, seed=3, split="test")
+    accuracy_reward([p.completion for p in problems[:4]], [p.answer for p in problems[:4]])  # warm up
+    start = time.perf_counter()
+    scores = accuracy_reward([p.completion for p in problems], [p.answer for p in problems])
+    per_answer = (time.perf_counter() - start) / len(problems)
+    assert scores == [1.0] * len(problems)
+    assert per_answer < 0.01, f"{1000 * per_answer:.2f} ms per answer"  # ~1 ms measured on 2 cores
+
+
+def test_grade_detailed_default_grader() -> None:
+    result = grade_detailed(r"\boxed{12}", "12")
+    assert result.correct and result.gold_parsed and not result.timed_out and result.seconds >= 0
