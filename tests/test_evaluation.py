@@ -1,0 +1,395 @@
+"""Evaluation: CLI validation, backends (transformers real, vLLM faked), end-to-end runs of the tiny
+model on every benchmark, resume after interruption, and the grader audit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from eval_fixtures import shared_data_dir
+
+from d3s.data.benchmarks import EVAL_BENCHMARKS, load_benchmark
+from d3s.evaluation import backends, pass_at_k
+from d3s.evaluation.backends import GenerationSettings, TransformersBackend, VLLMBackend, choose_backend
+from d3s.evaluation.cli import add_eval_arguments, run_eval
+from d3s.evaluation.runner import (
+    BenchmarkRun,
+    ResumeMismatchError,
+    ScoringOptions,
+    evaluate_benchmark,
+    load_completed_samples,
+)
+from d3s.rewards import Grader
+from d3s.toy import save_tiny
+
+TINY_SETTINGS = GenerationSettings(samples=4, temperature=0.6, top_p=0.95, max_new_tokens=16, seed=0)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_model: Path) -> TransformersBackend:
+    return TransformersBackend(str(tiny_model), batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def grader() -> Iterator[Grader]:
+    with Grader(num_workers=1, time_limit=5.0) as shared:
+        yield shared
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# ---------------------------------------------------------------------------------- CLI validation
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "m", "--out", "o", "--benchmarks", "aime24,aime2024"], "valid names: aime24"),
+        (["--model", "m", "--out", "o", "--samples", "4", "--k", "1,8"], "raise --samples to 8"),
+        (["--out", "o"], "--model is required"),
+        (["--model", "m"], "--out is required"),
+        (["--model", "/no/such/model", "--out", "o"], "no model found there"),
+        (["--model", "m", "--out", "o", "--backend", "vllm"], "vllm is not installed"),
+        (["--model", "m", "--out", "o", "--top-p", "0"], "top_p"),
+        (["--model", "m", "--out", "o", "--grading-time-limit", "0"], "--grading-time-limit"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_loading(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    monkeypatch.setattr(
+        backends, "_load_tokenizer", lambda path: pytest.fail("model loaded before validation")
+    )
+    assert run_eval(parse(argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_reports_missing_data(
+    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model), "--out", str(tmp_path / "o"), "--benchmarks", "gsm8k"]
+    assert run_eval(parse([*argv, "--data-dir", str(tmp_path / "empty")])) == 2
+    assert "gsm8k/test.jsonl" in capsys.readouterr().err
+
+
+def test_argparse_type_errors() -> None:
+    for argv in (
+        ["--k", "1,x"],
+        ["--samples", "0"],
+        ["--k", "0"],
+        ["--backend", "tgi"],
+        ["--template", "chat"],
+    ):
+        with pytest.raises(SystemExit):
+            parse(argv)
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
+    assert choose_backend("auto") == "vllm"
+    monkeypatch.setattr(backends, "gpu_available", lambda: False)
+    assert choose_backend("auto") == "transformers"
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
+    assert choose_backend("auto") == "transformers"
+    assert choose_backend("transformers") == "transformers"
+    with pytest.raises(ValueError, match="valid: auto, vllm, transformers"):
+        choose_backend("tgi")
+
+
+# ----------------------------------------------------------------------------------------- backends
+
+
+def test_transformers_backend_is_seeded_and_left_padded(tiny_backend: TransformersBackend) -> None:
+    assert tiny_backend.tokenizer.padding_side == "left"
+    prompts = ["Q: 1+1=\nA:", "Q: 12+34-5=\nA:"]  # different lengths: left padding matters
+    first = tiny_backend.generate(prompts, TINY_SETTINGS, [7, 8], True)
+    again = tiny_backend.generate(prompts, TINY_SETTINGS, [7, 8], True)
+    other = tiny_backend.generate(prompts, TINY_SETTINGS, [9, 8], True)
+    assert [len(s) for s in first] == [4, 4]
+    assert first == again and first != other
+    for samples in first:
+        for sample in samples:
+            assert sample.finish_reason in ("stop", "length") and 0 <= sample.num_tokens <= 16
+    # A prompt alone gives the same completions as inside a padded batch with the same seed.
+    alone = tiny_backend.generate(
+        prompts[1:], GenerationSettings(samples=2, temperature=0.0, max_new_tokens=8), [1], True
+    )
+    batched = tiny_backend.generate(
+        prompts, GenerationSettings(samples=2, temperature=0.0, max_new_tokens=8), [1, 1], True
+    )
+    assert alone[0] == batched[1]
+    assert alone[0][0] == alone[0][1]  # greedy: samples are identical
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+class FakeLLM:
+    instances: list[FakeLLM] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.calls: list[tuple[list[Any], list[FakeSamplingParams], dict[str, Any]]] = []
+        FakeLLM.instances.append(self)
+
+    def generate(self, prompts: list[Any], params: list[FakeSamplingParams], **kwargs: Any) -> list[Any]:
+        self.calls.append((prompts, params, kwargs))
+        outputs = []
+        for prompt, param in zip(prompts, params, strict=True):
+            choices = [
+                types.SimpleNamespace(
+                    text=f" \\boxed{{{len(prompt['prompt_token_ids'])}}}",
+                    token_ids=[1, 2, 3][: i + 1],
+                    finish_reason="length" if i == 0 else "stop",
+                )
+                for i in range(param.kwargs["n"])
+            ]
+            outputs.append(types.SimpleNamespace(outputs=choices))
+        return outputs
+
+
+def test_vllm_backend_with_fake_module(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    fake = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    backend = VLLMBackend(str(tiny_model), seed=3, tensor_parallel_size=2, max_model_len=1024)
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs == {
+        "model": str(tiny_model),
+        "seed": 3,
+        "dtype": "auto",
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.9,
+        "max_model_len": 1024,
+    }
+    settings = GenerationSettings(samples=3, temperature=0.6, top_p=0.95, max_new_tokens=20)
+    results = backend.generate(["Q: 1+1=\nA:", "Q: 2=\nA:"], settings, [11, 12], True)
+    prompts, params, kwargs = llm.calls[-1]
+    assert [p.kwargs for p in params] == [
+        {"n": 3, "temperature": 0.6, "top_p": 0.95, "max_tokens": 20, "seed": 11},
+        {"n": 3, "temperature": 0.6, "top_p": 0.95, "max_tokens": 20, "seed": 12},
+    ]
+    assert prompts[0]["prompt_token_ids"] == backend.tokenizer("Q: 1+1=\nA:")["input_ids"]
+    assert kwargs == {"use_tqdm": False}
+    assert [len(r) for r in results] == [3, 3]
+    assert results[0][0].finish_reason == "length" and results[0][1].finish_reason == "stop"
+    assert results[0][2].num_tokens == 3
+
+
+def test_vllm_import_is_lazy() -> None:
+    import importlib
+
+    assert "vllm" not in sys.modules or isinstance(sys.modules["vllm"], types.ModuleType)
+    importlib.reload(backends)  # importing the module never imports vllm
+    assert "vllm" not in sys.modules
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_end_to_end_every_benchmark(tiny_model: Path, tmp_path: Path) -> None:
+    data_dir = shared_data_dir()
+    names = [*EVAL_BENCHMARKS, "synthetic"]
+    out = tmp_path / "eval"
+    argv = ["--model", str(tiny_model), "--benchmarks", ",".join(names), "--samples", "4", "--k", "1,2"]
+    argv += ["--max-tokens", "16", "--limit", "2", "--out", str(out), "--data-dir", str(data_dir)]
+    argv += ["--backend", "transformers", "--grading-workers", "1", "--no-progress", "--seed", "1"]
+    assert run_eval(parse(argv)) == 0
+    overall = json.loads((out / "summary.json").read_text())
+    assert set(overall["benchmarks"]) == set(names) and set(overall["average"]) == {"1", "2"}
+    for name in names:
+        expected_ids = [p.problem_id for p in load_benchmark(name, data_dir, limit=2)]
+        records = read_jsonl(out / name / "samples.jsonl")
+        assert len(records) == 2 * 4
+        assert [r["problem_id"] for r in records] == [i for i in expected_ids for _ in range(4)]
+        assert [r["sample_index"] for r in records] == [0, 1, 2, 3] * 2
+        for record in records:
+            assert {"completion", "extracted", "correct", "timed_out"} <= set(record)
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert (
+            summary["n_problems"] == 2 and summary["samples_per_problem"] == 4 and summary["n_samples"] == 8
+        )
+        assert summary["generation"] == {
+            "samples": 4,
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "max_new_tokens": 16,
+            "seed": 1,
+        }
+        assert summary["model_path"] == str(tiny_model) and summary["backend"] == "transformers"
+        assert summary["unparsable_gold"] == 0 and summary["timeouts"] == 0
+        counts = {}
+        for record in records:
+            counts[record["problem_id"]] = counts.get(record["problem_id"], 0) + record["correct"]
+        for k in (1, 2):
+            expected = sum(pass_at_k(4, c, k) for c in counts.values()) / 2
+            assert summary["pass_at_k"][str(k)] == pytest.approx(expected)
+            low, high = summary["ci"][str(k)]
+            assert low <= summary["pass_at_k"][str(k)] <= high
+        assert summary["template"] == ("raw" if name == "synthetic" else "plain")
+    # Running again finds everything done and changes nothing.
+    before = {n: (out / n / "samples.jsonl").read_bytes() for n in names}
+    assert run_eval(parse(argv)) == 0
+    assert before == {n: (out / n / "samples.jsonl").read_bytes() for n in names}
+
+
+class Interrupt(Exception):
+    pass
+
+
+def make_run(out_dir: Path, problems: list[Any], **overrides: Any) -> BenchmarkRun:
+    fields = {
+        "benchmark": "synthetic",
+        "problems": problems,
+        "out_dir": out_dir,
+        "settings": TINY_SETTINGS,
+        "model_path": "tiny",
+        "scoring": ScoringOptions(ks=(1, 2), bootstrap_resamples=100),
+    }
+    fields.update(overrides)
+    return BenchmarkRun(**fields)
+
+
+@pytest.mark.slow
+def test_resume_after_interruption(tiny_backend: TransformersBackend, grader: Grader, tmp_path: Path) -> None:
+    problems = load_benchmark("synthetic", synthetic={"count": 5})
+    ids = [p.problem_id for p in problems]
+
+    # Reference: one uninterrupted run.
+    reference = evaluate_benchmark(
+        tiny_backend, grader, make_run(tmp_path / "ref", problems), batch_size=1, progress=False
+    )
+    reference_lines = (tmp_path / "ref" / "samples.jsonl").read_text().splitlines()
+
+    # Interrupted after the second problem.
+    done: list[str] = []
+
+    def stop_after_two(problem: Any) -> None:
+        done.append(problem.problem_id)
+        if len(done) == 2:
+            raise Interrupt
+
+    run = make_run(tmp_path / "resumed", problems)
+    with pytest.raises(Interrupt):
+        evaluate_benchmark(
+            tiny_backend, grader, run, batch_size=1, on_problem_done=stop_after_two, progress=False
+        )
+    samples_path = tmp_path / "resumed" / "samples.jsonl"
+    assert [r["problem_id"] for r in read_jsonl(samples_path)] == [ids[0]] * 4 + [ids[1]] * 4
+    assert not (tmp_path / "resumed" / "summary.json").exists()
+
+    # A crash in the middle of writing the third problem: two whole lines and half of a third.
+    partial = reference_lines[8:10] + [reference_lines[10][: len(reference_lines[10]) // 2]]
+    with samples_path.open("a") as handle:
+        handle.write("\n".join(partial))
+
+    with pytest.warns(UserWarning, match="discarded 3 incomplete"):
+        summary = evaluate_benchmark(tiny_backend, grader, run, batch_size=1, progress=False)
+    records = read_jsonl(samples_path)
+    pairs = [(r["problem_id"], r["sample_index"]) for r in records]
+    assert len(pairs) == len(set(pairs)) == 5 * 4  # no duplicates, no gaps
+    assert {r["problem_id"] for r in records} == set(ids)
+    # Per-problem seeds (and one problem per generate call): the resumed run sampled exactly what the
+    # uninterrupted run sampled.
+    assert sorted(records, key=lambda r: (ids.index(r["problem_id"]), r["sample_index"])) == [
+        json.loads(line) for line in reference_lines
+    ]
+    assert summary["pass_at_k"] == reference["pass_at_k"]
+
+    # Resuming with other settings is refused, with a message saying what differs.
+    other = make_run(
+        tmp_path / "resumed",
+        problems,
+        settings=GenerationSettings(samples=4, temperature=1.0, max_new_tokens=16),
+    )
+    with pytest.raises(ResumeMismatchError, match="temperature"):
+        evaluate_benchmark(tiny_backend, grader, other, progress=False)
+
+
+def test_load_completed_samples_repairs_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "samples.jsonl"
+    lines = [
+        json.dumps({"problem_id": p, "sample_index": i})
+        for p, n in (("a", 2), ("b", 2), ("c", 1))
+        for i in range(n)
+    ]
+    lines.insert(2, "not json")
+    path.write_text("\n".join(lines) + "\n" + '{"problem_id": "d", "sam')
+    with pytest.warns(UserWarning, match="discarded 3"):
+        completed = load_completed_samples(path, samples=2)
+    assert set(completed) == {"a", "b"}
+    assert [json.loads(line)["problem_id"] for line in path.read_text().splitlines()] == ["a", "a", "b", "b"]
+    assert load_completed_samples(tmp_path / "absent.jsonl", 2) == {}
+
+
+def test_cli_refuses_resume_with_other_settings(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model), "--benchmarks", "synthetic", "--samples", "2", "--k", "1"]
+    argv += [
+        "--max-tokens",
+        "4",
+        "--limit",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--backend",
+        "transformers",
+    ]
+    assert run_eval(parse(argv)) == 0
+    assert run_eval(parse([*argv, "--temperature", "1.0"])) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert run_eval(parse([*argv, "--temperature", "1.0", "--overwrite"])) == 0
+
+
+# ------------------------------------------------------------------------------------------- audit
+
+
+@pytest.mark.slow
+def test_audit_on_real_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data_dir = shared_data_dir()
+    argv = ["--audit", "--data-dir", str(data_dir), "--out", str(tmp_path)]
+    argv += ["--benchmarks", "aime24,aime25,amc23,minerva_math,olympiadbench", "--grading-workers", "2"]
+    assert run_eval(parse(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "| aime24 | 30 | 30 | 0 |" in printed
+    rows = {
+        line.split(",")[0]: line.split(",")
+        for line in (tmp_path / "grader_audit.csv").read_text().splitlines()
+    }
+    header = rows.pop("benchmark")
+    row = {name: dict(zip(header, values, strict=True)) for name, values in rows.items()}
+    assert row["aime24"]["reference_answer_found"] == "29"  # one AIME24 solution has no \boxed{}
+    assert int(row["aime24"]["reference_verified"]) >= 27
+    assert row["minerva_math"]["reference_verified"] == "272"
+    assert (
+        row["olympiadbench"]["with_reference"] == "675"
+        and row["olympiadbench"]["reference_answer_found"] == "0"
+    )
+    assert all(r["gold_unparsable"] == "0" for r in row.values())
+    assert (tmp_path / "grader_audit.md").read_text().startswith("| benchmark |")
