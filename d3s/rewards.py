@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -495,5 +495,26 @@ def accuracy_reward(
     arguments; only ``completions`` and the ``answer`` column are used. ``None`` makes TRL ignore the
     sample for this reward instead of punishing the model for a bad gold answer.
     """
-    results = grade_many([completion_text(c) for c in completions], list(answer))
+    return _rewards_from(default_grader(), completions, answer)
+
+
+def _rewards_from(
+    grader: Grader, completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold]
+) -> list[float | None]:
+    results = grader.grade_many([completion_text(c) for c in completions], list(answer))
     return [None if not r.gold_parsed else (1.0 if r.correct else 0.0) for r in results]
+
+
+def make_accuracy_reward(grader: Grader) -> Callable[..., list[float | None]]:
+    """:func:`accuracy_reward` bound to ``grader`` (e.g. more workers or another time limit).
+
+    The returned function keeps the name ``accuracy_reward``, so TRL logs it under the same key.
+    """
+
+    def accuracy_reward(
+        completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
+    ) -> list[float | None]:
+        return _rewards_from(grader, completions, answer)
+
+    accuracy_reward.__doc__ = globals()["accuracy_reward"].__doc__
+    return accuracy_reward

@@ -296,6 +296,14 @@ def test_accuracy_reward_trl_signature() -> None:
     assert rewards_out == [1.0, 0.0, 1.0, None]
 
 
+def test_make_accuracy_reward_uses_its_grader() -> None:
+    with Grader(num_workers=2, time_limit=LIMIT_S) as pool:
+        reward = rewards.make_accuracy_reward(pool)
+        assert reward.__name__ == "accuracy_reward"
+        assert reward(completions=[r"\boxed{1}", HANGING[0]], answer=["1", "1"], prompts=None) == [1.0, 0.0]
+        assert pool.timeouts == 1
+
+
 def test_accuracy_reward_fast_path() -> None:
     from d3s.data.synthetic import arithmetic_problems
 

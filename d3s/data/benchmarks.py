@@ -317,6 +317,8 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             question_field="prompt",
             gold=_answer_field,
             gold_fields=("answer",),
+            reference_solution=_reference_boxed,
+            reference_kind="boxed",
             default_template="raw",  # the prompt already is the model's input format ("Q: ...\nA:")
         ),
     ]
@@ -432,7 +434,11 @@ def _load_synthetic(options: Mapping[str, Any]) -> list[tuple[int, dict[str, Any
         max_ops=int(options.get("max_ops", 3)),
         split="test",
     )
-    return [(i, {"prompt": p.prompt, "answer": p.answer}) for i, p in enumerate(problems, start=1)]
+    # The SFT target completion doubles as a reference solution (it ends in \boxed{answer}).
+    return [
+        (i, {"prompt": p.prompt, "answer": p.answer, "solution": p.completion})
+        for i, p in enumerate(problems, start=1)
+    ]
 
 
 def load_benchmark(
