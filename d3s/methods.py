@@ -1,0 +1,134 @@
+"""The method registry: one table from method name to its selection settings.
+
+Keep counts are given as fractions of the rollouts per prompt G so one entry serves every G: the paper
+runs G = 32 with N going 8 -> 32, i.e. 0.25 G -> 1.0 G (DESIGN.md, "Decisions"). A run can override any
+field (`keep_per_prompt`, `token_keep_ratio`, ...) in its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Method:
+    """Selection settings of one method and the paper row it reproduces."""
+
+    reproduces: str
+    sample_rule: str = "none"
+    sample_scope: str = "group"
+    renormalize: bool = False
+    keep_fraction_init: float = 1.0
+    keep_fraction_final: float = 1.0
+    token_rule: str = "none"
+    token_scope: str = "batch"
+    token_keep_ratio_init: float = 1.0
+    token_keep_ratio_final: float = 1.0
+    schedule: str = "constant"
+    # TRL GRPOConfig fields the method needs (GSPO's sequence-level ratio and tiny clip range).
+    trl_settings: dict[str, Any] = field(default_factory=dict)
+
+    def keep_per_prompt(self, num_generations: int) -> tuple[int, int]:
+        """(N_init, N_final) for G = ``num_generations``; at least 1."""
+        return tuple(max(1, round(f * num_generations)) for f in (self.keep_fraction_init, self.keep_fraction_final))
+
+
+# GSPO (arXiv 2507.18071) as TRL documents it: sequence-level importance ratio, clip range 3e-4 / 4e-4.
+GSPO_TRL = {"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "loss_type": "grpo"}
+
+# D3S schedule values: N 8 -> 32 of G = 32, K 5 % -> 20 % (paper-notes §3; the values are from a secondary source).
+_D3S_SCHEDULE = dict(
+    keep_fraction_init=0.25,
+    keep_fraction_final=1.0,
+    token_rule="adv_entropy",
+    token_keep_ratio_init=0.05,
+    token_keep_ratio_final=0.20,
+    schedule="linear",
+)
+
+METHODS: dict[str, Method] = {
+    "grpo": Method("D3S Table 1/2 row 'GRPO': all rollouts, all tokens (TRL GRPOTrainer unchanged)"),
+    "pods": Method(
+        "D3S Table 1 row 'GRPO+PODS'; PODS (arXiv 2504.13818) max-variance n -> m = n/4 per prompt, "
+        "advantages re-normalised on the kept subset",
+        sample_rule="max_variance",
+        sample_scope="group",
+        renormalize=True,
+        keep_fraction_init=0.25,
+        keep_fraction_final=0.25,
+    ),
+    "pods_random": Method(
+        "PODS rule ablation 'Random' at (64, 16): m = n/4 random rollouts per prompt, re-normalised",
+        sample_rule="random",
+        renormalize=True,
+        keep_fraction_init=0.25,
+        keep_fraction_final=0.25,
+    ),
+    "pods_max_reward": Method(
+        "PODS rule ablation 'Max-Reward' at (64, 16): the m = n/4 highest rewards per prompt, re-normalised",
+        sample_rule="max_reward",
+        renormalize=True,
+        keep_fraction_init=0.25,
+        keep_fraction_final=0.25,
+    ),
+    "d1s": Method(
+        "D3S Table 2 row '+D1S': intra-group max Var(A), N = G/4 fixed, all-G advantages kept, no token level",
+        sample_rule="max_variance",
+        sample_scope="group",
+        keep_fraction_init=0.25,
+        keep_fraction_final=0.25,
+    ),
+    "d1s_cross": Method(
+        "D3S Table 2 row '+D1S-Cross': cross-group max Var(A) over the pooled batch, N = G/4 fixed",
+        sample_rule="max_variance",
+        sample_scope="batch",
+        keep_fraction_init=0.25,
+        keep_fraction_final=0.25,
+    ),
+    "d2s": Method(
+        "D3S Table 2 row '+D2S': D1S-Cross plus top-K% |A|*H tokens, fixed at the schedule's start "
+        "(N = G/4, K = 5 %; our choice, the paper gives no fixed values)",
+        sample_rule="max_variance",
+        sample_scope="batch",
+        keep_fraction_init=0.25,
+        keep_fraction_final=0.25,
+        token_rule="adv_entropy",
+        token_keep_ratio_init=0.05,
+        token_keep_ratio_final=0.05,
+    ),
+    "d3s": Method(
+        "D3S Table 1/2 row 'GRPO+D3S': cross-group samples + |A|*H tokens, linear schedule N 8 -> 32, K 5 -> 20 %",
+        sample_rule="max_variance",
+        sample_scope="batch",
+        **_D3S_SCHEDULE,
+    ),
+    "d3s_i": Method(
+        "D3S Appendix D.1 'D3S-I': D3S with intra-group sample selection (stable on Llama3.1-8B-Instruct)",
+        sample_rule="max_variance",
+        sample_scope="group",
+        **_D3S_SCHEDULE,
+    ),
+    "entropy_8020": Method(
+        "80/20 rule (Beyond the 80/20 Rule, arXiv 2506.01939): gradients on the top 20 % highest-entropy tokens",
+        token_rule="entropy",
+        token_keep_ratio_init=0.20,
+        token_keep_ratio_final=0.20,
+    ),
+    "gspo": Method("D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio", trl_settings=GSPO_TRL),
+    "gspo_d3s": Method(
+        "D3S Table 1 row 'GSPO+D3S': D3S selection on top of GSPO",
+        sample_rule="max_variance",
+        sample_scope="batch",
+        trl_settings=GSPO_TRL,
+        **_D3S_SCHEDULE,
+    ),
+}
+
+
+def get_method(name: str) -> Method:
+    """The registry entry for ``name``; unknown names fail with the list of valid ones."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}") from None

@@ -1,0 +1,288 @@
+"""Selection math of D3S and PODS: pure torch, no TRL import.
+
+Sample level (which rollouts train):
+    max_variance_subset   exact argmax_{|S|=k} Var(values_S), batched, O(n log n)
+    select_samples        the rules max_variance / random / max_reward / none, per group or over the batch
+    renormalize_advantages  PODS: advantages recomputed on the kept members of each group
+
+Token level (which tokens of the kept rollouts train):
+    token_scores          |A| * H (D3S) or H alone (the 80/20 rule)
+    token_keep_mask       top-K% of valid tokens per batch or per sequence, >= 1 token per sequence
+
+Schedule:
+    Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+SampleRule = Literal["max_variance", "random", "max_reward", "none"]
+SampleScope = Literal["group", "batch"]
+TokenRule = Literal["adv_entropy", "entropy", "none"]
+TokenScope = Literal["batch", "sequence"]
+ScheduleKind = Literal["constant", "linear"]
+
+SAMPLE_RULES: tuple[str, ...] = ("max_variance", "random", "max_reward", "none")
+SAMPLE_SCOPES: tuple[str, ...] = ("group", "batch")
+TOKEN_RULES: tuple[str, ...] = ("adv_entropy", "entropy", "none")
+TOKEN_SCOPES: tuple[str, ...] = ("batch", "sequence")
+SCHEDULES: tuple[str, ...] = ("constant", "linear")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_finite(name: str, values: torch.Tensor) -> None:
+    if torch.isnan(values).any():
+        bad = torch.isnan(values).nonzero()[:5].tolist()
+        raise ValueError(
+            f"{name} contains NaN (first positions {bad}); drop or fill unscorable rollouts before selection "
+            "(e.g. make the reward function return a number instead of None)"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sample level
+
+
+def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (..., k) of a size-k subset of ``values`` (..., n) with the largest population variance.
+
+    Some optimal subset is the i largest plus the k - i smallest values for some i in 0..k (PODS, Lemma 3.1),
+    so we sort once and score all k + 1 splits from prefix sums. Ties are broken deterministically: the sort
+    is stable (equal values keep their index order) and the smallest optimal i wins. The indices come back
+    in ascending order. Work is O(n log n) per row with no Python loop over rows.
+    """
+    if values.dim() == 0:
+        raise ValueError("values must have at least one dimension (..., n)")
+    n = values.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"k must satisfy 1 <= k <= n = {n}; got k = {k}")
+    _check_finite("values", values)
+    # Centre and accumulate in float64: sum-of-squares variance loses precision otherwise.
+    x = values.to(torch.float64)
+    x = x - x.mean(dim=-1, keepdim=True)
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    zeros = sorted_x.new_zeros((*sorted_x.shape[:-1], 1))
+    prefix = torch.cat([zeros, sorted_x.cumsum(-1)], dim=-1)  # prefix[j] = sum of the j largest
+    prefix_sq = torch.cat([zeros, (sorted_x * sorted_x).cumsum(-1)], dim=-1)
+    top = torch.arange(k + 1, device=values.device)  # i = number taken from the top
+    bottom_start = n - k + top  # the k - i smallest occupy sorted positions [n - k + i, n)
+    total = prefix[..., top] + prefix[..., n : n + 1] - prefix[..., bottom_start]
+    total_sq = prefix_sq[..., top] + prefix_sq[..., n : n + 1] - prefix_sq[..., bottom_start]
+    variance = total_sq / k - (total / k) ** 2
+    best_top = variance.argmax(dim=-1, keepdim=True)  # first maximum: deterministic
+    slot = torch.arange(k, device=values.device)
+    positions = torch.where(slot < best_top, slot, n - k + slot)
+    return torch.gather(order, -1, positions).sort(dim=-1).values
+
+
+def population_variance(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return values.var(dim=dim, unbiased=False)
+
+
+def select_samples(
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    num_generations: int,
+    keep_per_prompt: int,
+    rule: SampleRule = "max_variance",
+    scope: SampleScope = "group",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Rows to keep from a flat batch of B prompts x G rollouts (rollouts of a prompt adjacent).
+
+    ``scope="group"`` keeps exactly ``keep_per_prompt`` rollouts of every prompt; ``scope="batch"`` keeps
+    ``keep_per_prompt * B`` from the pooled batch (the cross-group rule of D3S / D1S-Cross), so groups with
+    no signal (A = 0) give their share to groups with signal. ``max_variance`` ranks by the advantages (within
+    a group this equals ranking by rewards, since A is an increasing affine map of R); ``max_reward`` ranks
+    by the rewards. Returns ascending flat row indices.
+    """
+    _check_choice("sample_rule", rule, SAMPLE_RULES)
+    _check_choice("sample_scope", scope, SAMPLE_SCOPES)
+    if advantages.dim() != 1 or advantages.shape != rewards.shape:
+        raise ValueError(
+            f"advantages and rewards must be flat tensors of equal shape; got {tuple(advantages.shape)} "
+            f"and {tuple(rewards.shape)}"
+        )
+    total = advantages.numel()
+    if num_generations < 1 or total % num_generations:
+        raise ValueError(f"batch of {total} rollouts is not a whole number of groups of {num_generations}")
+    if not 1 <= keep_per_prompt <= num_generations:
+        raise ValueError(
+            f"keep_per_prompt must be between 1 and num_generations = {num_generations}; got {keep_per_prompt}"
+        )
+    _check_finite("advantages", advantages)
+    _check_finite("rewards", rewards)
+    num_prompts = total // num_generations
+    device = advantages.device
+    if rule == "none" or keep_per_prompt == num_generations:
+        return torch.arange(total, device=device)
+
+    if scope == "batch":
+        keep = keep_per_prompt * num_prompts
+        if rule == "max_variance":
+            kept = max_variance_subset(advantages, keep)
+        elif rule == "max_reward":
+            kept = torch.sort(rewards, descending=True, stable=True).indices[:keep]
+        else:
+            kept = torch.randperm(total, generator=generator, device="cpu")[:keep].to(device)
+        return kept.sort().values
+
+    offsets = (torch.arange(num_prompts, device=device) * num_generations).unsqueeze(1)
+    if rule == "max_variance":
+        local = max_variance_subset(advantages.view(num_prompts, num_generations), keep_per_prompt)
+    elif rule == "max_reward":
+        grouped = rewards.view(num_prompts, num_generations)
+        local = torch.sort(grouped, dim=1, descending=True, stable=True).indices[:, :keep_per_prompt]
+    else:
+        noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
+        local = noise.argsort(dim=1)[:, :keep_per_prompt]
+    return (local + offsets).flatten().sort().values
+
+
+def renormalize_advantages(
+    rewards: torch.Tensor,
+    kept: torch.Tensor,
+    num_generations: int,
+    scale: bool = True,
+    epsilon: float = 1e-4,
+) -> torch.Tensor:
+    """PODS: advantages of the kept rows, normalised over the kept members of their own group.
+
+    A = (r - mean_S r) / (std_S r + epsilon) with the unbiased std, as the official PODS code and TRL do.
+    NaN rewards (unscorable) are left out of the statistics and get A = 0; a group with one kept member has
+    no spread and gets A = 0.
+    """
+    group = kept // num_generations
+    r = rewards[kept].to(torch.float64)
+    num_groups = rewards.numel() // num_generations
+    valid = ~torch.isnan(r)
+    r0 = torch.where(valid, r, torch.zeros_like(r))
+    count = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, group, valid.double())
+    total = torch.zeros_like(count).index_add_(0, group, r0)
+    mean = total / count.clamp(min=1)
+    dev = torch.where(valid, r - mean[group], torch.zeros_like(r))
+    sq = torch.zeros_like(count).index_add_(0, group, dev * dev)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    advantages = dev / (std[group] + epsilon) if scale else dev
+    advantages = torch.where(count[group] > 1, advantages, torch.zeros_like(advantages))
+    return advantages.to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Token level
+
+
+def token_scores(advantages: torch.Tensor, entropies: torch.Tensor, rule: TokenRule) -> torch.Tensor:
+    """Per-token selection score: |A_{i,t}| * H_{i,t} (``adv_entropy``) or H_{i,t} (``entropy``).
+
+    ``advantages`` is (B,) or (B, T); ``entropies`` is (B, T) in nats. Scores carry no gradient.
+    """
+    _check_choice("token_rule", rule, TOKEN_RULES)
+    entropies = entropies.detach()
+    if rule == "entropy":
+        return entropies
+    if rule == "none":
+        return torch.ones_like(entropies)
+    adv = advantages.detach()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    return adv.abs().to(entropies.dtype) * entropies
+
+
+def _keep_count(keep_ratio: float, valid_count: torch.Tensor) -> torch.Tensor:
+    # ceil(K * n) without floating error turning 0.2 * 50 into 11
+    return torch.ceil(keep_ratio * valid_count.to(torch.float64) - 1e-9).long()
+
+
+def token_keep_mask(
+    scores: torch.Tensor,
+    valid_mask: torch.Tensor,
+    keep_ratio: float,
+    scope: TokenScope = "batch",
+) -> torch.Tensor:
+    """Boolean (B, T) mask of the top ``keep_ratio`` of valid tokens by score.
+
+    ``batch`` ranks all valid tokens of the batch together, ``sequence`` ranks within each sequence. The
+    count kept is ceil(K * valid) (exact by rank, not a quantile threshold, so ties never inflate it; ties
+    go to the earlier token). Padding is never selected, and every sequence with a valid token keeps at
+    least its best-scoring one.
+    """
+    _check_choice("token_scope", scope, TOKEN_SCOPES)
+    if not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"token_keep_ratio must be in (0, 1]; got {keep_ratio}")
+    if scores.shape != valid_mask.shape or scores.dim() != 2:
+        raise ValueError(f"scores and mask must both be (B, T); got {tuple(scores.shape)}, {tuple(valid_mask.shape)}")
+    valid = valid_mask.bool()
+    _check_finite("token scores", scores[valid])
+    masked = scores.detach().to(torch.float32).masked_fill(~valid, float("-inf"))
+    if scope == "batch":
+        flat = masked.flatten()
+        order = torch.sort(flat, descending=True, stable=True).indices
+        ranks = torch.empty_like(order)
+        ranks[order] = torch.arange(flat.numel(), device=flat.device)
+        keep = (ranks < _keep_count(keep_ratio, valid.sum())).view_as(valid)
+    else:
+        order = torch.sort(masked, dim=1, descending=True, stable=True).indices
+        ranks = torch.empty_like(order).scatter_(1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order))
+        keep = ranks < _keep_count(keep_ratio, valid.sum(dim=1)).unsqueeze(1)
+    keep &= valid
+    has_valid = valid.any(dim=1)
+    best = masked.argmax(dim=1)
+    rows = torch.arange(valid.shape[0], device=valid.device)
+    keep[rows[has_valid], best[has_valid]] = True
+    return keep
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schedule
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """(keep_per_prompt, token_keep_ratio) as a function of training progress p = step / max_steps.
+
+    ``linear``: N(p) = round((1 - p) N_init + p N_final) (halves round up), K(p) = (1 - p) K_init + p K_final.
+    ``constant``: the initial values throughout.
+    """
+
+    kind: ScheduleKind
+    keep_init: int
+    keep_final: int
+    token_ratio_init: float
+    token_ratio_final: float
+
+    def __post_init__(self) -> None:
+        _check_choice("schedule", self.kind, SCHEDULES)
+
+    def _progress(self, progress: float) -> float:
+        if math.isnan(progress):
+            raise ValueError("training progress is NaN")
+        return min(max(progress, 0.0), 1.0)
+
+    def keep_per_prompt(self, progress: float) -> int:
+        p = self._progress(progress)
+        if self.kind == "constant":
+            return self.keep_init
+        return math.floor((1 - p) * self.keep_init + p * self.keep_final + 0.5)
+
+    def token_keep_ratio(self, progress: float) -> float:
+        p = self._progress(progress)
+        if self.kind == "constant":
+            return self.token_ratio_init
+        return (1 - p) * self.token_ratio_init + p * self.token_ratio_final
+
+    def reachable_keep_values(self) -> range:
+        """Every keep_per_prompt the schedule can produce (for up-front validation)."""
+        if self.kind == "constant":
+            return range(self.keep_init, self.keep_init + 1)
+        low, high = sorted((self.keep_init, self.keep_final))
+        return range(low, high + 1)

@@ -1,0 +1,395 @@
+"""D3SConfig / D3STrainer: TRL's GRPO with sample- and token-level down-sampling.
+
+TRL owns generation, rewards, advantages, the clipped loss and logging. We add two things:
+  1. after scoring, keep a subset of the rollouts (``_generate_and_score_completions``), decided from the
+     gathered batch identically on every rank;
+  2. in the loss, keep the top-K% tokens by |A| * H (``get_high_entropy_mask``, TRL's own hook).
+With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from d3s.methods import get_method
+from d3s.selection import (
+    SAMPLE_RULES,
+    SAMPLE_SCOPES,
+    SCHEDULES,
+    TOKEN_RULES,
+    TOKEN_SCOPES,
+    Schedule,
+    renormalize_advantages,
+    select_samples,
+    token_keep_mask,
+    token_scores,
+)
+
+_FROM_METHOD = "default: from the method registry (d3s/methods.py)"
+
+
+@dataclass
+class D3SConfig(GRPOConfig):
+    """GRPOConfig plus the selection options. Unset selection fields (None) come from ``method``.
+
+    Build with ``D3SConfig.for_method(name, **overrides)`` to also get the TRL settings a method needs
+    (GSPO's sequence-level ratio); every field here can still be overridden.
+    """
+
+    method: str = field(
+        default="grpo",
+        metadata={"help": "Method name from d3s.methods.METHODS (grpo, pods, d1s, d1s_cross, d2s, d3s, d3s_i, ...)."},
+    )
+    sample_rule: str | None = field(
+        default=None,
+        metadata={"help": f"Rollout selection rule: {', '.join(SAMPLE_RULES)}. {_FROM_METHOD}."},
+    )
+    sample_scope: str | None = field(
+        default=None,
+        metadata={
+            "help": "'group': keep exactly keep_per_prompt rollouts of every prompt; 'batch': keep "
+            f"keep_per_prompt x prompts from the pooled batch (cross-group). {_FROM_METHOD}."
+        },
+    )
+    renormalize: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Re-normalise advantages over the kept rollouts of each group (PODS); False keeps the "
+            f"advantages computed over all G rollouts (D-family). {_FROM_METHOD}."
+        },
+    )
+    keep_per_prompt: int | None = field(
+        default=None,
+        metadata={"help": f"Rollouts kept per prompt, N (the initial value under a linear schedule). {_FROM_METHOD}."},
+    )
+    keep_per_prompt_final: int | None = field(
+        default=None,
+        metadata={"help": f"N at the end of training under a linear schedule. {_FROM_METHOD}."},
+    )
+    token_rule: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Token score: {', '.join(TOKEN_RULES)} ('adv_entropy' = |A| x entropy, 'entropy' = the 80/20 "
+            f"rule). {_FROM_METHOD}."
+        },
+    )
+    token_scope: str | None = field(
+        default=None,
+        metadata={
+            "help": "'batch': top-K% over the valid tokens of the micro-batch, gathered across ranks; "
+            f"'sequence': top-K% within each completion. {_FROM_METHOD}."
+        },
+    )
+    token_keep_ratio: float | None = field(
+        default=None,
+        metadata={"help": f"K in (0, 1], the fraction of tokens kept (initial value under linear). {_FROM_METHOD}."},
+    )
+    token_keep_ratio_final: float | None = field(
+        default=None,
+        metadata={"help": f"K at the end of training under a linear schedule. {_FROM_METHOD}."},
+    )
+    schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": f"{', '.join(SCHEDULES)}: linear moves N and K from their initial to final values in "
+            f"p = step / max_steps. {_FROM_METHOD}."
+        },
+    )
+    metrics_log: str | None = field(
+        default="metrics.jsonl",
+        metadata={"help": "One JSON object per logging step, relative to output_dir (None: off)."},
+    )
+    logging_steps: float = field(
+        default=1,
+        metadata={"help": "Log every step (TRL's default is 10); the analysis reads per-step metrics."},
+    )
+
+    @classmethod
+    def for_method(cls, method: str, **overrides: Any) -> D3SConfig:
+        """A config for ``method`` with the method's TRL settings applied under ``overrides``."""
+        settings = {**get_method(method).trl_settings, **overrides}
+        return cls(method=method, **settings)
+
+    def __post_init__(self) -> None:
+        method = get_method(self.method)
+        for name, value in method.trl_settings.items():
+            if getattr(self, name) != value:
+                raise ValueError(
+                    f"method {self.method!r} needs {name}={value!r} (got {getattr(self, name)!r}); build the "
+                    f"config with D3SConfig.for_method({self.method!r}, ...) or set {name}={value!r}"
+                )
+        super().__post_init__()
+        self._resolve_from_method(method)
+        self._validate()
+
+    def _resolve_from_method(self, method) -> None:
+        keep_init, keep_final = method.keep_per_prompt(self.num_generations)
+        defaults = {
+            "sample_rule": method.sample_rule,
+            "sample_scope": method.sample_scope,
+            "renormalize": method.renormalize,
+            "keep_per_prompt": keep_init,
+            "keep_per_prompt_final": keep_final,
+            "token_rule": method.token_rule,
+            "token_scope": method.token_scope,
+            "token_keep_ratio": method.token_keep_ratio_init,
+            "token_keep_ratio_final": method.token_keep_ratio_final,
+            "schedule": method.schedule,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.schedule == "constant":  # a constant schedule has one value; keep the pair consistent
+            self.keep_per_prompt_final = self.keep_per_prompt
+            self.token_keep_ratio_final = self.token_keep_ratio
+        if self.sample_rule == "none":
+            self.keep_per_prompt = self.keep_per_prompt_final = self.num_generations
+
+    def _validate(self) -> None:
+        for name, value, choices in [
+            ("sample_rule", self.sample_rule, SAMPLE_RULES),
+            ("sample_scope", self.sample_scope, SAMPLE_SCOPES),
+            ("token_rule", self.token_rule, TOKEN_RULES),
+            ("token_scope", self.token_scope, TOKEN_SCOPES),
+            ("schedule", self.schedule, SCHEDULES),
+        ]:
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        G = self.num_generations  # noqa: N806 - the paper's symbol
+        for name in ("keep_per_prompt", "keep_per_prompt_final"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= G:
+                raise ValueError(
+                    f"{name} must be an integer between 1 and num_generations = {G} at every point of the "
+                    f"schedule; got {value!r}. Lower it or raise num_generations."
+                )
+        for name in ("token_keep_ratio", "token_keep_ratio_final"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1]; got {value!r}")
+        if self.renormalize and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "renormalize=True re-normalises the summed reward per group; it needs "
+                "multi_objective_aggregation='sum_then_normalize'"
+            )
+        if self.token_rule != "none" and self.use_liger_kernel:
+            raise ValueError("token-level selection uses TRL's entropy-mask hook, which Liger kernels skip; "
+                             "set use_liger_kernel=False or token_rule='none'")
+        # TRL splits the kept rows into steps_per_generation micro-batches and silently drops a remainder,
+        # and every rank must hold the same number of rows: N x (per-device batch) / G must be whole.
+        micro = self.per_device_train_batch_size
+        for keep in self.selection_schedule.reachable_keep_values():
+            if (keep * micro) % G:
+                raise ValueError(
+                    f"keep_per_prompt = {keep} (reached by the schedule) gives {keep} x {micro} / {G} kept rows per "
+                    f"micro-batch, not a whole number: TRL would drop rows. Make per_device_train_batch_size "
+                    f"({micro}) a multiple of num_generations ({G}), or choose keep values N with N x {micro} "
+                    f"divisible by {G}."
+                )
+
+    @property
+    def selection_schedule(self) -> Schedule:
+        return Schedule(
+            kind=self.schedule,
+            keep_init=self.keep_per_prompt,
+            keep_final=self.keep_per_prompt_final,
+            token_ratio_init=self.token_keep_ratio,
+            token_ratio_final=self.token_keep_ratio_final,
+        )
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Appends every log entry as one JSON line: what the analysis reads."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+# Per-rollout tensors of TRL's generation batch (first dimension = rollouts); left-padded ones pad first.
+_LEFT_PADDED = {"prompt_ids", "prompt_mask"}
+
+
+class D3STrainer(GRPOTrainer):
+    """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, D3SConfig):
+            raise TypeError(f"D3STrainer needs a D3SConfig, got {type(self.args).__name__}")
+        self.selection_schedule = self.args.selection_schedule
+        self.update_tokens_total = 0  # tokens that reached the policy gradient, all ranks, all steps
+        self._rewards_per_func: torch.Tensor | None = None
+        self._loss_advantages: torch.Tensor | None = None
+        if self.args.metrics_log:
+            self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
+
+    # ---- schedule -----------------------------------------------------------------------------------------
+
+    def training_progress(self) -> float:
+        max_steps = self.state.max_steps or 0
+        return self.state.global_step / max_steps if max_steps > 0 else 0.0
+
+    # ---- sample level -------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL returns rewards gathered from all ranks but does not pass them on; selection needs them.
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return output
+        progress = self.training_progress()
+        keep = self.selection_schedule.keep_per_prompt(progress)
+        metrics = self._metrics["train"]
+        metrics["schedule/keep_per_prompt"].append(float(keep))
+        metrics["schedule/token_keep_ratio"].append(self.selection_schedule.token_keep_ratio(progress))
+
+        all_advantages = self.accelerator.gather(output["advantages"])
+        if self.args.sample_rule == "none" or keep == self.num_generations:
+            self._log_selection(all_advantages, all_advantages, total=all_advantages.numel())
+            return output
+
+        rewards = self._summed_rewards(all_advantages.device)
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step)
+        kept = select_samples(
+            all_advantages,
+            torch.nan_to_num(rewards, nan=float("-inf")),  # unscorable rollouts never rank first
+            num_generations=self.num_generations,
+            keep_per_prompt=keep,
+            rule=self.args.sample_rule,
+            scope=self.args.sample_scope,
+            generator=generator,
+        )
+        if self.args.renormalize:
+            kept_advantages = renormalize_advantages(
+                rewards, kept, self.num_generations, scale=self.scale_rewards != "none"
+            )
+        else:
+            kept_advantages = all_advantages[kept]
+        self._log_selection(all_advantages, kept_advantages, total=all_advantages.numel())
+        return self._keep_rows(output, kept, kept_advantages)
+
+    def _summed_rewards(self, device: torch.device) -> torch.Tensor:
+        rewards_per_func = self._rewards_per_func.to(device)
+        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        return rewards
+
+    def _keep_rows(self, output: dict, kept: torch.Tensor, kept_advantages: torch.Tensor) -> dict:
+        """Index every per-rollout tensor by the kept rows, each rank taking an equal share."""
+        num_processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        local_rows = output["advantages"].shape[0]
+        share = kept.numel() // num_processes  # D3SConfig validated the divisibility
+        shares = kept.view(num_processes, share)
+        owners = torch.arange(num_processes, device=kept.device).unsqueeze(1)
+        rank_local = bool(((shares // local_rows) == owners).all())  # identical on every rank
+
+        mine = slice(rank * share, (rank + 1) * share)
+        selected = dict(output)
+        for key, value in output.items():
+            if key == "advantages" or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if value.shape[0] != local_rows:
+                raise ValueError(f"cannot down-sample generation output {key!r} of shape {tuple(value.shape)}")
+            if rank_local:
+                selected[key] = value[shares[rank] - rank * local_rows]
+            else:  # cross-group selection left ranks uneven: pool the rows, then deal out equal shares
+                pad = self._tokenizer.pad_token_id if key.endswith("_ids") else 0
+                padded = self.accelerator.pad_across_processes(
+                    value, dim=1, pad_index=pad, pad_first=key in _LEFT_PADDED
+                )
+                selected[key] = self.accelerator.gather(padded)[kept[mine]]
+        for key, value in output.items():
+            if isinstance(value, list) and len(value) == local_rows:
+                raise ValueError(f"rollout selection does not support list-valued generation output {key!r}")
+        selected["advantages"] = kept_advantages[mine].to(output["advantages"].dtype)
+        loss_mask = selected["completion_mask"]
+        if "tool_mask" in selected:
+            loss_mask = loss_mask * selected["tool_mask"]
+        # TRL counted the tokens of all rollouts before we dropped any; dapo's normaliser needs the kept ones.
+        selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return selected
+
+    def _log_selection(self, before: torch.Tensor, after: torch.Tensor, total: int) -> None:
+        metrics = self._metrics["train"]
+        metrics["selection/sample_keep_fraction"].append(after.numel() / total)
+        metrics["selection/adv_var_before"].append(before.float().var(unbiased=False).item())
+        metrics["selection/adv_var_after"].append(after.float().var(unbiased=False).item())
+        metrics["selection/useful_fraction_before"].append((before.abs() > 1e-6).float().mean().item())
+        metrics["selection/useful_fraction"].append((after.abs() > 1e-6).float().mean().item())
+
+    # ---- token level --------------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        training = self.model.training
+        active = training and self.args.token_rule != "none"
+        ratio = self.selection_schedule.token_keep_ratio(self.training_progress())
+        # TRL calls get_high_entropy_mask only when this is < 1; K = 1 means every token trains.
+        self.top_entropy_quantile = ratio if active else 1.0
+        self._loss_advantages = inputs["advantages"]
+        self._last_token_mask = None
+        loss = super()._compute_loss(model, inputs)
+        if training:
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            used = mask.bool() if self._last_token_mask is None else self._last_token_mask
+            counts = self.accelerator.reduce(
+                torch.stack([used.sum(), mask.sum()]).to(torch.float64), reduction="sum"
+            )
+            self.update_tokens_total += int(counts[0].item())
+            self._metrics["train"]["selection/update_tokens"].append(counts[0].item())
+            if self._last_token_mask is None:  # every token trained: the selected entropy is TRL's entropy
+                self._metrics["train"]["selection/entropy_selected"].append(self._metrics["train"]["entropy"][-1])
+            self._metrics["train"]["selection/token_keep_fraction"].append(
+                (counts[0] / counts[1].clamp(min=1)).item()
+            )
+        return loss
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """Top-K% tokens by |A| x H (or H) instead of TRL's entropy quantile; K = 1 - threshold."""
+        keep_ratio = self.top_entropy_quantile
+        scores = token_scores(self._loss_advantages, entropies, self.args.token_rule)
+        if self.args.token_scope == "batch" and self.accelerator.num_processes > 1:
+            # Rank over the micro-batch of every rank, exactly as a single process would see it.
+            rows, cols = scores.shape
+            all_scores = self.accelerator.gather(self.accelerator.pad_across_processes(scores, dim=1, pad_index=0))
+            all_mask = self.accelerator.gather(self.accelerator.pad_across_processes(mask, dim=1, pad_index=0))
+            rank = self.accelerator.process_index
+            keep = token_keep_mask(all_scores, all_mask, keep_ratio, "batch")[rank * rows : (rank + 1) * rows, :cols]
+        else:
+            keep = token_keep_mask(scores, mask, keep_ratio, self.args.token_scope)
+        self._last_token_mask = keep
+        stats = torch.stack([(entropies.detach() * keep).sum(), keep.sum()]).to(torch.float64)
+        stats = self.accelerator.reduce(stats, reduction="sum")
+        self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
+        return keep
+
+    # ---- logging ------------------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training and "loss" in logs:
+            logs["selection/update_tokens_cumulative"] = float(self.update_tokens_total)
+        super().log(logs, start_time)

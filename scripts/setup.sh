@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv and install d3s with the pinned set, never pulling a CUDA torch on a CPU machine.
+#   scripts/setup.sh            CPU install (+ test tools)
+#   D3S_GPU=1 scripts/setup.sh  adds the `gpu` extra (vLLM, DeepSpeed) and the default CUDA torch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet -c constraints.txt)
+
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  if [ "${D3S_GPU:-0}" = 1 ]; then
+    "${pip[@]}" torch==2.13.0
+  elif .venv/bin/python - <<'PY' 2>/dev/null
+import urllib.request
+urllib.request.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=5)
+PY
+  then
+    # PyPI's Linux torch wheel is the CUDA build; the CPU build lives on PyTorch's own index.
+    "${pip[@]}" torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+  else
+    # Offline mirrors (and macOS/Windows PyPI wheels) already carry the CPU build.
+    "${pip[@]}" torch==2.13.0
+  fi
+fi
+extras=test
+[ "${D3S_GPU:-0}" = 1 ] && extras=test,gpu
+"${pip[@]}" -e ".[${extras}]"
+.venv/bin/python -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.version.cuda)'
