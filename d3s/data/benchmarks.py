@@ -10,7 +10,6 @@ the evaluation and the training reward never need to know a benchmark's quirks.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import socket
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 DATA_DIR_ENV = "D3S_DATA_DIR"
-logger = logging.getLogger(__name__)
 
 
 class BenchmarkError(ValueError):
