@@ -264,7 +264,8 @@ def test_time_limit_inside_worker_processes(start_method: str) -> None:
     with context.Pool(2) as pool:
         right, hang = pool.map(_grade_in_child, [(r"\boxed{3}", "3"), (HANGING[0], "1")])
     assert right[0] and not right[1]
-    assert hang == (False, True, pytest.approx(LIMIT_S, abs=SLACK_S))
+    assert hang[:2] == (False, True)
+    assert LIMIT_S <= hang[2] <= LIMIT_S + 2 * SLACK_S
 
 
 def test_default_grader_after_fork() -> None:
