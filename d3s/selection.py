@@ -57,8 +57,9 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
 
     Some optimal subset is the i largest plus the k - i smallest values for some i in 0..k (PODS, Lemma 3.1),
     so we sort once and score all k + 1 splits from prefix sums. Ties are broken deterministically: the sort
-    is stable (equal values keep their index order) and the smallest optimal i wins. The indices come back
-    in ascending order. Work is O(n log n) per row with no Python loop over rows.
+    is stable, so among equal values the top picks take the earliest indices and the bottom picks the
+    latest, and the largest optimal i wins (a constant row keeps its first k). The indices come back in
+    ascending order. Work is O(n log n) per row with no Python loop over rows.
     """
     if values.dim() == 0:
         raise ValueError("values must have at least one dimension (..., n)")
@@ -78,7 +79,7 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
     total = prefix[..., top] + prefix[..., n : n + 1] - prefix[..., bottom_start]
     total_sq = prefix_sq[..., top] + prefix_sq[..., n : n + 1] - prefix_sq[..., bottom_start]
     variance = total_sq / k - (total / k) ** 2
-    best_top = variance.argmax(dim=-1, keepdim=True)  # first maximum: deterministic
+    best_top = k - variance.flip(-1).argmax(dim=-1, keepdim=True)  # the largest optimal i
     slot = torch.arange(k, device=values.device)
     positions = torch.where(slot < best_top, slot, n - k + slot)
     return torch.gather(order, -1, positions).sort(dim=-1).values
