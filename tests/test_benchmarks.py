@@ -106,6 +106,10 @@ def test_synthetic_uses_the_test_split() -> None:
     assert [p.question for p in problems] == [e.prompt for e in expected]
     assert [p.gold for p in problems] == [(e.answer,) for e in expected]
     assert get_benchmark("synthetic").default_template == "raw"
+    small = load_benchmark("synthetic", synthetic={"count": 4, "seed": 1, "max_ops": 1, "max_operand": 9})
+    assert [p.question for p in small] == [
+        e.prompt for e in arithmetic_problems(4, seed=1, max_ops=1, split="test", max_operand=9)
+    ]
     with pytest.raises(bm.BenchmarkError, match="unknown synthetic option"):
         load_benchmark("synthetic", synthetic={"size": 3})
 

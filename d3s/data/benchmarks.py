@@ -420,17 +420,19 @@ def _load_hub_rows(spec: BenchmarkSpec) -> list[tuple[int, dict[str, Any]]]:
 def _load_synthetic(options: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
     from d3s.data.synthetic import arithmetic_problems
 
-    unknown = set(options) - {"count", "seed", "min_ops", "max_ops"}
+    valid = ("count", "seed", "min_ops", "max_ops", "max_operand")
+    unknown = set(options) - set(valid)
     if unknown:
-        raise BenchmarkError(
-            f"unknown synthetic option(s) {sorted(unknown)}; valid: count, seed, min_ops, max_ops"
-        )
+        raise BenchmarkError(f"unknown synthetic option(s) {sorted(unknown)}; valid: {', '.join(valid)}")
+    # Only options given are passed on, so the task's own defaults apply to the rest.
+    extra = {key: int(options[key]) for key in ("max_operand",) if key in options}
     problems = arithmetic_problems(
         int(options.get("count", 200)),
         seed=int(options.get("seed", 0)),
         min_ops=int(options.get("min_ops", 1)),
         max_ops=int(options.get("max_ops", 3)),
         split="test",
+        **extra,
     )
     # The SFT target completion doubles as a reference solution (it ends in \boxed{answer}).
     return [
@@ -451,7 +453,8 @@ def load_benchmark(
     """Load a benchmark's problems (the first ``limit`` of them, if given).
 
     Looks for ``<data_dir or $D3S_DATA_DIR>/<local_path>`` and, when that is absent and ``allow_hub``,
-    the Hugging Face Hub. ``synthetic`` passes count/seed/min_ops/max_ops to the synthetic task.
+    the Hugging Face Hub. ``synthetic`` passes count/seed/min_ops/max_ops/max_operand to the
+    synthetic task.
     Malformed rows (missing question, missing or empty gold, duplicate id) raise
     :class:`MalformedDataError` listing their line numbers (``on_malformed="error"``, the default for
     evaluation benchmarks), or are skipped with a :class:`MalformedRowsWarning` naming them
