@@ -31,11 +31,18 @@ class Method:
 
     def keep_per_prompt(self, num_generations: int) -> tuple[int, int]:
         """(N_init, N_final) for G = ``num_generations``; at least 1."""
-        return tuple(max(1, round(f * num_generations)) for f in (self.keep_fraction_init, self.keep_fraction_final))
+        return tuple(
+            max(1, round(f * num_generations)) for f in (self.keep_fraction_init, self.keep_fraction_final)
+        )
 
 
 # GSPO (arXiv 2507.18071) as TRL documents it: sequence-level importance ratio, clip range 3e-4 / 4e-4.
-GSPO_TRL = {"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "loss_type": "grpo"}
+GSPO_TRL = {
+    "importance_sampling_level": "sequence",
+    "epsilon": 3e-4,
+    "epsilon_high": 4e-4,
+    "loss_type": "grpo",
+}
 
 # D3S schedule values: N 8 -> 32 of G = 32, K 5 % -> 20 % (paper-notes §3; the values are from a secondary source).
 _D3S_SCHEDULE = dict(
@@ -115,7 +122,9 @@ METHODS: dict[str, Method] = {
         token_keep_ratio_init=0.20,
         token_keep_ratio_final=0.20,
     ),
-    "gspo": Method("D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio", trl_settings=GSPO_TRL),
+    "gspo": Method(
+        "D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio", trl_settings=GSPO_TRL
+    ),
     "gspo_d3s": Method(
         "D3S Table 1 row 'GSPO+D3S': D3S selection on top of GSPO",
         sample_rule="max_variance",

@@ -221,7 +221,9 @@ def token_keep_mask(
     if not 0.0 < keep_ratio <= 1.0:
         raise ValueError(f"token_keep_ratio must be in (0, 1]; got {keep_ratio}")
     if scores.shape != valid_mask.shape or scores.dim() != 2:
-        raise ValueError(f"scores and mask must both be (B, T); got {tuple(scores.shape)}, {tuple(valid_mask.shape)}")
+        raise ValueError(
+            f"scores and mask must both be (B, T); got {tuple(scores.shape)}, {tuple(valid_mask.shape)}"
+        )
     valid = valid_mask.bool()
     _check_finite("token scores", scores[valid])
     masked = scores.detach().to(torch.float32).masked_fill(~valid, float("-inf"))
@@ -233,7 +235,9 @@ def token_keep_mask(
         keep = (ranks < _keep_count(keep_ratio, valid.sum())).view_as(valid)
     else:
         order = torch.sort(masked, dim=1, descending=True, stable=True).indices
-        ranks = torch.empty_like(order).scatter_(1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order))
+        ranks = torch.empty_like(order).scatter_(
+            1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order)
+        )
         keep = ranks < _keep_count(keep_ratio, valid.sum(dim=1)).unsqueeze(1)
     keep &= valid
     has_valid = valid.any(dim=1)

@@ -113,7 +113,9 @@ def sft_warm_start(
         c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         encoded.append((p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
+    )
     model.train()
     losses = []
     for _ in range(steps):

@@ -45,7 +45,9 @@ class D3SConfig(GRPOConfig):
 
     method: str = field(
         default="grpo",
-        metadata={"help": "Method name from d3s.methods.METHODS (grpo, pods, d1s, d1s_cross, d2s, d3s, d3s_i, ...)."},
+        metadata={
+            "help": "Method name from d3s.methods.METHODS (grpo, pods, d1s, d1s_cross, d2s, d3s, d3s_i, ...)."
+        },
     )
     sample_rule: str | None = field(
         default=None,
@@ -67,7 +69,9 @@ class D3SConfig(GRPOConfig):
     )
     keep_per_prompt: int | None = field(
         default=None,
-        metadata={"help": f"Rollouts kept per prompt, N (the initial value under a linear schedule). {_FROM_METHOD}."},
+        metadata={
+            "help": f"Rollouts kept per prompt, N (the initial value under a linear schedule). {_FROM_METHOD}."
+        },
     )
     keep_per_prompt_final: int | None = field(
         default=None,
@@ -89,7 +93,9 @@ class D3SConfig(GRPOConfig):
     )
     token_keep_ratio: float | None = field(
         default=None,
-        metadata={"help": f"K in (0, 1], the fraction of tokens kept (initial value under linear). {_FROM_METHOD}."},
+        metadata={
+            "help": f"K in (0, 1], the fraction of tokens kept (initial value under linear). {_FROM_METHOD}."
+        },
     )
     token_keep_ratio_final: float | None = field(
         default=None,
@@ -180,8 +186,10 @@ class D3SConfig(GRPOConfig):
                 "multi_objective_aggregation='sum_then_normalize'"
             )
         if self.token_rule != "none" and self.use_liger_kernel:
-            raise ValueError("token-level selection uses TRL's entropy-mask hook, which Liger kernels skip; "
-                             "set use_liger_kernel=False or token_rule='none'")
+            raise ValueError(
+                "token-level selection uses TRL's entropy-mask hook, which Liger kernels skip; "
+                "set use_liger_kernel=False or token_rule='none'"
+            )
         # TRL splits the kept rows into steps_per_generation micro-batches and silently drops a remainder,
         # and every rank must hold the same number of rows: N x (per-device batch) / G must be whole.
         micro = self.per_device_train_batch_size
@@ -314,7 +322,9 @@ class D3STrainer(GRPOTrainer):
             if key == "advantages" or not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
             if value.shape[0] != local_rows:
-                raise ValueError(f"cannot down-sample generation output {key!r} of shape {tuple(value.shape)}")
+                raise ValueError(
+                    f"cannot down-sample generation output {key!r} of shape {tuple(value.shape)}"
+                )
             if rank_local:
                 selected[key] = value[shares[rank] - rank * local_rows]
             else:  # cross-group selection left ranks uneven: pool the rows, then deal out equal shares
@@ -362,23 +372,33 @@ class D3STrainer(GRPOTrainer):
             self.update_tokens_total += int(counts[0].item())
             self._metrics["train"]["selection/update_tokens"].append(counts[0].item())
             if self._last_token_mask is None:  # every token trained: the selected entropy is TRL's entropy
-                self._metrics["train"]["selection/entropy_selected"].append(self._metrics["train"]["entropy"][-1])
+                self._metrics["train"]["selection/entropy_selected"].append(
+                    self._metrics["train"]["entropy"][-1]
+                )
             self._metrics["train"]["selection/token_keep_fraction"].append(
                 (counts[0] / counts[1].clamp(min=1)).item()
             )
         return loss
 
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
         """Top-K% tokens by |A| x H (or H) instead of TRL's entropy quantile; K = 1 - threshold."""
         keep_ratio = self.top_entropy_quantile
         scores = token_scores(self._loss_advantages, entropies, self.args.token_rule)
         if self.args.token_scope == "batch" and self.accelerator.num_processes > 1:
             # Rank over the micro-batch of every rank, exactly as a single process would see it.
             rows, cols = scores.shape
-            all_scores = self.accelerator.gather(self.accelerator.pad_across_processes(scores, dim=1, pad_index=0))
-            all_mask = self.accelerator.gather(self.accelerator.pad_across_processes(mask, dim=1, pad_index=0))
+            all_scores = self.accelerator.gather(
+                self.accelerator.pad_across_processes(scores, dim=1, pad_index=0)
+            )
+            all_mask = self.accelerator.gather(
+                self.accelerator.pad_across_processes(mask, dim=1, pad_index=0)
+            )
             rank = self.accelerator.process_index
-            keep = token_keep_mask(all_scores, all_mask, keep_ratio, "batch")[rank * rows : (rank + 1) * rows, :cols]
+            keep = token_keep_mask(all_scores, all_mask, keep_ratio, "batch")[
+                rank * rows : (rank + 1) * rows, :cols
+            ]
         else:
             keep = token_keep_mask(scores, mask, keep_ratio, self.args.token_scope)
         self._last_token_mask = keep

@@ -65,7 +65,11 @@ def test_max_variance_subset_batched_rows_are_independent(rows, n, binary, data)
     k = data.draw(st.integers(1, n))
     seed = data.draw(st.integers(0, 10_000))
     g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 2, (rows, 2, n), generator=g).float() if binary else torch.randn(rows, 2, n, generator=g)
+    values = (
+        torch.randint(0, 2, (rows, 2, n), generator=g).float()
+        if binary
+        else torch.randn(rows, 2, n, generator=g)
+    )
     idx = max_variance_subset(values, k)
     assert idx.shape == (rows, 2, k)
     for r, c in itertools.product(range(rows), range(2)):
@@ -87,7 +91,12 @@ def test_dtype_and_device_preserved(dtype):
     values = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]], dtype=dtype)
     idx = max_variance_subset(values, 4)
     assert idx.dtype == torch.long and idx.device == values.device
-    assert sorted(values[0, idx[0]].tolist()) == [1, 1, 6, 9] or sorted(values[0, idx[0]].tolist()) == [1, 1, 9, 6]
+    assert sorted(values[0, idx[0]].tolist()) == [1, 1, 6, 9] or sorted(values[0, idx[0]].tolist()) == [
+        1,
+        1,
+        9,
+        6,
+    ]
 
 
 @pytest.mark.parametrize("k", [0, -1, 9])
@@ -146,7 +155,9 @@ def grpo_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
 def test_group_scope_keeps_exactly_n_per_prompt_with_balanced_binary_mix():
     rewards = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float32)
     adv = grpo_advantages(rewards, 8)
-    kept = select_samples(adv, rewards, num_generations=8, keep_per_prompt=4, rule="max_variance", scope="group")
+    kept = select_samples(
+        adv, rewards, num_generations=8, keep_per_prompt=4, rule="max_variance", scope="group"
+    )
     assert kept[:4].tolist() == [0, 1, 6, 7]  # 2 correct + 2 wrong
     assert 8 in kept.tolist() and rewards[kept[4:]].tolist().count(1.0) == 1  # the single correct + 3 wrong
     per_group = torch.bincount(kept // 8, minlength=2)
@@ -194,7 +205,9 @@ def test_max_reward_and_random_rules():
     assert c.numel() == 4 and len(set(c.tolist())) == 4
     counts = torch.zeros(8)
     for seed in range(400):  # every rollout is reachable, roughly uniformly
-        counts[select_samples(adv, rewards, 4, 2, "random", "group", torch.Generator().manual_seed(seed))] += 1
+        counts[
+            select_samples(adv, rewards, 4, 2, "random", "group", torch.Generator().manual_seed(seed))
+        ] += 1
     assert counts.min() > 150 and counts.max() < 250
 
 
@@ -231,7 +244,9 @@ def test_renormalize_matches_pods_formula():
     # a group with one kept member or unscorable rewards gets A = 0, never NaN
     single = renormalize_advantages(torch.tensor([1.0, float("nan"), 0.0, 0.0]), torch.tensor([0, 1]), 4)
     assert single.tolist() == [0.0, 0.0]
-    assert renormalize_advantages(rewards, kept, 4, scale=False)[:3].tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    assert renormalize_advantages(rewards, kept, 4, scale=False)[:3].tolist() == pytest.approx(
+        [1 / 3, -2 / 3, 1 / 3]
+    )
 
 
 # ---- token level ---------------------------------------------------------------------------------------------
@@ -240,10 +255,14 @@ def test_renormalize_matches_pods_formula():
 def test_token_scores_rules():
     entropies = torch.tensor([[0.5, 1.0], [2.0, 0.1]])
     advantages = torch.tensor([-2.0, 0.5])
-    assert torch.allclose(token_scores(advantages, entropies, "adv_entropy"), torch.tensor([[1.0, 2.0], [1.0, 0.05]]))
+    assert torch.allclose(
+        token_scores(advantages, entropies, "adv_entropy"), torch.tensor([[1.0, 2.0], [1.0, 0.05]])
+    )
     assert torch.equal(token_scores(advantages, entropies, "entropy"), entropies)
     per_token = torch.tensor([[1.0, -3.0], [0.0, 2.0]])
-    assert torch.allclose(token_scores(per_token, entropies, "adv_entropy"), torch.tensor([[0.5, 3.0], [0.0, 0.2]]))
+    assert torch.allclose(
+        token_scores(per_token, entropies, "adv_entropy"), torch.tensor([[0.5, 3.0], [0.0, 0.2]])
+    )
 
 
 def brute_force_token_mask(scores, valid, keep_ratio, scope):
@@ -272,7 +291,11 @@ def brute_force_token_mask(scores, valid, keep_ratio, scope):
 )
 def test_token_keep_mask_matches_brute_force(rows, cols, keep_ratio, scope, ties, seed):
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 3, (rows, cols), generator=g).float() if ties else torch.rand(rows, cols, generator=g)
+    scores = (
+        torch.randint(0, 3, (rows, cols), generator=g).float()
+        if ties
+        else torch.rand(rows, cols, generator=g)
+    )
     lengths = torch.randint(0, cols + 1, (rows,), generator=g)
     valid = torch.arange(cols).unsqueeze(0) < lengths.unsqueeze(1)  # right padding
     keep = token_keep_mask(scores, valid, keep_ratio, scope)

@@ -1,0 +1,178 @@
+"""`d3s train`: one RL run from a small YAML/dict config.
+
+    method: d3s                   # d3s.methods.METHODS
+    model: tiny                   # "tiny" (built in code and warm-started by SFT) or a path / hub id
+    seed: 0
+    threads: 1                    # torch threads (recorded; results depend on it on CPU)
+    output_dir: runs/d3s
+    dataset: {name: synthetic, count: 2000, max_ops: 1, max_operand: 9}
+    template: raw                 # raw | plain | qwen_math_cot | auto (d3s.data.templates)
+    tiny: {sft_steps: 150}        # only for model: tiny
+    trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
+
+Everything is validated (method, trainer fields, batch geometry) before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from d3s.methods import get_method
+
+TOP_LEVEL_KEYS = {
+    "method",
+    "model",
+    "seed",
+    "threads",
+    "output_dir",
+    "dataset",
+    "template",
+    "tiny",
+    "trainer",
+    "data_dir",
+}
+
+# Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
+CPU_DEFAULTS: dict[str, Any] = {
+    "report_to": "none",
+    "save_strategy": "no",
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "beta": 0.0,
+    "loss_type": "dapo",
+}
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        config = yaml.safe_load(fh) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return config
+
+
+def resolve_config(config: dict[str, Any]):
+    """Check the config and build the D3SConfig; raises ValueError naming the field to change."""
+    from d3s.trainer import D3SConfig
+
+    unknown = set(config) - TOP_LEVEL_KEYS
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; valid keys: {sorted(TOP_LEVEL_KEYS)}")
+    method = config.get("method", "grpo")
+    get_method(method)
+    trainer = dict(config.get("trainer") or {})
+    valid_fields = {f.name for f in dataclasses.fields(D3SConfig)}
+    bad = sorted(set(trainer) - valid_fields)
+    if bad:
+        raise ValueError(
+            f"unknown trainer option(s) {bad}: every option must be a field of D3SConfig / GRPOConfig"
+        )
+    use_cpu = not torch.cuda.is_available()
+    settings = {**CPU_DEFAULTS, "use_cpu": use_cpu} if use_cpu else {"report_to": "none"}
+    settings |= {
+        "seed": int(config.get("seed", 0)),
+        "output_dir": str(config.get("output_dir", f"runs/{method}")),
+    }
+    settings |= trainer
+    return D3SConfig.for_method(method, **settings)
+
+
+def _training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
+    dataset = dict(config.get("dataset") or {"name": "synthetic"})
+    name = dataset.pop("name", "synthetic")
+    if name == "synthetic":
+        from d3s.data.synthetic import arithmetic_problems
+
+        problems = arithmetic_problems(
+            split="train", seed=int(config.get("seed", 0)), **{"count": 2000} | dataset
+        )
+        return [{"prompt": p.prompt, "answer": p.answer} for p in problems]
+    from d3s.data.benchmarks import load_benchmark
+    from d3s.data.templates import build_prompt
+
+    problems = load_benchmark(name, config.get("data_dir"), limit=dataset.get("limit"))
+    template = config.get("template", "auto")
+    return [
+        {"prompt": build_prompt(p.question, template, tokenizer), "answer": list(p.gold)} for p in problems
+    ]
+
+
+def _load_model(config: dict[str, Any], output_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_name = config.get("model", "tiny")
+    if model_name != "tiny":
+        return AutoModelForCausalLM.from_pretrained(model_name), AutoTokenizer.from_pretrained(model_name)
+    from d3s.data.synthetic import arithmetic_problems
+    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+
+    tiny = {"sft_steps": 150, "sft_problems": 2000, "max_ops": 1, "max_operand": 9} | dict(
+        config.get("tiny") or {}
+    )
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=int(config.get("seed", 0)))
+    problems = arithmetic_problems(
+        tiny["sft_problems"], seed=1000, max_ops=tiny["max_ops"], max_operand=tiny["max_operand"]
+    )
+    losses = sft_warm_start(
+        model, tokenizer, [(p.prompt, p.completion) for p in problems], steps=tiny["sft_steps"]
+    )
+    (output_dir / "sft_losses.json").write_text(json.dumps(losses))
+    return model, tokenizer
+
+
+def train(config: dict[str, Any]) -> Path:
+    """Run one training job; returns the run directory (metrics.jsonl, resolved_config.yaml, final/)."""
+    args = resolve_config(config)
+    threads = int(config.get("threads", 1))
+    torch.set_num_threads(threads)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    from datasets import Dataset
+
+    from d3s.rewards import accuracy_reward
+    from d3s.trainer import D3STrainer
+
+    model, tokenizer = _load_model(config, output_dir)
+    rows = _training_rows(config, tokenizer)
+    resolved = {
+        **config,
+        "threads": threads,
+        "resolved_trainer": {k: _plain(v) for k, v in args.to_dict().items()},
+        "method_settings": dataclasses.asdict(get_method(args.method)),
+    }
+    (output_dir / "resolved_config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    trainer = D3STrainer(
+        model=model,
+        args=args,
+        reward_funcs=[accuracy_reward],
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    start = time.perf_counter()
+    trainer.train()
+    elapsed = time.perf_counter() - start
+    trainer.save_model(str(output_dir / "final"))
+    tokenizer.save_pretrained(str(output_dir / "final"))
+    summary = {"train_seconds": elapsed, "steps": trainer.state.global_step, "threads": threads}
+    (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    return output_dir
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)

@@ -1,0 +1,312 @@
+"""D3SConfig validation and D3STrainer on the tiny model: real generation, real math-verify rewards."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from d3s.data.synthetic import arithmetic_problems
+from d3s.methods import METHODS, get_method
+from d3s.trainer import D3SConfig
+
+BASE = dict(
+    per_device_train_batch_size=16,
+    num_generations=8,
+    max_completion_length=24,
+    learning_rate=1e-3,
+    use_cpu=True,
+    report_to="none",
+    save_strategy="no",
+    bf16=False,
+    gradient_checkpointing=False,
+    beta=0.0,
+    seed=0,
+)
+
+
+def config(tmp_path, method="grpo", **overrides) -> D3SConfig:
+    return D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(BASE | overrides))
+
+
+# ---- registry and config validation (fast) ------------------------------------------------------------------
+
+EXPECTED_METHODS = {
+    "grpo",
+    "pods",
+    "d1s",
+    "d1s_cross",
+    "d2s",
+    "d3s",
+    "d3s_i",
+    "entropy_8020",
+    "gspo",
+    "gspo_d3s",
+}
+
+
+def test_registry_covers_the_paper_and_documents_rows():
+    assert set(METHODS) >= EXPECTED_METHODS
+    for name, method in METHODS.items():
+        assert len(method.reproduces) > 20, f"{name} must say which paper row it reproduces"
+    with pytest.raises(ValueError, match="unknown method 'd4s'; valid methods: .*d3s, d3s_i"):
+        get_method("d4s")
+
+
+def test_method_defaults_resolve_against_num_generations(tmp_path):
+    d3s = config(tmp_path, "d3s")
+    assert (d3s.sample_rule, d3s.sample_scope, d3s.renormalize) == ("max_variance", "batch", False)
+    assert (d3s.keep_per_prompt, d3s.keep_per_prompt_final) == (2, 8)  # 0.25 G -> G
+    assert (d3s.token_rule, d3s.token_keep_ratio, d3s.token_keep_ratio_final) == ("adv_entropy", 0.05, 0.2)
+    assert d3s.schedule == "linear"
+    pods = config(tmp_path, "pods")
+    assert (pods.sample_scope, pods.renormalize, pods.keep_per_prompt, pods.token_rule) == (
+        "group",
+        True,
+        2,
+        "none",
+    )
+    assert config(tmp_path, "d3s_i").sample_scope == "group"
+    grpo = config(tmp_path, "grpo")
+    assert (grpo.sample_rule, grpo.keep_per_prompt, grpo.token_rule) == ("none", 8, "none")
+    gspo = config(tmp_path, "gspo_d3s")
+    assert (gspo.importance_sampling_level, gspo.epsilon, gspo.epsilon_high) == ("sequence", 3e-4, 4e-4)
+    explicit = config(tmp_path, "d3s", keep_per_prompt=4, token_keep_ratio=0.1, schedule="constant")
+    assert (explicit.keep_per_prompt_final, explicit.token_keep_ratio_final) == (4, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("method", "overrides", "message"),
+    [
+        (
+            "d1s",
+            {"keep_per_prompt": 9},
+            "keep_per_prompt must be an integer between 1 and num_generations = 8",
+        ),
+        ("d3s", {"keep_per_prompt_final": 12}, "keep_per_prompt_final must be an integer between 1"),
+        ("d2s", {"token_keep_ratio": 0.0}, r"token_keep_ratio must be in \(0, 1\]"),
+        ("d2s", {"token_keep_ratio": 1.5}, r"token_keep_ratio must be in \(0, 1\]"),
+        ("d1s", {"sample_rule": "best"}, "sample_rule must be one of max_variance, random, max_reward, none"),
+        ("d1s", {"sample_scope": "global"}, "sample_scope must be one of group, batch"),
+        ("d2s", {"token_scope": "token"}, "token_scope must be one of batch, sequence"),
+        ("d3s", {"schedule": "cosine"}, "schedule must be one of constant, linear"),
+        # 3 x 12 / 8 = 4.5 kept rows per micro-batch: TRL's split would drop rows
+        (
+            "d1s",
+            {"keep_per_prompt": 3, "per_device_train_batch_size": 12, "steps_per_generation": 2},
+            "not a whole number: TRL would drop rows",
+        ),
+        # the schedule 2 -> 8 passes N = 3, and 3 x 4 / 8 is not whole
+        (
+            "d3s",
+            {"per_device_train_batch_size": 4, "steps_per_generation": 4},
+            r"keep_per_prompt = 3 \(reached by the schedule\)",
+        ),
+        ("pods", {"multi_objective_aggregation": "normalize_then_sum"}, "renormalize=True"),
+    ],
+)
+def test_config_rejects_bad_values_with_a_fix(tmp_path, method, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, method, **overrides)
+
+
+def test_gspo_needs_its_trl_settings(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"method 'gspo' needs importance_sampling_level='sequence'.*for_method"
+    ):
+        D3SConfig(method="gspo", output_dir=str(tmp_path), **BASE)
+    with pytest.raises(ValueError, match="unknown method"):
+        D3SConfig(method="nope", output_dir=str(tmp_path), **BASE)
+
+
+# ---- training on the tiny model (slow) ------------------------------------------------------------------------
+
+
+def length_reward(completions, **kwargs):
+    """A deterministic, real reward with spread in every group, so selection always has work to do."""
+    return [float(len(c) % 5) for c in completions]
+
+
+def train_rows(count=200):
+    return Dataset.from_list(
+        [
+            {"prompt": p.prompt, "answer": p.answer}
+            for p in arithmetic_problems(count, max_ops=1, max_operand=9)
+        ]
+    )
+
+
+def make_trainer(model_path, args, reward_funcs=None, trainer_cls=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from d3s.rewards import accuracy_reward
+    from d3s.trainer import D3STrainer
+
+    torch.set_num_threads(2)
+    return (trainer_cls or D3STrainer)(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        args=args,
+        reward_funcs=reward_funcs or [accuracy_reward],
+        train_dataset=train_rows(),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def step_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_trains_on_the_tiny_model(tmp_path, tiny_sft_model, method):
+    from d3s.rewards import accuracy_reward
+
+    args = config(tmp_path, method, max_steps=2)
+    trainer = make_trainer(tiny_sft_model, args, [accuracy_reward, length_reward])
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    logs = step_logs(trainer)
+    assert len(logs) == 2
+    schedule = args.selection_schedule
+    for step, entry in enumerate(logs):
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"])
+        keep = schedule.keep_per_prompt(step / 2)
+        assert entry["schedule/keep_per_prompt"] == keep
+        assert entry["selection/sample_keep_fraction"] == pytest.approx(keep / 8)
+        ratio = schedule.token_keep_ratio(step / 2)
+        assert entry["schedule/token_keep_ratio"] == pytest.approx(ratio)
+        if args.token_rule == "none":
+            assert entry["selection/token_keep_fraction"] == 1.0
+        else:  # ceil(K x tokens) by rank plus at most one forced token per kept sequence
+            assert ratio <= entry["selection/token_keep_fraction"] < ratio + 0.25
+        for key in (
+            "selection/adv_var_before",
+            "selection/adv_var_after",
+            "selection/useful_fraction",
+            "selection/entropy_selected",
+            "selection/update_tokens_cumulative",
+            "entropy",
+            "reward",
+        ):
+            assert key in entry, key
+    assert logs[1]["selection/update_tokens_cumulative"] > logs[0]["selection/update_tokens_cumulative"] > 0
+    changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert changed, "the length reward gives every group spread, so the policy must move"
+    lines = (tmp_path / method / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_grpo_reproduces_trl_grpo_trainer_exactly(tmp_path, tiny_sft_model):
+    """Selection off: same losses every step and bitwise-identical weights after 3 steps."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from d3s.rewards import accuracy_reward
+
+    fields = BASE | {"max_steps": 3, "logging_steps": 1}
+    reference = make_trainer(
+        tiny_sft_model,
+        GRPOConfig(output_dir=str(tmp_path / "trl"), **fields),
+        [accuracy_reward, length_reward],
+        trainer_cls=GRPOTrainer,
+    )
+    reference.train()
+    ours = make_trainer(
+        tiny_sft_model, config(tmp_path, "grpo", max_steps=3), [accuracy_reward, length_reward]
+    )
+    ours.train()
+    ref_logs, our_logs = step_logs(reference), step_logs(ours)
+    assert [e["loss"] for e in our_logs] == [e["loss"] for e in ref_logs]
+    assert [e["reward"] for e in our_logs] == [e["reward"] for e in ref_logs]
+    assert any(e["loss"] != 0 for e in ref_logs)
+    ref_state = reference.model.state_dict()
+    for name, value in ours.model.state_dict().items():
+        assert torch.equal(value, ref_state[name]), name
+
+
+class RecordingTrainerMixin:
+    """Records what selection produced each generation and each token mask, for the checks below."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.recorded_batches.append({k: v for k, v in output.items()})
+        return output
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        keep = super().get_high_entropy_mask(entropies, mask, threshold)
+        self.recorded_masks.append((mask.bool().clone(), keep.clone(), self.top_entropy_quantile))
+        return keep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["pods", "d1s_cross", "d3s", "d3s_i"])
+def test_kept_rows_masks_and_schedule(tmp_path, tiny_sft_model, method, monkeypatch):
+    import d3s.trainer as trainer_module
+    from d3s.rewards import accuracy_reward
+
+    calls = []
+    real_select = trainer_module.select_samples
+
+    def recording_select(advantages, rewards, **kwargs):
+        kept = real_select(advantages, rewards, **kwargs)
+        calls.append((advantages.clone(), rewards.clone(), kwargs, kept))
+        return kept
+
+    monkeypatch.setattr(trainer_module, "select_samples", recording_select)
+    trainer_cls = type("Recording", (RecordingTrainerMixin, trainer_module.D3STrainer), {})
+    args = config(tmp_path, method, max_steps=4)
+    trainer = make_trainer(tiny_sft_model, args, [accuracy_reward, length_reward], trainer_cls=trainer_cls)
+    trainer.recorded_batches, trainer.recorded_masks = [], []
+    trainer.train()
+
+    expected_keep = [args.selection_schedule.keep_per_prompt(step / 4) for step in range(4)]
+    if method in ("d3s", "d3s_i"):
+        assert expected_keep == [2, 4, 5, 7]  # linear 2 -> 8 over 4 steps, halves rounded up
+    assert [c[2]["keep_per_prompt"] for c in calls] == expected_keep
+    for (advantages, _rewards, _kwargs, kept), batch, keep in zip(
+        calls, trainer.recorded_batches, expected_keep, strict=True
+    ):
+        prompts = advantages.numel() // 8
+        assert kept.numel() == keep * prompts == batch["completion_ids"].shape[0]
+        if args.sample_scope == "group":
+            assert torch.bincount(kept // 8, minlength=prompts).tolist() == [keep] * prompts
+        if args.renormalize:  # PODS: zero mean within each kept group
+            for group in range(prompts):
+                members = (kept // 8) == group
+                assert batch["advantages"][members].sum().abs() < 1e-4
+        else:  # D-family: the advantages computed over all G, unchanged
+            assert torch.equal(batch["advantages"], advantages[kept])
+        assert batch["num_items_in_batch"] == batch["completion_mask"].sum()
+        if args.sample_rule == "max_variance":  # no random subset of the same shape beats the kept one
+            g = torch.Generator().manual_seed(0)
+            kept_var = advantages[kept].double().var(unbiased=False)
+            for _ in range(200):
+                if args.sample_scope == "group":
+                    rand = (
+                        torch.rand(prompts, 8, generator=g).argsort(1)[:, :keep]
+                        + 8 * torch.arange(prompts)[:, None]
+                    )
+                else:
+                    rand = torch.randperm(advantages.numel(), generator=g)[: kept.numel()]
+                rand_var = advantages[rand.flatten()].double().var(unbiased=False)
+                if args.sample_scope == "batch":
+                    assert kept_var >= rand_var - 1e-9
+            if args.sample_scope == "group":  # per group: the kept subset's variance is each group's best
+                for group in range(prompts):
+                    members = kept[(kept // 8) == group]
+                    values = advantages[group * 8 : (group + 1) * 8].double()
+                    best = max(
+                        values[torch.randperm(8, generator=g)[:keep]].var(unbiased=False) for _ in range(200)
+                    )
+                    assert advantages[members].double().var(unbiased=False) >= best - 1e-9
+    if args.token_rule != "none":
+        assert len(trainer.recorded_masks) == 4
+        for step, (valid, keep_mask, ratio) in enumerate(trainer.recorded_masks):
+            assert ratio == pytest.approx(args.selection_schedule.token_keep_ratio(step / 4))
+            assert not (keep_mask & ~valid).any()
+            assert torch.equal(keep_mask.any(1), valid.any(1))
+            by_rank = math.ceil(ratio * valid.sum().item() - 1e-9)
+            assert by_rank <= keep_mask.sum() <= by_rank + valid.shape[0]
