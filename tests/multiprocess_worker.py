@@ -1,0 +1,91 @@
+"""Run by tests/test_multiprocess.py under `torchrun --nproc_per_node 2` (gloo on CPU).
+
+Trains a few steps and writes, per rank, the kept rows decided at each generation, the local row and
+token counts, and TRL's num_items_in_batch, so the test can compare ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import d3s.trainer as trainer_module
+from d3s.data.synthetic import arithmetic_problems
+from d3s.rewards import accuracy_reward
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c) % 5) for c in completions]
+
+
+def main(model_path: str, method: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    decisions: list[list[int]] = []
+    batches: list[dict] = []
+    real_select = trainer_module.select_samples
+
+    def recording_select(advantages, rewards, **kwargs):
+        kept = real_select(advantages, rewards, **kwargs)
+        settings = {k: v for k, v in kwargs.items() if k != "generator"}
+        decisions.append(
+            {"kept": kept.tolist(), "advantages": advantages.tolist(), "rewards": rewards.tolist(), **settings}
+        )
+        return kept
+
+    trainer_module.select_samples = recording_select
+
+    class Recording(trainer_module.D3STrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            batches.append(
+                {
+                    "rows": output["completion_ids"].shape[0],
+                    "num_items_in_batch": output["num_items_in_batch"].item(),
+                    "local_tokens": output["completion_mask"].sum().item(),
+                }
+            )
+            return output
+
+    args = trainer_module.D3SConfig.for_method(
+        method,
+        output_dir=f"{out_dir}/{method}",
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=16,
+        max_steps=3,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        gradient_checkpointing=False,
+        learning_rate=1e-3,
+        seed=0,
+    )
+    rows = [
+        {"prompt": p.prompt, "answer": p.answer} for p in arithmetic_problems(100, max_ops=1, max_operand=9)
+    ]
+    trainer = Recording(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        args=args,
+        reward_funcs=[accuracy_reward, length_reward],
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    record = {
+        "world_size": trainer.accelerator.num_processes,
+        "decisions": decisions,
+        "batches": batches,
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    }
+    with open(f"{out_dir}/{method}_rank{rank}.json", "w") as fh:
+        json.dump(record, fh)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
