@@ -47,7 +47,6 @@ CPU_DEFAULTS: dict[str, Any] = {
     "bf16": False,
     "gradient_checkpointing": False,
     "beta": 0.0,
-    "loss_type": "dapo",
 }
 
 

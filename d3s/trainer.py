@@ -128,8 +128,9 @@ class D3SConfig(GRPOConfig):
         for name, value in method.trl_settings.items():
             if getattr(self, name) != value:
                 raise ValueError(
-                    f"method {self.method!r} needs {name}={value!r} (got {getattr(self, name)!r}); build the "
-                    f"config with D3SConfig.for_method({self.method!r}, ...) or set {name}={value!r}"
+                    f"method {self.method!r} needs {name}={value!r} (got {getattr(self, name)!r}): drop the "
+                    f"{name} override, or build the config with D3SConfig.for_method({self.method!r}, ...), "
+                    "which sets it"
                 )
         super().__post_init__()
         self._resolve_from_method(method)

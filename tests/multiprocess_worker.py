@@ -32,7 +32,12 @@ def main(model_path: str, method: str, out_dir: str) -> None:
         kept = real_select(advantages, rewards, **kwargs)
         settings = {k: v for k, v in kwargs.items() if k != "generator"}
         decisions.append(
-            {"kept": kept.tolist(), "advantages": advantages.tolist(), "rewards": rewards.tolist(), **settings}
+            {
+                "kept": kept.tolist(),
+                "advantages": advantages.tolist(),
+                "rewards": rewards.tolist(),
+                **settings,
+            }
         )
         return kept
 

@@ -47,6 +47,18 @@ def _k_list(text: str) -> list[int]:
     return ks
 
 
+def _synthetic_options(text: str) -> dict[str, int]:
+    options = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--synthetic takes KEY=INTEGER pairs such as max_ops=1; got {part!r}"
+            )
+        options[key.strip()] = int(value)
+    return options
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``d3s eval`` options to ``parser``."""
     parser.add_argument("--model", help="model directory or Hugging Face id (required unless --audit)")
@@ -114,6 +126,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM GPU memory fraction")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM max model length")
+    parser.add_argument(
+        "--synthetic",
+        type=_synthetic_options,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="options of the synthetic task (count, seed, min_ops, max_ops, max_operand), e.g. max_ops=1,max_operand=9",
+    )
     parser.add_argument("--overwrite", action="store_true", help="discard existing samples in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument(
@@ -165,9 +184,11 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     return names, settings, backend
 
 
-def _load_all(names: list[str], data_dir: Path | None, limit: int | None) -> dict[str, list[Problem]]:
+def _load_all(
+    names: list[str], data_dir: Path | None, limit: int | None, synthetic: dict[str, int] | None = None
+) -> dict[str, list[Problem]]:
     """Load every benchmark up front: missing or malformed data fails before the model loads."""
-    return {name: load_benchmark(name, data_dir, limit=limit) for name in names}
+    return {name: load_benchmark(name, data_dir, limit=limit, synthetic=synthetic) for name in names}
 
 
 def _run_audit(args: argparse.Namespace, names: list[str] | None) -> int:
@@ -195,7 +216,7 @@ def run_eval(args: argparse.Namespace) -> int:
             explicit = args.benchmarks != DEFAULT_BENCHMARKS
             return _run_audit(args, names if explicit else None)
         data_dir = resolve_data_dir(args.data_dir)
-        problems = _load_all(names, data_dir, args.limit)
+        problems = _load_all(names, data_dir, args.limit, getattr(args, "synthetic", None))
     except (ValueError, BenchmarkError) as exc:
         print(f"d3s eval: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,82 @@
+"""`d3s train` end to end on the tiny model, and its refusals before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from d3s.cli import main
+from d3s.train import resolve_config
+
+
+def write_config(tmp_path, **overrides):
+    config = {
+        "method": "d3s",
+        "model": "tiny",
+        "threads": 2,
+        "output_dir": str(tmp_path / "run"),
+        "tiny": {"sft_steps": 20},
+        "dataset": {"name": "synthetic", "count": 100, "max_ops": 1, "max_operand": 9},
+        "trainer": {
+            "max_steps": 2,
+            "per_device_train_batch_size": 16,
+            "num_generations": 8,
+            "max_completion_length": 16,
+        },
+    } | overrides
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_d3s_train_cli_writes_a_complete_run_directory(tmp_path):
+    path = write_config(tmp_path)
+    assert main(["train", "--config", str(path), "--method", "pods", "--set", "learning_rate=0.001"]) == 0
+    run = tmp_path / "run"
+    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert resolved["method"] == "pods" and resolved["resolved_trainer"]["learning_rate"] == 0.001
+    assert resolved["resolved_trainer"]["sample_rule"] == "max_variance" and resolved["threads"] == 2
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "loss" in s] == [1, 2]
+    assert (run / "final" / "config.json").is_file() and (run / "final" / "tokenizer.json").is_file()
+    assert json.loads((run / "train_summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"method": "d4s"}, "unknown method 'd4s'; valid methods"),
+        (
+            {"trainer": {"keep_per_prompt": 9, "num_generations": 8}},
+            "keep_per_prompt must be an integer between 1",
+        ),
+        ({"trainer": {"max_step": 3}}, r"unknown trainer option\(s\) \['max_step'\]"),
+        ({"optimiser": "adam"}, r"unknown config keys \['optimiser'\]"),
+    ],
+)
+def test_bad_config_is_refused_before_loading_a_model(tmp_path, overrides, message, capsys):
+    path = write_config(tmp_path, **overrides)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_resolve_config_applies_method_trl_settings():
+    args = resolve_config({"method": "gspo_d3s", "output_dir": "/tmp/x", "trainer": {"num_generations": 8}})
+    assert args.importance_sampling_level == "sequence" and args.loss_type == "grpo"
+    with pytest.raises(ValueError, match="drop the loss_type override"):
+        resolve_config({"method": "gspo", "output_dir": "/tmp/x", "trainer": {"loss_type": "dapo"}})
+
+
+def test_console_entry_point_lists_subcommands():
+    out = subprocess.run(
+        [sys.executable, "-m", "d3s.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "train" in out.stdout and "eval" in out.stdout
