@@ -112,6 +112,19 @@ class D3SConfig(GRPOConfig):
         default="metrics.jsonl",
         metadata={"help": "One JSON object per logging step, relative to output_dir (None: off)."},
     )
+    anatomy_every: int = field(
+        default=0,
+        metadata={
+            "help": "Every this many steps, append what selection did (per-group rewards, advantages and kept "
+            "rollouts; scored tokens of a few kept completions) to output_dir/anatomy.jsonl. 0: off."
+        },
+    )
+    anatomy_examples: int = field(
+        default=4,
+        metadata={
+            "help": "Completions per anatomy record whose tokens, entropies, scores and mask are written."
+        },
+    )
     logging_steps: float = field(
         default=1,
         metadata={"help": "Log every step (TRL's default is 10); the analysis reads per-step metrics."},
@@ -177,6 +190,8 @@ class D3SConfig(GRPOConfig):
                     f"{name} must be an integer between 1 and num_generations = {G} at every point of the "
                     f"schedule; got {value!r}. Lower it or raise num_generations."
                 )
+        if self.anatomy_every < 0 or self.anatomy_examples < 0:
+            raise ValueError("anatomy_every and anatomy_examples must be >= 0 (0 turns the anatomy log off)")
         for name in ("token_keep_ratio", "token_keep_ratio_final"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -251,6 +266,8 @@ class D3STrainer(GRPOTrainer):
         self.update_tokens_total = 0  # tokens that reached the policy gradient, all ranks, all steps
         self._rewards_per_func: torch.Tensor | None = None
         self._loss_advantages: torch.Tensor | None = None
+        self._loss_inputs: dict | None = None
+        self._anatomy_tokens_due = False
         if self.args.metrics_log:
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
 
@@ -278,8 +295,13 @@ class D3STrainer(GRPOTrainer):
         metrics["schedule/token_keep_ratio"].append(self.selection_schedule.token_keep_ratio(progress))
 
         all_advantages = self.accelerator.gather(output["advantages"])
+        anatomy_due = self.args.anatomy_every > 0 and self.state.global_step % self.args.anatomy_every == 0
+        self._anatomy_tokens_due = anatomy_due
         if self.args.sample_rule == "none" or keep == self.num_generations:
             self._log_selection(all_advantages, all_advantages, total=all_advantages.numel())
+            if anatomy_due:
+                everything = torch.arange(all_advantages.numel(), device=all_advantages.device)
+                self._write_sample_anatomy(all_advantages, everything, keep)
             return output
 
         rewards = self._summed_rewards(all_advantages.device)
@@ -300,6 +322,8 @@ class D3STrainer(GRPOTrainer):
         else:
             kept_advantages = all_advantages[kept]
         self._log_selection(all_advantages, kept_advantages, total=all_advantages.numel())
+        if anatomy_due:
+            self._write_sample_anatomy(all_advantages, kept, keep)
         return self._keep_rows(output, kept, kept_advantages)
 
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
@@ -362,6 +386,7 @@ class D3STrainer(GRPOTrainer):
         # TRL calls get_high_entropy_mask only when this is < 1; K = 1 means every token trains.
         self.top_entropy_quantile = ratio if active else 1.0
         self._loss_advantages = inputs["advantages"]
+        self._loss_inputs = inputs
         self._last_token_mask = None
         loss = super()._compute_loss(model, inputs)
         if training:
@@ -403,10 +428,69 @@ class D3STrainer(GRPOTrainer):
         else:
             keep = token_keep_mask(scores, mask, keep_ratio, self.args.token_scope)
         self._last_token_mask = keep
+        if self._anatomy_tokens_due:
+            self._anatomy_tokens_due = False  # the first micro-batch of the step stands for it
+            self._write_token_anatomy(entropies, scores, keep, mask)
         stats = torch.stack([(entropies.detach() * keep).sum(), keep.sum()]).to(torch.float64)
         stats = self.accelerator.reduce(stats, reduction="sum")
         self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
         return keep
+
+    # ---- anatomy log ----------------------------------------------------------------------------------------
+
+    def _append_anatomy(self, record: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "anatomy.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def _write_sample_anatomy(self, advantages: torch.Tensor, kept: torch.Tensor, keep: int) -> None:
+        G = self.num_generations  # noqa: N806
+        rewards = self._summed_rewards(advantages.device).view(-1, G)
+        kept_mask = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
+        kept_mask[kept] = True
+        groups = [
+            {"rewards": r, "advantages": a, "kept": k}
+            for r, a, k in zip(
+                rewards.tolist(), advantages.view(-1, G).tolist(), kept_mask.view(-1, G).tolist(), strict=True
+            )
+        ]
+        self._append_anatomy(
+            {
+                "kind": "samples",
+                "step": self.state.global_step,
+                "keep_per_prompt": keep,
+                "num_generations": G,
+                "groups": groups,
+            }
+        )
+
+    def _write_token_anatomy(
+        self, entropies: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
+    ) -> None:
+        ids = self._loss_inputs["completion_ids"]
+        advantages = self._loss_advantages
+        examples = []
+        for row in range(min(self.args.anatomy_examples, ids.shape[0])):
+            valid = mask[row].bool()
+            examples.append(
+                {
+                    "tokens": [self.processing_class.decode([t]) for t in ids[row][valid].tolist()],
+                    "entropy": entropies[row][valid].detach().float().tolist(),
+                    "score": scores[row][valid].float().tolist(),
+                    "selected": keep[row][valid].tolist(),
+                    "advantage": float(advantages[row].float().mean()),
+                }
+            )
+        self._append_anatomy(
+            {
+                "kind": "tokens",
+                "step": self.state.global_step,
+                "token_keep_ratio": self.top_entropy_quantile,
+                "examples": examples,
+            }
+        )
 
     # ---- logging ------------------------------------------------------------------------------------------
 

@@ -310,3 +310,35 @@ def test_kept_rows_masks_and_schedule(tmp_path, tiny_sft_model, method, monkeypa
             assert torch.equal(keep_mask.any(1), valid.any(1))
             by_rank = math.ceil(ratio * valid.sum().item() - 1e-9)
             assert by_rank <= keep_mask.sum() <= by_rank + valid.shape[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["d3s", "grpo"])
+def test_anatomy_log_records_what_selection_did(tmp_path, tiny_sft_model, method):
+    from d3s.rewards import accuracy_reward
+
+    args = config(tmp_path, method, max_steps=2, anatomy_every=1, anatomy_examples=3)
+    trainer = make_trainer(tiny_sft_model, args, [accuracy_reward, length_reward])
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / method / "anatomy.jsonl").read_text().splitlines()]
+    samples = [r for r in records if r["kind"] == "samples"]
+    tokens = [r for r in records if r["kind"] == "tokens"]
+    assert [r["step"] for r in samples] == [0, 1]
+    for record in samples:
+        keep = record["keep_per_prompt"]
+        assert keep == args.selection_schedule.keep_per_prompt(record["step"] / 2)
+        groups = record["groups"]
+        assert len(groups) == 2 and all(len(g["advantages"]) == 8 for g in groups)  # 16 rollouts / 8
+        assert sum(sum(g["kept"]) for g in groups) == keep * len(groups)
+    if args.token_rule == "none":
+        assert tokens == []
+        return
+    assert [r["step"] for r in tokens] == [0, 1]
+    for record in tokens:
+        assert len(record["examples"]) == 3
+        for example in record["examples"]:
+            n = len(example["tokens"])
+            assert n == len(example["entropy"]) == len(example["score"]) == len(example["selected"]) > 0
+            expected = [abs(example["advantage"]) * h for h in example["entropy"]]
+            assert example["score"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+            assert any(example["selected"])
