@@ -1,0 +1,29 @@
+# d3s-repro: the reproduction workflow. `snakemake --cores 2` runs the tiny offline default
+# (config/config.yaml); `snakemake --cores N --configfile config/paper/<name>.yaml` a paper configuration.
+# Stages, one file each under workflow/rules/: base model, train, evaluate, analyse, report.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+if not config:  # a --configfile replaces the default instead of being merged into it
+
+
+    configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/base_model.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/analyse.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        report_md=f"{RESULTS}/report.md",

@@ -1,0 +1,210 @@
+"""Figures of the reproduction (matplotlib, Agg backend; each returns the Figure)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+DYNAMICS = [
+    ("grad_norm", "gradient norm"),
+    ("entropy", "entropy, all tokens (nats)"),
+    ("selection/entropy_selected", "entropy, selected tokens (nats)"),
+    ("reward", "reward (accuracy)"),
+    ("selection/adv_var_before", "Var(A) before selection"),
+    ("selection/adv_var_after", "Var(A) after selection"),
+    ("selection/sample_keep_fraction", "fraction of samples kept"),
+    ("selection/token_keep_fraction", "fraction of tokens kept"),
+    ("selection/update_tokens", "tokens in the update per step"),
+]
+
+
+def save(fig, stem: str | Path) -> list[Path]:
+    """Write ``stem``.png and ``stem``.pdf; returns both paths."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
+    for path in paths:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    return paths
+
+
+def _colors(methods):
+    cmap = plt.get_cmap("tab10")
+    return {m: cmap(i % 10) for i, m in enumerate(methods)}
+
+
+def band(ax, df: pd.DataFrame, x: str, y: str, methods, smooth: int = 1, colors=None):
+    """Mean across seeds with a band of +- one standard deviation, per method."""
+    colors = colors or _colors(methods)
+    for method in methods:
+        sub = df[df["method"] == method]
+        if sub.empty or y not in sub or sub[y].isna().all():
+            continue
+        wide = sub.pivot_table(index=x, columns="seed", values=y)
+        if smooth > 1:
+            wide = wide.rolling(smooth, min_periods=1).mean()
+        mean, std = wide.mean(axis=1), wide.std(axis=1).fillna(0)
+        ax.plot(mean.index, mean.values, label=method, color=colors[method], lw=1.4)
+        ax.fill_between(
+            mean.index, (mean - std).values, (mean + std).values, color=colors[method], alpha=0.18
+        )
+
+
+def training_dynamics(metrics: pd.DataFrame, methods, smooth: int = 5):
+    """A panel per logged quantity against the training step, mean and band across seeds per method."""
+    panels = [(c, label) for c, label in DYNAMICS if c in metrics and metrics[c].notna().any()]
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    colors = _colors(methods)
+    for ax, (col, label) in zip(axes.flat, panels, strict=False):
+        band(ax, metrics, "step", col, methods, smooth=smooth, colors=colors)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    band(ax, metrics, "step", "grad_norm", methods, smooth=smooth)
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def learning_curve_figure(
+    curves: pd.DataFrame, methods, xs=("step", "update_tokens_cumulative", "wall_clock")
+):
+    """Held-out Pass@1 against steps, update tokens and training wall-clock (mean and band over seeds)."""
+    labels = {"step": "step", "update_tokens_cumulative": "update tokens", "wall_clock": "training time (s)"}
+    fig, axes = plt.subplots(1, len(xs), figsize=(4.6 * len(xs), 3.4), squeeze=False)
+    colors = _colors(methods)
+    for ax, x in zip(axes.flat, xs, strict=True):
+        for method in methods:
+            sub = curves[curves["method"] == method]
+            if sub.empty:
+                continue
+            agg = sub.groupby("step").agg(x=(x, "mean"), y=("value", "mean"), s=("value", "std")).fillna(0)
+            ax.plot(agg["x"], 100 * agg["y"], marker="o", ms=3, label=method, color=colors[method])
+            ax.fill_between(
+                agg["x"],
+                100 * (agg["y"] - agg["s"]),
+                100 * (agg["y"] + agg["s"]),
+                alpha=0.15,
+                color=colors[method],
+            )
+        ax.set_xlabel(labels.get(x, x))
+        ax.set_ylabel("held-out Pass@1 (%)")
+        if x == "update_tokens_cumulative":
+            ax.set_xscale("symlog", linthresh=1000)
+    axes.flat[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def pass_at_k_figure(table: pd.DataFrame, methods):
+    """Pass@k against k per method (mean and 95 % CI across seeds)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    colors = _colors(methods)
+    sub = table[table["benchmark"] != "average"]
+    for method in methods:
+        rows = sub[sub["method"] == method].groupby("k", as_index=False)[["mean", "ci95"]].mean()
+        if rows.empty:
+            continue
+        ax.errorbar(
+            rows["k"],
+            rows["mean"],
+            yerr=rows["ci95"].fillna(0),
+            marker="o",
+            ms=3,
+            capsize=2,
+            label=method,
+            color=colors[method],
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.set_ylabel("Pass@k (%)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def var_after_figure(groups: pd.DataFrame, methods):
+    """Distribution of Var(A) over the kept rollouts of groups with >= 2 kept and some reward variance
+    (Lemma 1: >= 1 for a max-variance subset of a standardised group)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    sub = groups[(groups["n_kept"] >= 2) & (groups["reward_std"] > 0)]
+    data, names = [], []
+    for method in methods:
+        values = sub[sub["method"] == method]["var_kept"].dropna()
+        if len(values):
+            data.append(values.to_numpy())
+            names.append(method)
+    if data:
+        ax.boxplot(data, tick_labels=names, showfliers=True)
+    ax.axhline(1.0, color="red", lw=1, ls="--", label="Var(A) = 1 (Lemma 1 bound)")
+    ax.set_ylabel("Var(A) of kept rollouts")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def token_scores_figure(example: dict, max_tokens: int = 48):
+    """One completion, one cell per token, coloured by its score |A| x H; selected tokens outlined."""
+    tokens = example["tokens"][:max_tokens]
+    score = np.asarray(example["score"][:max_tokens], dtype=float)
+    selected = list(example["selected"][:max_tokens])
+    entropy = example.get("entropy", [])[:max_tokens]
+    per_row = 16
+    rows = math.ceil(len(tokens) / per_row)
+    fig, ax = plt.subplots(figsize=(0.62 * per_row, 0.75 * rows + 0.9))
+    norm = plt.Normalize(0, max(score.max(), 1e-9)) if len(score) else plt.Normalize(0, 1)
+    cmap = plt.get_cmap("viridis")
+    for i, tok in enumerate(tokens):
+        r, c = divmod(i, per_row)
+        ax.add_patch(
+            plt.Rectangle(
+                (c, -r), 0.95, 0.9, color=cmap(norm(score[i])), ec="red" if selected[i] else "none", lw=2
+            )
+        )
+        text = repr(tok)[1:-1] if tok.strip() else "␣" if tok == " " else repr(tok)[1:-1]
+        ax.text(
+            c + 0.47,
+            -r + 0.45,
+            text,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white" if norm(score[i]) < 0.6 else "black",
+        )
+        if i < len(entropy):
+            ax.text(
+                c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="white"
+            )
+    ax.set_xlim(0, per_row)
+    ax.set_ylim(-rows + 0.9, 1)
+    ax.axis("off")
+    adv = example.get("advantage")
+    ax.set_title(
+        f"token score |A|·H (colour), selected tokens outlined red; A = {adv:+.2f}"
+        if adv is not None
+        else "token score",
+        fontsize=9,
+    )
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.02, pad=0.01)
+    return fig

@@ -1,0 +1,191 @@
+"""Readers of the workflow's logged files (layout: docs/workflow.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+RUN_RE = re.compile(r"^seed(\d+)$")
+
+
+def _runs(results: Path):
+    for method_dir in sorted((results / "runs").glob("*")):
+        for seed_dir in sorted(method_dir.glob("seed*")):
+            match = RUN_RE.match(seed_dir.name)
+            if match and seed_dir.is_dir():
+                yield method_dir.name, int(match.group(1)), seed_dir
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                rows.append(json.loads(line))
+    return rows
+
+
+def load_metrics(results: str | Path) -> pd.DataFrame:
+    """Every training step of every run: method, seed, step and the trainer's logged metrics.
+
+    Adds ``wall_clock`` (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``.
+    """
+    results = Path(results)
+    frames = []
+    for method, seed, run in _runs(results):
+        path = run / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        rows = [r for r in read_jsonl(path) if "loss" in r or "reward" in r]
+        if not rows:
+            continue
+        df = pd.DataFrame(rows)
+        if "step" not in df:
+            df["step"] = range(1, len(df) + 1)
+        df = df.sort_values("step").drop_duplicates("step", keep="last")
+        df.insert(0, "seed", seed)
+        df.insert(0, "method", method)
+        if "step_time" in df:
+            df["wall_clock"] = df["step_time"].fillna(0).cumsum()
+        if "selection/update_tokens_cumulative" in df:
+            df["update_tokens_cumulative"] = df["selection/update_tokens_cumulative"]
+        elif "selection/update_tokens" in df:
+            df["update_tokens_cumulative"] = df["selection/update_tokens"].fillna(0).cumsum()
+        frames.append(df)
+    if not frames:
+        return pd.DataFrame(columns=["method", "seed", "step"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def _summary_rows(path: Path, **labels) -> list[dict]:
+    summary = json.loads(path.read_text())
+    rows = []
+    for bench, info in summary.get("benchmarks", {}).items():
+        for k, value in (info.get("pass_at_k") or {}).items():
+            ci = (info.get("ci") or {}).get(k) or [None, None]
+            rows.append(
+                labels
+                | {
+                    "benchmark": bench,
+                    "k": int(k),
+                    "value": value,
+                    "ci_low": ci[0],
+                    "ci_high": ci[1],
+                    "n_problems": info.get("n_problems"),
+                }
+            )
+    for k, value in (summary.get("average") or {}).items():
+        if len(summary.get("benchmarks", {})) > 1:
+            rows.append(labels | {"benchmark": "average", "k": int(k), "value": value})
+    return rows
+
+
+def load_evals(results: str | Path, include_base: bool = True) -> pd.DataFrame:
+    """Every evaluation: method, seed, step (0 = the shared base model), final flag, benchmark, k, value.
+
+    Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
+    0 so learning curves start from it.
+    """
+    results = Path(results)
+    rows: list[dict] = []
+    steps_of: dict[tuple[str, int], int] = {}
+    for method, seed, run in _runs(results):
+        summary = run / "train_summary.json"
+        if summary.is_file():
+            steps_of[(method, seed)] = int(json.loads(summary.read_text()).get("steps", 0))
+    eval_root = results / "eval"
+    for method_dir in sorted(p for p in eval_root.glob("*") if p.is_dir() and p.name != "base"):
+        for seed_dir in sorted(method_dir.glob("seed*")):
+            match = RUN_RE.match(seed_dir.name)
+            if not match:
+                continue
+            seed = int(match.group(1))
+            for point in sorted(seed_dir.glob("*/summary.json")):
+                name = point.parent.name
+                if name == "final":
+                    step, final = steps_of.get((method_dir.name, seed)), True
+                elif name.startswith("step"):
+                    step, final = int(name[4:]), False
+                else:
+                    continue
+                rows += _summary_rows(point, method=method_dir.name, seed=seed, step=step, final=final)
+    base = eval_root / "base" / "summary.json"
+    if include_base and base.is_file():
+        pairs = sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]
+        for method, seed in pairs:
+            rows += _summary_rows(base, method=method, seed=seed, step=0, final=False)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
+    return df.sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
+
+
+def load_base_eval(results: str | Path) -> pd.DataFrame:
+    path = Path(results) / "eval" / "base" / "summary.json"
+    return pd.DataFrame(_summary_rows(path, method="base", seed=0, step=0, final=False))
+
+
+def load_train_summaries(results: str | Path) -> pd.DataFrame:
+    rows = []
+    for method, seed, run in _runs(Path(results)):
+        path = run / "train_summary.json"
+        if path.is_file():
+            rows.append({"method": method, "seed": seed} | json.loads(path.read_text()))
+    return pd.DataFrame(rows)
+
+
+def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
+    """Selection anatomy records (``anatomy.jsonl``, written when the trainer's anatomy_every > 0).
+
+    Returns (groups, token_records): one row per (method, seed, step, group) with rewards, advantages,
+    kept flags, the number kept and the variance of the kept advantages ``var_kept`` (population
+    variance, as in Lemma 1); and the token records (method, seed, step, token_keep_ratio, examples).
+    """
+    groups, tokens = [], []
+    for method, seed, run in _runs(Path(results)):
+        path = run / "anatomy.jsonl"
+        if not path.is_file():
+            continue
+        for record in read_jsonl(path):
+            labels = {"method": method, "seed": seed, "step": record.get("step")}
+            if record.get("kind") == "samples":
+                for index, group in enumerate(record.get("groups", [])):
+                    adv = [a for a, keep in zip(group["advantages"], group["kept"], strict=True) if keep]
+                    n = len(adv)
+                    mean = sum(adv) / n if n else float("nan")
+                    var = sum((a - mean) ** 2 for a in adv) / n if n else float("nan")
+                    groups.append(
+                        labels
+                        | {
+                            "group": index,
+                            "keep_per_prompt": record.get("keep_per_prompt"),
+                            "num_generations": record.get("num_generations"),
+                            "rewards": group["rewards"],
+                            "advantages": group["advantages"],
+                            "kept": group["kept"],
+                            "n_kept": n,
+                            "var_kept": var,
+                            "var_all": _pvar(group["advantages"]),
+                            "reward_std": _pvar(group["rewards"]) ** 0.5,
+                        }
+                    )
+            elif record.get("kind") == "tokens":
+                tokens.append(labels | {k: v for k, v in record.items() if k not in ("kind", "step")})
+    return pd.DataFrame(groups), tokens
+
+
+def _pvar(values) -> float:
+    values = list(values)
+    if not values:
+        return float("nan")
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / len(values)
+
+
+def load_paper(paper_dir: str | Path, name: str) -> pd.DataFrame:
+    """One of the paper's tables in results/paper/ (see its README)."""
+    return pd.read_csv(Path(paper_dir) / f"{name}.csv")

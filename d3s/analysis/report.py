@@ -1,0 +1,285 @@
+"""report.md: the paper's numbers (results/paper/) beside ours, the papers' claims checked, figures linked.
+
+Reads only the workflow's tables (results/<experiment>/tables/*.csv, written by the notebooks) and logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+
+from d3s.analysis.io import load_metrics
+from d3s.analysis.tables import mean_ci
+
+FIGURES = [
+    ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
+    ("grad_norm", "Gradient norm per step"),
+    ("learning_curves", "Held-out Pass@1 against steps, update tokens and wall-clock"),
+    ("pass_at_k", "Pass@k of the final models"),
+    ("var_after_selection", "Var(A) of the kept rollouts (Lemma 1)"),
+    ("token_selection_example", "An example completion coloured by token score"),
+]
+
+
+def _fmt(mean: float, half: float = float("nan"), digits: int = 1) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "n/a"
+    text = f"{mean:.{digits}f}"
+    return text if half is None or math.isnan(half) else f"{text} ± {half:.{digits}f}"
+
+
+def _md(df: pd.DataFrame) -> str:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _diff(a, b) -> tuple[float, float]:
+    """Difference of seed means and the half-width of its 95 % interval (Welch-style combination)."""
+    ma, ha, _ = mean_ci(a)
+    mb, hb, _ = mean_ci(b)
+    half = math.sqrt(ha**2 + hb**2) if not (math.isnan(ha) or math.isnan(hb)) else float("nan")
+    return ma - mb, half
+
+
+def _verdict(diff: float, half: float, want_positive: bool = True) -> str:
+    if math.isnan(diff):
+        return "not measured"
+    sign = diff if want_positive else -diff
+    if math.isnan(half):
+        return "supported (one seed, no interval)" if sign > 0 else "not supported (one seed, no interval)"
+    if sign - half > 0:
+        return "supported"
+    if sign + half < 0:
+        return "contradicted"
+    return "inconclusive (interval includes 0)"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def claims(
+    metrics: pd.DataFrame, curves: pd.DataFrame, efficiency: pd.DataFrame, method: str, reference: str
+):
+    """The papers' claims for ``method`` against ``reference``, each with our measurement and a verdict."""
+    rows = []
+    per_seed = metrics.groupby(["method", "seed"]).mean(numeric_only=True)
+
+    def seeds_of(m, col):
+        return (
+            per_seed.loc[m, col].dropna().tolist()
+            if m in per_seed.index.get_level_values(0) and col in per_seed
+            else []
+        )
+
+    d, h = _diff(seeds_of(method, "grad_norm"), seeds_of(reference, "grad_norm"))
+    rows.append(
+        (
+            "higher gradient norm than " + reference,
+            f"mean grad norm difference {_fmt(d, h, 3)}",
+            _verdict(d, h),
+        )
+    )
+    d, h = _diff(seeds_of(method, "selection/update_tokens"), seeds_of(reference, "selection/update_tokens"))
+    rows.append(
+        (
+            "fewer tokens in the update",
+            f"update tokens per step difference {_fmt(d, h, 0)}",
+            _verdict(d, h, False),
+        )
+    )
+    final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()]
+    d, h = _diff(
+        100 * final[final["method"] == method]["value"], 100 * final[final["method"] == reference]["value"]
+    )
+    rows.append(("higher final Pass@1", f"Pass@1 difference (points) {_fmt(d, h)}", _verdict(d, h)))
+    eff = efficiency.set_index("method") if not efficiency.empty else pd.DataFrame()
+    for col, label in (("speedup_time", "wall-clock"), ("speedup_steps", "steps")):
+        value = eff.loc[method, col] if method in eff.index and col in eff else float("nan")
+        verdict = "not reached" if math.isnan(value) else ("supported" if value > 1 else "not supported")
+        rows.append(
+            (
+                f"faster to 99 % of {reference}'s best accuracy ({label})",
+                f"speedup {_fmt(value, digits=2)}x",
+                verdict,
+            )
+        )
+    return pd.DataFrame(rows, columns=["claim", "measured (mean ± 95 % CI across seeds)", "verdict"])
+
+
+def write_report(results: Path, paper_dir: Path, config: dict) -> str:
+    tables = results / "tables"
+    reference = (config.get("analysis") or {}).get("reference", "grpo")
+    fraction = (config.get("analysis") or {}).get("target_fraction", 0.99)
+    methods = list(config["methods"])
+    seeds = list(config["seeds"])
+    metrics = load_metrics(results)
+    long = pd.read_csv(tables / "pass_at_k.csv")
+    efficiency = pd.read_csv(tables / "efficiency.csv")
+    curves = pd.read_csv(tables / "learning_curves.csv")
+    trainer = config["train"]["trainer"]
+    ev = config["eval"]
+    out = [f"# Reproduction report: {config['experiment']}", ""]
+    base_summary = results / "base_model" / "base_summary.json"
+    base = json.loads(base_summary.read_text()) if base_summary.is_file() else None
+    model_line = (
+        f"tiny Qwen2-architecture model ({base['parameters']:,} parameters) built in code, SFT warm start "
+        f"{base['sft_steps']} steps on the synthetic task ({base['min_ops']}-{base['max_ops']} operations on "
+        f"0..{base['max_operand']}; target completions {base['completion_tokens_mean']:.1f} tokens on average)"
+        if base
+        else f"`{config['base_model'].get('path')}`"
+    )
+    threads = config["train"].get("threads", 1)
+    out += [
+        f"- Base model: {model_line}.",
+        f"- Methods: {', '.join(methods)}; **{len(seeds)} seed(s)** each ({', '.join(map(str, seeds))}); "
+        f"{trainer['max_steps']} steps of {trainer.get('per_device_train_batch_size')} rollouts "
+        f"({trainer.get('num_generations')} per prompt), {threads} torch thread(s) per run.",
+        f"- Evaluation: benchmarks {', '.join(ev['benchmarks'])}; final models {ev['samples']} samples per problem "
+        f"(temperature {ev.get('temperature')}, top-p {ev.get('top_p')}); checkpoints every "
+        f"{trainer.get('save_steps', trainer['max_steps'])} steps with {ev.get('checkpoint_samples')} samples.",
+        "- Intervals: mean across seeds ± half-width of the 95 % Student-t interval across seeds (none for one seed).",
+        f"- Machine: {platform.machine()}, {platform.system()}, Python {platform.python_version()}; git {_git_commit()}.",
+        "",
+        "## Main table: ours",
+        "",
+    ]
+    ks = sorted(long["k"].unique())
+    kmax = max(ks)
+    bench = long[long["benchmark"] != "average"]
+    eff = efficiency.set_index("method")
+    rows = []
+    for method in [m for m in methods if m in set(long["method"])]:
+        sub = bench[bench["method"] == method].groupby("k")[["mean", "ci95"]].mean()
+        grad = (
+            metrics[metrics["method"] == method].groupby("seed")["grad_norm"].mean()
+            if "grad_norm" in metrics
+            else []
+        )
+        rows.append(
+            {
+                "method": method,
+                "Pass@1 (%)": _fmt(sub.loc[1, "mean"], sub.loc[1, "ci95"]) if 1 in sub.index else "n/a",
+                f"Pass@{kmax} (%)": _fmt(sub.loc[kmax, "mean"], sub.loc[kmax, "ci95"])
+                if kmax in sub.index
+                else "n/a",
+                "grad norm": _fmt(*mean_ci(grad)[:2], digits=3),
+                "update tokens/step": _fmt(eff.loc[method, "update_tokens_per_step"], digits=0)
+                if method in eff.index
+                else "n/a",
+                "s/step": _fmt(eff.loc[method, "seconds_per_step"], digits=3)
+                if method in eff.index
+                else "n/a",
+                "speedup (time)": _fmt(eff.loc[method, "speedup_time"], digits=2)
+                if method in eff.index
+                else "n/a",
+                "speedup (steps)": _fmt(eff.loc[method, "speedup_steps"], digits=2)
+                if method in eff.index
+                else "n/a",
+            }
+        )
+    main = pd.DataFrame(rows)
+    base_eval = results / "eval" / "base" / "summary.json"
+    base_note = ""
+    if base_eval.is_file():
+        summary = json.loads(base_eval.read_text())
+        vals = [b["pass_at_k"] for b in summary["benchmarks"].values()]
+        base_note = (
+            "Base model before RL: "
+            + ", ".join(
+                f"Pass@{k} {100 * sum(v[str(k)] for v in vals) / len(vals):.1f} %"
+                for k in ks
+                if str(k) in vals[0]
+            )
+            + "."
+        )
+    out += [
+        _md(main),
+        "",
+        f"Pass@k on held-out problems (mean over benchmarks: {', '.join(sorted(bench['benchmark'].unique()))}). "
+        f"Speedup: {reference}'s time to first reach {fraction:.0%} of its best seed-mean Pass@1 divided by the "
+        "method's (PODS definition; n/a when never reached within the run). " + base_note,
+        "",
+        "## Side by side with the papers",
+        "",
+    ]
+    paper_rows = []
+    t1 = pd.read_csv(paper_dir / "d3s_table1.csv")
+    t2 = pd.read_csv(paper_dir / "d3s_table2.csv")
+    paper_avg = pd.concat(
+        [
+            t1[(t1["model"] == "Qwen2.5-Math-7B") & (t1["benchmark"] == "average")],
+            t2[t2["benchmark"] == "average"],
+        ]
+    )
+    for method in methods:
+        p = paper_avg[paper_avg["method"] == method]
+        ours = main[main["method"] == method]
+        if p.empty or ours.empty:
+            continue
+        paper_rows.append(
+            {
+                "method": method,
+                "paper Pass@1 / Pass@8 (Qwen2.5-Math-7B, avg) [N]": f"{p['pass_at_1'].iloc[0]} / {p['pass_at_8'].iloc[0]}",
+                "paper source": p["table"].iloc[0],
+                f"ours Pass@1 / Pass@{kmax}": f"{ours['Pass@1 (%)'].iloc[0]} / {ours[f'Pass@{kmax} (%)'].iloc[0]}",
+            }
+        )
+    out += [
+        _md(pd.DataFrame(paper_rows)) if paper_rows else "(no method in common with the paper tables)",
+        "",
+        "The paper's numbers are for 7B models on competition math; ours for the configured model and task: "
+        "compare directions and orderings, not magnitudes. [N]: known only from secondary notes of the D3S paper "
+        "(see results/paper/README.md).",
+        "",
+    ]
+    t3 = pd.read_csv(paper_dir / "d3s_table3.csv")
+    out += [
+        "Paper, Table 3 [N]:",
+        "",
+        _md(t3[["model", "method", "reference", "avg32_gain_pct", "speedup"]]),
+        "",
+    ]
+    ours3 = tables / "table3_layout.csv"
+    if ours3.is_file():
+        out += ["Ours, Table 3 layout:", "", _md(pd.read_csv(ours3).round(2)), ""]
+    out += ["## Claims checked", ""]
+    for method in [m for m in ("d3s", "pods") if m in methods and reference in methods and m != reference]:
+        out += [
+            f"**{method} vs {reference}** ({len(seeds)} seed(s)):",
+            "",
+            _md(claims(metrics, curves, efficiency, method, reference)),
+            "",
+        ]
+    lemma = tables / "var_after_selection.csv"
+    if lemma.is_file():
+        lem = pd.read_csv(lemma)
+        out += [
+            "**Lemma 1** (Var(A) of a max-variance kept subset of a standardised group is at least 1), over logged "
+            "groups with at least 2 kept rollouts and some reward variance:",
+            "",
+            _md(lem.round(3)),
+            "",
+        ]
+    out += ["## Figures", ""]
+    for stem, caption in FIGURES:
+        if (results / "figures" / f"{stem}.png").is_file():
+            out += [f"### {caption}", "", f"![{caption}](figures/{stem}.png) ([PDF](figures/{stem}.pdf))", ""]
+    out += ["## Tables and notebooks", ""]
+    out += [f"- [tables/{p.name}](tables/{p.name})" for p in sorted(tables.glob("*.csv"))]
+    out += [
+        f"- [notebooks/{p.name}](notebooks/{p.name})" for p in sorted((results / "notebooks").glob("*.ipynb"))
+    ]
+    return "\n".join(out) + "\n"

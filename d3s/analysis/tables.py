@@ -1,0 +1,171 @@
+"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+# Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_ci(values) -> tuple[float, float, int]:
+    """Mean and half-width of the 95 % t-interval across seeds (half-width NaN for one seed)."""
+    arr = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    n = len(arr)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    if n == 1:
+        return float(arr[0]), float("nan"), 1
+    t = _T95.get(n - 1, 1.96 if n > 30 else 2.0)
+    return float(arr.mean()), float(t * arr.std(ddof=1) / math.sqrt(n)), n
+
+
+def final_evals(evals: pd.DataFrame) -> pd.DataFrame:
+    return evals[evals["final"].astype(bool)]
+
+
+def pass_at_k_table(evals: pd.DataFrame, methods=None, ks=None, benchmarks=None) -> pd.DataFrame:
+    """Long table: method, benchmark, k, mean Pass@k (percent), 95 % CI half-width across seeds, seeds."""
+    final = final_evals(evals)
+    methods = list(methods) if methods is not None else sorted(final["method"].unique())
+    rows = []
+    for (method, bench, k), group in final.groupby(["method", "benchmark", "k"]):
+        if method not in methods or (ks is not None and k not in ks):
+            continue
+        if benchmarks is not None and bench not in benchmarks:
+            continue
+        mean, half, n = mean_ci(group["value"] * 100)
+        rows.append(
+            {"method": method, "benchmark": bench, "k": int(k), "mean": mean, "ci95": half, "seeds": n}
+        )
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df["order"] = df["method"].map({m: i for i, m in enumerate(methods)})
+    return df.sort_values(["order", "benchmark", "k"]).drop(columns="order").reset_index(drop=True)
+
+
+def paper_layout(table: pd.DataFrame, ks=(1, 8)) -> pd.DataFrame:
+    """The paper's layout: one row per method, one column per benchmark, cells "P@1 ± ci / P@k ± ci"."""
+    if table.empty:
+        return table
+    cells = {}
+    for (method, bench), group in table.groupby(["method", "benchmark"], sort=False):
+        parts = []
+        for k in ks:
+            row = group[group["k"] == k]
+            if row.empty:
+                parts.append("n/a")
+                continue
+            mean, half = row["mean"].iloc[0], row["ci95"].iloc[0]
+            parts.append(f"{mean:.1f}" + ("" if math.isnan(half) else f" ± {half:.1f}"))
+        cells.setdefault(method, {})[bench] = " / ".join(parts)
+    order = list(dict.fromkeys(table["method"]))
+    out = pd.DataFrame.from_dict(cells, orient="index").loc[order]
+    out.index.name = "method"
+    return out
+
+
+def summarise_dynamics(metrics: pd.DataFrame, columns) -> pd.DataFrame:
+    """Per method: mean over steps of each metric, then mean and CI across seeds."""
+    rows = []
+    for method, group in metrics.groupby("method"):
+        row = {"method": method}
+        per_seed = group.groupby("seed")
+        for col in columns:
+            if col not in group:
+                continue
+            mean, half, n = mean_ci(per_seed[col].mean())
+            row[col] = mean
+            row[f"{col}_ci95"] = half
+            row["seeds"] = n
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _first_reach(curve: pd.DataFrame, x: str, target: float) -> float:
+    hit = curve[curve["value"] >= target - 1e-12]
+    return float(hit[x].iloc[0]) if not hit.empty else float("nan")
+
+
+def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1, benchmark=None) -> pd.DataFrame:
+    """Pass@k (mean over benchmarks unless one is named) per method, seed, step, with the update tokens
+    and training wall-clock reached at that step (from metrics.jsonl; 0 at step 0)."""
+    ev = evals[evals["k"] == k]
+    ev = ev[ev["benchmark"] == benchmark] if benchmark else ev[ev["benchmark"] != "average"]
+    curve = ev.groupby(["method", "seed", "step"], as_index=False)["value"].mean()
+    extra = ["update_tokens_cumulative", "wall_clock"]
+    have = [c for c in extra if c in metrics]
+    if have:
+        curve = curve.merge(
+            metrics[["method", "seed", "step", *have]], on=["method", "seed", "step"], how="left"
+        )
+    for col in extra:
+        if col not in curve:
+            curve[col] = np.nan
+        curve.loc[curve["step"] == 0, col] = 0.0
+    return curve.sort_values(["method", "seed", "step"]).reset_index(drop=True)
+
+
+def speedup_to_target(curves: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99, x: str = "step"):
+    """PODS speedup: the seed-mean curve of each method vs the time (``x``) at which it first reaches
+    ``fraction`` x the reference's best seed-mean accuracy; speedup = reference time / method time."""
+    mean = curves.groupby(["method", "step"], as_index=False).agg(
+        value=("value", "mean"), **{x: (x, "mean")} if x != "step" else {}
+    )
+    ref = mean[mean["method"] == reference]
+    if ref.empty:
+        return pd.DataFrame()
+    target = fraction * ref["value"].max()
+    ref_time = _first_reach(ref.sort_values("step"), x, target)
+    rows = []
+    for method, group in mean.groupby("method"):
+        group = group.sort_values("step")
+        t = _first_reach(group, x, target)
+        rows.append(
+            {
+                "method": method,
+                "target": target,
+                f"{x}_to_target": t,
+                "speedup": ref_time / t if t and not math.isnan(t) and t > 0 else float("nan"),
+                "best": group["value"].max(),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def efficiency_table(
+    curves: pd.DataFrame, metrics: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99
+):
+    """The paper's Table 3 layout plus our costs: final and best Pass@1 (seed mean), gain over the
+    reference, update tokens per step, seconds per step, and speedups to reach ``fraction`` of the
+    reference's best accuracy measured in steps, update tokens and wall-clock."""
+    final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()]
+    per_method = final.groupby("method")["value"].agg(["mean", "std", "count"])
+    ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
+    speed = {
+        x: speedup_to_target(curves, reference, fraction, x).set_index("method")
+        for x in ("step", "update_tokens_cumulative", "wall_clock")
+    }
+    rows = []
+    for method, stats in per_method.iterrows():
+        m = metrics[metrics["method"] == method]
+        row = {
+            "method": method,
+            "final_pass1": 100 * stats["mean"],
+            "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
+            "gain_vs_reference_pct": 100 * (stats["mean"] / ref_final - 1) if ref_final else float("nan"),
+            "update_tokens_per_step": m["selection/update_tokens"].mean()
+            if "selection/update_tokens" in m
+            else np.nan,
+            "seconds_per_step": m["step_time"].mean() if "step_time" in m else np.nan,
+            "seeds": int(stats["count"]),
+        }
+        for x, label in (("step", "steps"), ("update_tokens_cumulative", "tokens"), ("wall_clock", "time")):
+            table = speed[x]
+            row[f"speedup_{label}"] = table.loc[method, "speedup"] if method in table.index else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)

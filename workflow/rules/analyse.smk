@@ -1,0 +1,85 @@
+# Stage 4: the analysis notebooks, executed headless with papermill; they read only the logged files
+# (through d3s.analysis) and write tables/*.csv and figures/*.png|pdf.
+
+NB_PARAMS = (
+    f"-p results_dir {RESULTS} -p out_dir {RESULTS} -p paper_dir results/paper "
+    f"-p reference {ANALYSIS['reference']} -p target_fraction {ANALYSIS['target_fraction']} "
+    f"-y '{json.dumps({'headline': ANALYSIS.get('headline', METHODS), 'ablation': ANALYSIS.get('ablation', METHODS)})}'"
+)
+TRAIN_LOGS = expand(f"{RESULTS}/runs/{{method}}/seed{{seed}}/metrics.jsonl", method=METHODS, seed=SEEDS)
+FIG = f"{RESULTS}/figures"
+TAB = f"{RESULTS}/tables"
+
+
+def fig(name, caption, category):
+    return report(f"{FIG}/{name}.png", caption=f"../report/{caption}.rst", category=category)
+
+
+rule training_dynamics:
+    input:
+        notebook="notebooks/training_dynamics.ipynb",
+        logs=TRAIN_LOGS,
+    output:
+        notebook=f"{RESULTS}/notebooks/training_dynamics.ipynb",
+        dynamics=fig("training_dynamics", "training_dynamics", "Training dynamics"),
+        grad_norm=fig("grad_norm", "grad_norm", "Training dynamics"),
+        pdfs=[f"{FIG}/training_dynamics.pdf", f"{FIG}/grad_norm.pdf"],
+        table=report(f"{TAB}/dynamics.csv", caption="../report/dynamics_table.rst", category="Tables"),
+    log:
+        f"{RESULTS}/logs/notebooks/training_dynamics.log",
+    shell:
+        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+
+
+rule pass_at_k:
+    input:
+        notebook="notebooks/pass_at_k.ipynb",
+        logs=TRAIN_LOGS,
+        evals=all_final_evals(),
+        base=f"{RESULTS}/eval/base/summary.json",
+    output:
+        notebook=f"{RESULTS}/notebooks/pass_at_k.ipynb",
+        figure=fig("pass_at_k", "pass_at_k", "Pass@k"),
+        pdf=f"{FIG}/pass_at_k.pdf",
+        long=report(f"{TAB}/pass_at_k.csv", caption="../report/pass_at_k_table.rst", category="Tables"),
+        table1=report(f"{TAB}/table1_layout.csv", caption="../report/table1.rst", category="Tables"),
+        table2=report(f"{TAB}/table2_layout.csv", caption="../report/table2.rst", category="Tables"),
+    log:
+        f"{RESULTS}/logs/notebooks/pass_at_k.log",
+    shell:
+        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+
+
+rule efficiency:
+    input:
+        notebook="notebooks/efficiency.ipynb",
+        logs=TRAIN_LOGS,
+        evals=all_final_evals(),
+        base=f"{RESULTS}/eval/base/summary.json",
+    output:
+        notebook=f"{RESULTS}/notebooks/efficiency.ipynb",
+        figure=fig("learning_curves", "learning_curves", "Efficiency"),
+        pdf=f"{FIG}/learning_curves.pdf",
+        curves=f"{TAB}/learning_curves.csv",
+        efficiency=report(f"{TAB}/efficiency.csv", caption="../report/efficiency_table.rst", category="Tables"),
+        table3=report(f"{TAB}/table3_layout.csv", caption="../report/table3.rst", category="Tables"),
+    log:
+        f"{RESULTS}/logs/notebooks/efficiency.log",
+    shell:
+        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+
+
+rule selection_anatomy:
+    input:
+        notebook="notebooks/selection_anatomy.ipynb",
+        logs=TRAIN_LOGS,
+    output:
+        notebook=f"{RESULTS}/notebooks/selection_anatomy.ipynb",
+        var_after=fig("var_after_selection", "var_after_selection", "Selection anatomy"),
+        example=fig("token_selection_example", "token_selection_example", "Selection anatomy"),
+        pdfs=[f"{FIG}/var_after_selection.pdf", f"{FIG}/token_selection_example.pdf"],
+        table=report(f"{TAB}/var_after_selection.csv", caption="../report/var_table.rst", category="Tables"),
+    log:
+        f"{RESULTS}/logs/notebooks/selection_anatomy.log",
+    shell:
+        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"

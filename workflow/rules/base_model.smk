@@ -1,0 +1,34 @@
+# Stage 1: the shared base model (tiny default: built in code and SFT-warm-started once) and its evaluation
+# (step 0 of every learning curve).
+
+
+rule base_model:
+    output:
+        config=f"{RESULTS}/base_model/config.json",
+        summary=f"{RESULTS}/base_model/base_summary.json",
+    params:
+        cfg=config["base_model"],
+        task=TASK,
+    threads: config["base_model"].get("threads", 1)
+    log:
+        f"{RESULTS}/logs/base_model.log",
+    script:
+        "../scripts/base_model.py"
+
+
+rule evaluate_base:
+    input:
+        base_model_input(),
+    output:
+        summary=f"{RESULTS}/eval/base/summary.json",
+    params:
+        model=base_model_path(),
+        eval=config["eval"],
+        task=TASK,
+    threads: config["eval"].get("threads", 1)
+    resources:
+        **config["eval"].get("resources", {}),
+    log:
+        f"{RESULTS}/logs/eval_base.log",
+    script:
+        "../scripts/evaluate.py"

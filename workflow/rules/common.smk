@@ -1,0 +1,39 @@
+# Shared settings and helpers of the workflow (no rules).
+import json
+
+RESULTS = f"results/{config['experiment']}"
+METHODS = list(config["methods"])
+SEEDS = [int(s) for s in config["seeds"]]
+TRAINER = dict(config["train"]["trainer"])
+MAX_STEPS = int(TRAINER["max_steps"])
+SAVE_STEPS = int(TRAINER.get("save_steps", MAX_STEPS)) if TRAINER.get("save_strategy") == "steps" else MAX_STEPS
+# Intermediate checkpoints evaluated for the learning curves (the last one is the final model).
+CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
+TASK = {"min_ops": 1, "max_ops": 2, "max_operand": 9} | dict(config.get("task") or {})
+ANALYSIS = {"reference": "grpo", "target_fraction": 0.99} | dict(config.get("analysis") or {})
+NOTEBOOKS = ["training_dynamics", "pass_at_k", "efficiency", "selection_anatomy"]
+
+
+wildcard_constraints:
+    method="[a-z0-9_]+",
+    seed=r"\d+",
+    step=r"\d+",
+
+
+def base_model_path():
+    """The model every run starts from: built by rule base_model (kind tiny) or a given path / hub id."""
+    if config["base_model"]["kind"] == "tiny":
+        return f"{RESULTS}/base_model"
+    return config["base_model"]["path"]
+
+
+def base_model_input():
+    return [f"{RESULTS}/base_model/config.json"] if config["base_model"]["kind"] == "tiny" else []
+
+
+def run_dir(method, seed):
+    return f"{RESULTS}/runs/{method}/seed{seed}"
+
+
+def all_final_evals():
+    return expand(f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json", method=METHODS, seed=SEEDS)

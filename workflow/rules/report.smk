@@ -1,0 +1,23 @@
+# Stage 5: report.md, the paper's numbers (results/paper/) and ours side by side, the claims checked,
+# every figure linked. `snakemake --report report.html` builds Snakemake's HTML report as well.
+
+
+report: "../report/workflow.rst"
+
+
+rule report:
+    input:
+        tables=rules.pass_at_k.output,
+        efficiency=rules.efficiency.output,
+        dynamics=rules.training_dynamics.output,
+        anatomy=rules.selection_anatomy.output,
+        base=f"{RESULTS}/base_model/base_summary.json" if config["base_model"]["kind"] == "tiny" else [],
+    output:
+        report_md=f"{RESULTS}/report.md",
+    params:
+        results=RESULTS,
+        config=config,
+    log:
+        f"{RESULTS}/logs/report.log",
+    script:
+        "../scripts/write_report.py"

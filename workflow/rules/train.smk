@@ -1,0 +1,28 @@
+# Stage 2: one RL run per (method, seed) with `d3s train` (metrics.jsonl, anatomy.jsonl, checkpoints,
+# resolved_config.yaml, final/). Jobs run in parallel with train.threads torch threads each.
+
+
+rule train:
+    input:
+        base_model_input(),
+    output:
+        config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
+        metrics=f"{RESULTS}/runs/{{method}}/seed{{seed}}/metrics.jsonl",
+        summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
+        final=directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/final"),
+        checkpoints=[
+            directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/checkpoint-{s}")
+            for s in CKPT_STEPS
+        ],
+    params:
+        model=base_model_path(),
+        train=config["train"],
+        task=TASK,
+        data_dir=config["train"].get("data_dir"),
+    threads: config["train"].get("threads", 1)
+    resources:
+        **config["train"].get("resources", {}),
+    log:
+        f"{RESULTS}/logs/train/{{method}}_seed{{seed}}.log",
+    script:
+        "../scripts/train_run.py"

@@ -1,0 +1,102 @@
+"""Build the shared base model of the tiny default: tiny Qwen2 model + SFT warm start, saved to a folder.
+
+Usable from Snakemake (``script:``) or the command line:
+    python workflow/scripts/build_base.py OUT_DIR --sft-steps 300 --max-ops 2 --max-operand 9 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_base(
+    out: Path,
+    sft_steps: int,
+    sft_problems: int,
+    min_ops: int,
+    max_ops: int,
+    max_operand: int,
+    seed: int,
+    threads: int,
+    model_kwargs: dict,
+    learning_rate: float = 3e-3,
+) -> dict:
+    from d3s.data.synthetic import arithmetic_problems
+    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=seed, **model_kwargs)
+    problems = arithmetic_problems(
+        sft_problems, seed=1000 + seed, min_ops=min_ops, max_ops=max_ops, max_operand=max_operand
+    )
+    losses = sft_warm_start(
+        model,
+        tokenizer,
+        [(p.prompt, p.completion) for p in problems],
+        steps=sft_steps,
+        seed=seed,
+        learning_rate=learning_rate,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "sft_steps": sft_steps,
+        "sft_problems": sft_problems,
+        "min_ops": min_ops,
+        "max_ops": max_ops,
+        "max_operand": max_operand,
+        "seed": seed,
+        "threads": threads,
+        "learning_rate": learning_rate,
+        "model": model_kwargs,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "seconds": time.perf_counter() - start,
+        "completion_tokens_mean": sum(
+            len(tokenizer(p.completion, add_special_tokens=False)["input_ids"]) + 1 for p in problems
+        )
+        / len(problems),
+    }
+    (out / "sft_losses.json").write_text(json.dumps(losses))
+    (out / "base_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-problems", type=int, default=4000)
+    parser.add_argument("--min-ops", type=int, default=1)
+    parser.add_argument("--max-ops", type=int, default=2)
+    parser.add_argument("--max-operand", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--model", default="{}", help="JSON dict of d3s.toy.build_model keyword arguments")
+    args = parser.parse_args(argv)
+    summary = build_base(
+        args.out,
+        args.sft_steps,
+        args.sft_problems,
+        args.min_ops,
+        args.max_ops,
+        args.max_operand,
+        args.seed,
+        args.threads,
+        json.loads(args.model),
+        args.lr,
+    )
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

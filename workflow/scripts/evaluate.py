@@ -1,0 +1,71 @@
+"""Snakemake script of rules evaluate and evaluate_base: `d3s eval` on each model, in one process.
+
+Rule evaluate: every intermediate checkpoint with eval.checkpoint_samples, then the final model with
+eval.samples. Rule evaluate_base: the base model with eval.samples. Outputs: <out>/summary.json and
+samples.jsonl per model (the files of `d3s eval`).
+"""
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from d3s.cli import main as d3s_main
+
+smk = snakemake  # noqa: F821 - injected by Snakemake
+ev, task = smk.params.eval, smk.params.task
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(int(smk.threads))
+
+
+def eval_args(model: str, out: Path, samples: int, ks, limit=None) -> list[str]:
+    ks = [k for k in ks if k <= samples] or [1]
+    args = [
+        "eval",
+        "--model", model,
+        "--benchmarks", ",".join(ev["benchmarks"]),
+        "--samples", str(samples),
+        "--k", ",".join(map(str, ks)),
+        "--max-tokens", str(ev.get("max_tokens", 4096)),
+        "--temperature", str(ev.get("temperature", 0.6)),
+        "--top-p", str(ev.get("top_p", 0.95)),
+        "--template", ev.get("template", "auto"),
+        "--backend", ev.get("backend", "auto"),
+        "--out", str(out),
+        "--overwrite",
+        "--no-progress",
+        "--grading-workers", "1",
+    ]  # fmt: skip
+    if "synthetic" in ev["benchmarks"]:
+        synthetic = task | dict(ev.get("synthetic") or {})
+        args += ["--synthetic", ",".join(f"{k}={v}" for k, v in synthetic.items())]
+    if ev.get("batch_size"):
+        args += ["--batch-size", str(ev["batch_size"])]
+    if ev.get("data_dir"):
+        args += ["--data-dir", str(ev["data_dir"])]
+    limit = limit or ev.get("limit")
+    if limit:
+        args += ["--limit", str(limit)]
+    return args
+
+
+jobs = []
+if hasattr(smk.input, "checkpoints"):
+    for _step, ckpt, out in zip(smk.params.steps, smk.input.checkpoints, smk.output.steps, strict=True):
+        samples = int(ev.get("checkpoint_samples", 4))
+        jobs.append(
+            eval_args(
+                ckpt, Path(out).parent, samples, ev.get("checkpoint_k", [1]), ev.get("checkpoint_limit")
+            )
+        )
+    jobs.append(eval_args(smk.input.final, Path(smk.output.final).parent, int(ev["samples"]), ev["k"]))
+else:
+    jobs.append(eval_args(smk.params.model, Path(smk.output.summary).parent, int(ev["samples"]), ev["k"]))
+
+with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    for args in jobs:
+        print("d3s", " ".join(args), flush=True)
+        code = d3s_main(args)
+        if code:
+            raise SystemExit(f"d3s eval failed with exit code {code}: see {smk.log[0]}")
