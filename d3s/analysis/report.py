@@ -112,7 +112,7 @@ def claims(
         rows.append(
             (
                 f"faster to 99 % of {reference}'s best accuracy ({label})",
-                f"speedup {_fmt(value, digits=2)}x",
+                "speedup " + (_fmt(value, digits=2) + "x" if not math.isnan(value) else "n/a"),
                 verdict,
             )
         )
@@ -265,7 +265,7 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         ]
     lemma = tables / "var_after_selection.csv"
     if lemma.is_file():
-        lem = pd.read_csv(lemma)
+        lem = pd.read_csv(lemma).rename(columns={"Unnamed: 0": "method"})
         out += [
             "**Lemma 1** (Var(A) of a max-variance kept subset of a standardised group is at least 1), over logged "
             "groups with at least 2 kept rollouts and some reward variance:",

@@ -1,5 +1,9 @@
 # Stage 4: the analysis notebooks, executed headless with papermill; they read only the logged files
 # (through d3s.analysis) and write tables/*.csv and figures/*.png|pdf.
+import sys
+
+# papermill of the Python running Snakemake (works without an activated virtual environment)
+PAPERMILL = f"{sys.executable} -m papermill"
 
 NB_PARAMS = (
     f"-p results_dir {RESULTS} -p out_dir {RESULTS} -p paper_dir results/paper "
@@ -28,7 +32,7 @@ rule training_dynamics:
     log:
         f"{RESULTS}/logs/notebooks/training_dynamics.log",
     shell:
-        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
 
 
 rule pass_at_k:
@@ -47,7 +51,7 @@ rule pass_at_k:
     log:
         f"{RESULTS}/logs/notebooks/pass_at_k.log",
     shell:
-        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
 
 
 rule efficiency:
@@ -66,7 +70,7 @@ rule efficiency:
     log:
         f"{RESULTS}/logs/notebooks/efficiency.log",
     shell:
-        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
 
 
 rule selection_anatomy:
@@ -82,4 +86,4 @@ rule selection_anatomy:
     log:
         f"{RESULTS}/logs/notebooks/selection_anatomy.log",
     shell:
-        "papermill {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"

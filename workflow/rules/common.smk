@@ -14,6 +14,30 @@ ANALYSIS = {"reference": "grpo", "target_fraction": 0.99} | dict(config.get("ana
 NOTEBOOKS = ["training_dynamics", "pass_at_k", "efficiency", "selection_anatomy"]
 
 
+def _check_config():
+    """Fail at parse time, with the name to change, on unknown methods or benchmarks."""
+    from d3s.data.benchmarks import BenchmarkError, parse_benchmark_list
+    from d3s.methods import get_method
+
+    for method in METHODS:
+        try:
+            get_method(method)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"config methods: {exc}") from None
+    try:
+        parse_benchmark_list(config["eval"]["benchmarks"])
+    except BenchmarkError as exc:
+        raise ValueError(f"config eval.benchmarks: {exc}") from None
+    reference = ANALYSIS["reference"]
+    if reference not in METHODS:
+        raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {METHODS}")
+    if config["base_model"]["kind"] == "path" and not config["base_model"].get("path"):
+        raise ValueError("config base_model.kind is 'path' but base_model.path is not set")
+
+
+_check_config()
+
+
 wildcard_constraints:
     method="[a-z0-9_]+",
     seed=r"\d+",

@@ -1,0 +1,151 @@
+"""d3s.analysis on a small logged-results tree written by the test (the layout of docs/workflow.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from d3s.analysis import figures, io, tables
+from d3s.analysis.report import claims
+
+
+def _summary(path: Path, p1: float, p4: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bench = {"pass_at_k": {"1": p1, "4": p4}, "ci": {"1": [p1 - 0.05, p1 + 0.05], "4": [p4 - 0.05, p4 + 0.05]},
+             "n_problems": 50, "unparsable_gold": 0, "timeouts": 0}  # fmt: skip
+    path.write_text(json.dumps({"benchmarks": {"synthetic": bench}, "average": {"1": p1, "4": p4}}))
+
+
+@pytest.fixture()
+def results(tmp_path) -> Path:
+    """grpo and d3s, 2 seeds, 4 steps each, checkpoints at step 2, a base evaluation, anatomy records."""
+    for m_index, method in enumerate(("grpo", "d3s")):
+        for seed in (0, 1):
+            run = tmp_path / "runs" / method / f"seed{seed}"
+            run.mkdir(parents=True)
+            tokens = 800 if method == "grpo" else 80
+            with open(run / "metrics.jsonl", "w") as fh:
+                for step in range(1, 5):
+                    row = {"step": step, "loss": 0.1, "grad_norm": 0.1 + 0.2 * m_index + 0.01 * seed, "reward": 0.1 * step,
+                           "entropy": 0.5, "step_time": 0.5 if method == "grpo" else 0.25,
+                           "selection/update_tokens": tokens,
+                           "selection/update_tokens_cumulative": tokens * step}  # fmt: skip
+                    fh.write(json.dumps(row) + "\n")
+                fh.write(json.dumps({"step": 4, "train_runtime": 2.0}) + "\n")  # the final summary line
+            (run / "train_summary.json").write_text(
+                json.dumps({"steps": 4, "train_seconds": 2.0, "threads": 1})
+            )
+            gain = 0.1 * m_index
+            _summary(tmp_path / "eval" / method / f"seed{seed}" / "step2" / "summary.json", 0.2 + gain, 0.4)
+            _summary(
+                tmp_path / "eval" / method / f"seed{seed}" / "final" / "summary.json",
+                0.3 + gain + 0.01 * seed,
+                0.5,
+            )
+            anatomy = [
+                {"kind": "samples", "step": 2, "keep_per_prompt": 2, "num_generations": 4,
+                 "groups": [{"rewards": [1, 0, 0, 0], "advantages": [1.5, -0.5, -0.5, -0.5],
+                             "kept": [True, True, False, False]}]},
+                {"kind": "tokens", "step": 2, "token_keep_ratio": 0.5,
+                 "examples": [{"tokens": [" 1", "+", "2", "<eos>"], "entropy": [0.1, 0.5, 0.9, 0.0],
+                               "score": [0.1, 0.5, 0.9, 0.0], "selected": [False, True, True, False],
+                               "advantage": 1.5}]},
+            ]  # fmt: skip
+            (run / "anatomy.jsonl").write_text("\n".join(json.dumps(r) for r in anatomy) + "\n")
+    _summary(tmp_path / "eval" / "base" / "summary.json", 0.1, 0.3)
+    return tmp_path
+
+
+def test_load_metrics_adds_wall_clock_and_skips_summary_lines(results):
+    metrics = io.load_metrics(results)
+    assert len(metrics) == 2 * 2 * 4
+    grpo = metrics[(metrics["method"] == "grpo") & (metrics["seed"] == 0)]
+    assert grpo["wall_clock"].tolist() == [0.5, 1.0, 1.5, 2.0]
+    assert grpo["update_tokens_cumulative"].iloc[-1] == 3200
+
+
+def test_load_evals_has_base_at_step_zero_and_final_at_last_step(results):
+    evals = io.load_evals(results)
+    d3s = evals[(evals["method"] == "d3s") & (evals["seed"] == 0) & (evals["k"] == 1)]
+    assert d3s["step"].tolist() == [0, 2, 4]
+    assert d3s["final"].tolist() == [False, False, True]
+    assert d3s["value"].tolist() == pytest.approx([0.1, 0.3, 0.4])
+
+
+def test_mean_ci_matches_t_interval():
+    mean, half, n = tables.mean_ci([1.0, 2.0, 3.0])
+    assert (mean, n) == (2.0, 3)
+    assert half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert math.isnan(tables.mean_ci([5.0])[1])
+
+
+def test_pass_at_k_table_and_paper_layout(results):
+    long = tables.pass_at_k_table(io.load_evals(results), ["grpo", "d3s"])
+    row = long[(long["method"] == "d3s") & (long["k"] == 1) & (long["benchmark"] == "synthetic")]
+    assert row["mean"].iloc[0] == pytest.approx(40.5)
+    assert row["seeds"].iloc[0] == 2
+    layout = tables.paper_layout(long, ks=(1, 4))
+    assert list(layout.index) == ["grpo", "d3s"]
+    assert layout.loc["d3s", "synthetic"].startswith("40.5 ± ")
+
+
+def test_speedup_and_efficiency(results):
+    metrics = io.load_metrics(results)
+    curves = tables.learning_curves(io.load_evals(results), metrics)
+    steps = tables.speedup_to_target(curves, "grpo", 0.99, "step").set_index("method")
+    # grpo reaches 99 % of its best (0.305) only at step 4; d3s (0.3 at step 2 < 0.302) also at step 4.
+    assert steps.loc["grpo", "step_to_target"] == 4
+    assert steps.loc["d3s", "speedup"] == pytest.approx(1.0)
+    eff = tables.efficiency_table(curves, metrics).set_index("method")
+    assert eff.loc["d3s", "update_tokens_per_step"] == 80
+    assert eff.loc["d3s", "speedup_time"] == pytest.approx(2.0)  # same step, half the seconds per step
+    assert eff.loc["d3s", "speedup_tokens"] == pytest.approx(10.0)
+
+
+def test_anatomy_var_after_selection(results):
+    groups, token_records = io.load_anatomy(results)
+    assert len(groups) == 4 and len(token_records) == 4
+    # kept advantages 1.5 and -0.5: population variance 1.0 (Lemma 1's bound, met with equality)
+    assert groups["var_kept"].iloc[0] == pytest.approx(1.0)
+    assert groups["n_kept"].iloc[0] == 2
+
+
+def test_claims_verdicts(results):
+    metrics = io.load_metrics(results)
+    curves = tables.learning_curves(io.load_evals(results), metrics)
+    eff = tables.efficiency_table(curves, metrics)
+    table = claims(metrics, curves, eff, "d3s", "grpo").set_index("claim")
+    assert table.loc["higher gradient norm than grpo", "verdict"] == "supported"
+    assert table.loc["fewer tokens in the update", "verdict"] == "supported"
+
+
+def test_figures_write_png_and_pdf(results, tmp_path):
+    metrics = io.load_metrics(results)
+    groups, token_records = io.load_anatomy(results)
+    curves = tables.learning_curves(io.load_evals(results), metrics)
+    long = tables.pass_at_k_table(io.load_evals(results))
+    made = [
+        figures.training_dynamics(metrics, ["grpo", "d3s"], smooth=1),
+        figures.learning_curve_figure(curves, ["grpo", "d3s"]),
+        figures.pass_at_k_figure(long, ["grpo", "d3s"]),
+        figures.var_after_figure(groups, ["grpo", "d3s"]),
+        figures.token_scores_figure(token_records[0]["examples"][0]),
+    ]
+    for i, fig in enumerate(made):
+        paths = figures.save(fig, tmp_path / "figs" / f"f{i}")
+        assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_paper_numbers_carry_citations():
+    paper = Path(__file__).resolve().parents[1] / "results" / "paper"
+    t1 = pd.read_csv(paper / "d3s_table1.csv")
+    assert set(t1["source_tag"]) == {"N"}
+    row = t1[(t1["method"] == "d3s") & (t1["benchmark"] == "average") & (t1["model"] == "Qwen2.5-Math-7B")]
+    assert (row["pass_at_1"].iloc[0], row["pass_at_8"].iloc[0]) == (34.3, 56.8)
+    for name in ("d3s_table2", "d3s_table3", "pods_single_gpu", "pods_ablations", "pods_multi_gpu"):
+        df = pd.read_csv(paper / f"{name}.csv")
+        assert df["citation"].notna().all() and df["source_tag"].notna().all()

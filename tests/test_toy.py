@@ -1,0 +1,42 @@
+"""The tiny default's task and tokenizer: completion lengths, boundary-safe tokenisation, grading."""
+
+from __future__ import annotations
+
+import yaml
+
+from d3s.data.synthetic import arithmetic_problems
+from d3s.rewards import accuracy_reward
+from d3s.toy import build_tokenizer
+from tests.conftest import REPO_ROOT
+
+
+def _default_task():
+    return yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())["task"]
+
+
+def test_default_task_completions_are_chains_of_thought_ending_in_boxed():
+    tok = build_tokenizer()
+    problems = arithmetic_problems(500, **_default_task())
+    lengths = [len(tok(p.completion, add_special_tokens=False)["input_ids"]) + 1 for p in problems]
+    assert min(lengths) >= 11 and max(lengths) <= 40
+    assert 15 <= sum(lengths) / len(lengths) <= 30
+    assert all(p.completion.rstrip().endswith("\\boxed{" + p.answer + "}") for p in problems)
+
+
+def test_prompt_completion_boundary_tokenises_like_the_whole():
+    tok = build_tokenizer()
+    for p in arithmetic_problems(200, **_default_task()):
+        ids = (
+            tok(p.prompt, add_special_tokens=False)["input_ids"]
+            + tok(p.completion, add_special_tokens=False)["input_ids"]
+        )
+        assert ids == tok(p.prompt + p.completion, add_special_tokens=False)["input_ids"]
+
+
+def test_held_out_split_is_disjoint_and_graded_by_math_verify():
+    task = _default_task()
+    train = {p.prompt for p in arithmetic_problems(2000, split="train", **task)}
+    test = arithmetic_problems(100, split="test", **task)
+    assert not train & {p.prompt for p in test}
+    rewards = accuracy_reward([p.completion for p in test[:20]], answer=[p.answer for p in test[:20]])
+    assert rewards == [1.0] * 20
