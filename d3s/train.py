@@ -8,6 +8,7 @@
     dataset: {name: synthetic, count: 2000, max_ops: 1, max_operand: 9}
     template: raw                 # raw | plain | qwen_math_cot | auto (d3s.data.templates)
     tiny: {sft_steps: 150}        # only for model: tiny
+    resume: auto                  # auto: continue from the newest complete checkpoint in output_dir; never
     trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
 
 Everything is validated (method, trainer fields, batch geometry) before a model is loaded.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ import torch
 import yaml
 
 from d3s.methods import get_method
+from d3s.provenance import atomic_write_text, build_manifest, now, write_manifest
+from d3s.trainer import D3S_STATE_FILE
 
 TOP_LEVEL_KEYS = {
     "method",
@@ -65,6 +69,8 @@ def resolve_config(config: dict[str, Any]):
     unknown = set(config) - TOP_LEVEL_KEYS
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; valid keys: {sorted(TOP_LEVEL_KEYS)}")
+    if config.get("resume", "auto") not in ("auto", "never"):
+        raise ValueError(f"resume must be 'auto' or 'never', got {config['resume']!r}")
     method = config.get("method", "grpo")
     get_method(method)
     trainer = dict(config.get("trainer") or {})
@@ -128,13 +134,45 @@ def _load_model(config: dict[str, Any], output_dir: Path):
     return model, tokenizer
 
 
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint that was written completely (Trainer's state and ours both present)."""
+    complete = [
+        path
+        for path in Path(output_dir).glob("checkpoint-*")
+        if path.name.split("-")[-1].isdigit()
+        and (path / "trainer_state.json").is_file()
+        and (path / D3S_STATE_FILE).is_file()
+    ]
+    return max(complete, key=lambda path: int(path.name.split("-")[-1]), default=None)
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from (they will be written again)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            break  # a line cut by a crash ends the trustworthy part
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
 def train(config: dict[str, Any]) -> Path:
-    """Run one training job; returns the run directory (metrics.jsonl, resolved_config.yaml, final/)."""
+    """Run one training job; returns the run directory.
+
+    The run directory gets manifest.json (provenance), resolved_config.yaml, metrics.jsonl, checkpoints
+    (if the trainer saves them), train_summary.json and final/. A re-run of an interrupted job resumes
+    from its newest complete checkpoint (``resume: auto``).
+    """
     args = resolve_config(config)
     threads = int(config.get("threads", 1))
     torch.set_num_threads(threads)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = latest_checkpoint(output_dir) if config.get("resume", "auto") == "auto" else None
 
     from datasets import Dataset
 
@@ -149,7 +187,16 @@ def train(config: dict[str, Any]) -> Path:
         "resolved_trainer": {k: _plain(v) for k, v in args.to_dict().items()},
         "method_settings": dataclasses.asdict(get_method(args.method)),
     }
-    (output_dir / "resolved_config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    atomic_write_text(output_dir / "resolved_config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    manifest = build_manifest(resolved, seed=args.seed, threads=threads, inputs=_input_files(config))
+    manifest["resumed_from"] = str(resume_from) if resume_from else None
+    write_manifest(output_dir / "manifest.json", manifest)
+    if resume_from is not None:
+        step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
+        _truncate_metrics(output_dir / (args.metrics_log or "metrics.jsonl"), step)
+        print(f"resuming from {resume_from} (step {step})")
+    elif args.metrics_log:
+        (output_dir / args.metrics_log).unlink(missing_ok=True)  # a fresh run starts a fresh log
     trainer = D3STrainer(
         model=model,
         args=args,
@@ -158,13 +205,41 @@ def train(config: dict[str, Any]) -> Path:
         processing_class=tokenizer,
     )
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     elapsed = time.perf_counter() - start
-    trainer.save_model(str(output_dir / "final"))
-    tokenizer.save_pretrained(str(output_dir / "final"))
-    summary = {"train_seconds": elapsed, "steps": trainer.state.global_step, "threads": threads}
-    (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    partial = output_dir / "final.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    trainer.save_model(str(partial))
+    tokenizer.save_pretrained(str(partial))
+    shutil.rmtree(output_dir / "final", ignore_errors=True)
+    os.replace(partial, output_dir / "final")  # a crash never leaves a half-written final model
+    summary = {
+        "train_seconds": elapsed,
+        "steps": trainer.state.global_step,
+        "threads": threads,
+        "update_tokens_total": trainer.update_tokens_total,
+        "resumed_from": manifest["resumed_from"],
+    }
+    atomic_write_text(output_dir / "train_summary.json", json.dumps(summary, indent=2))
+    manifest["finished"] = now()
+    write_manifest(output_dir / "manifest.json", manifest)
     return output_dir
+
+
+def _input_files(config: dict[str, Any]) -> dict[str, Path]:
+    """Files whose checksums go into the manifest: the local benchmark copy and the model config."""
+    files: dict[str, Path] = {}
+    name = (config.get("dataset") or {}).get("name", "synthetic")
+    if name != "synthetic":
+        from d3s.data.benchmarks import get_benchmark, resolve_data_dir
+
+        root = resolve_data_dir(config.get("data_dir"))
+        if root is not None and (root / get_benchmark(name).local_path).is_file():
+            files["dataset"] = root / get_benchmark(name).local_path
+    model = Path(str(config.get("model", "tiny")))
+    if (model / "config.json").is_file():
+        files["model_config"] = model / "config.json"
+    return files
 
 
 def _plain(value: Any) -> Any:

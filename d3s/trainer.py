@@ -10,6 +10,7 @@ With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step f
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,11 +246,34 @@ class JsonlMetricsCallback(TrainerCallback):
             fh.flush()
 
 
+class NanGuardCallback(TrainerCallback):
+    """Stops training on a NaN loss, reward or gradient norm (after the step's metrics are logged).
+
+    Trainer logs before it saves, so raising here keeps the bad step's checkpoint from being written:
+    the last checkpoint on disk stays the last good one.
+    """
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        bad = [
+            k
+            for k in ("loss", "reward", "grad_norm")
+            if isinstance(logs.get(k), float) and math.isnan(logs[k])
+        ]
+        if bad:
+            raise FloatingPointError(
+                f"{', '.join(bad)} is NaN at step {state.global_step}; training stopped before saving this step. "
+                f"Resume from the last checkpoint in {args.output_dir} with a lower learning_rate or check the reward"
+            )
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
     return value
 
+
+D3S_STATE_FILE = "d3s_state.json"
 
 # Per-rollout tensors of TRL's generation batch (first dimension = rollouts); left-padded ones pad first.
 _LEFT_PADDED = {"prompt_ids", "prompt_mask"}
@@ -270,6 +294,7 @@ class D3STrainer(GRPOTrainer):
         self._anatomy_tokens_due = False
         if self.args.metrics_log:
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
+        self.add_callback(NanGuardCallback())  # after the metrics log, so the NaN step is recorded
 
     # ---- schedule -----------------------------------------------------------------------------------------
 
@@ -491,6 +516,21 @@ class D3STrainer(GRPOTrainer):
                 "examples": examples,
             }
         )
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:  # our running counters, restored on resume like TRL's entropy controller
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(folder, D3S_STATE_FILE), "w", encoding="utf-8") as fh:
+                json.dump({"update_tokens_total": self.update_tokens_total}, fh)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and os.path.exists(os.path.join(checkpoint, D3S_STATE_FILE)):
+            with open(os.path.join(checkpoint, D3S_STATE_FILE), encoding="utf-8") as fh:
+                self.update_tokens_total = json.load(fh)["update_tokens_total"]
 
     # ---- logging ------------------------------------------------------------------------------------------
 

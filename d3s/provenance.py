@@ -1,0 +1,128 @@
+"""Run manifests: what produced a result (config, versions, commit, seed, threads, hardware, inputs)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PACKAGES = (
+    "d3s",
+    "torch",
+    "transformers",
+    "trl",
+    "accelerate",
+    "datasets",
+    "math-verify",
+    "latex2sympy2_extended",
+)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write via a temporary file in the same folder and rename, so readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def package_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """The commit of the d3s checkout and whether its tree had uncommitted changes."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def hardware() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
+    )
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "gpus": gpus,
+        "gpu_count": len(gpus),
+        "platform": platform.platform(),
+    }
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def build_manifest(
+    config: dict[str, Any], seed: int, threads: int, inputs: dict[str, str | os.PathLike[str]] | None = None
+) -> dict[str, Any]:
+    """A manifest for a job starting now; ``inputs`` maps a role to a file whose checksum is recorded."""
+    import torch
+
+    return {
+        "config": config,
+        "seed": seed,
+        "torch_threads": threads,
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "versions": package_versions(),
+        "git": git_state(),
+        "hardware": hardware(),
+        "inputs": {role: {"path": str(p), "sha256": sha256_file(p)} for role, p in (inputs or {}).items()},
+        "started": now(),
+        "finished": None,
+    }
+
+
+def write_manifest(path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
+    atomic_write_text(path, json.dumps(manifest, indent=2, default=str) + "\n")
