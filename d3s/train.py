@@ -42,6 +42,7 @@ TOP_LEVEL_KEYS = {
     "tiny",
     "trainer",
     "data_dir",
+    "resume",
 }
 
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
@@ -87,7 +88,44 @@ def resolve_config(config: dict[str, Any]):
         "output_dir": str(config.get("output_dir", f"runs/{method}")),
     }
     settings |= trainer
+    _check_hardware(settings)
+    _check_inputs(config)
     return D3SConfig.for_method(method, **settings)
+
+
+def _check_hardware(settings: dict[str, Any]) -> None:
+    """GPU-only settings on a machine without a GPU fail here, not after the model has loaded."""
+    if torch.cuda.is_available():
+        return
+    wants_gpu = {
+        "use_vllm": "generation with vLLM needs a CUDA GPU: set trainer.use_vllm: false",
+        "bf16": "bf16 training needs a GPU here: set trainer.bf16: false",
+        "fp16": "fp16 training needs a GPU: set trainer.fp16: false",
+    }
+    for key, fix in wants_gpu.items():
+        if settings.get(key):
+            raise ValueError(
+                f"trainer.{key} is set but this machine has no CUDA GPU; {fix} (or run on a GPU node)"
+            )
+    if settings.get("use_cpu") is False:
+        raise ValueError("trainer.use_cpu: false asks for a GPU, but this machine has none; remove it")
+
+
+def _check_inputs(config: dict[str, Any]) -> None:
+    """Model path and training data must exist before any compute is spent."""
+    model = str(config.get("model", "tiny"))
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).exists()
+    if model != "tiny" and looks_local and not (Path(model).expanduser() / "config.json").is_file():
+        raise ValueError(f"model: {model} has no config.json; give a model directory, a hub id, or 'tiny'")
+    dataset = dict(config.get("dataset") or {})
+    name = dataset.get("name", "synthetic")
+    if name != "synthetic":
+        from d3s.data.benchmarks import BenchmarkError, load_benchmark
+
+        try:
+            load_benchmark(name, config.get("data_dir"), limit=1)
+        except BenchmarkError as err:
+            raise ValueError(f"dataset.name: {err}") from None
 
 
 def _training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:

@@ -163,3 +163,15 @@ def test_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path, tiny_sf
     logged = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     # Trainer filters NaN losses out of its logs (logging_nan_inf_filter); the gradient norm shows it
     assert [e["step"] for e in logged] == [1, 2, 3] and math.isnan(logged[-1]["grad_norm"])
+
+
+@pytest.mark.slow
+def test_same_seed_and_threads_give_bitwise_identical_runs(tmp_path):
+    from d3s.train import load_config, train
+
+    for name in ("first", "second"):
+        config = load_config(run_config(tmp_path, name, max_steps=3, save_strategy="no"))
+        train(config)
+    assert step_metrics(tmp_path / "first") == step_metrics(tmp_path / "second")
+    first, second = final_weights(tmp_path / "first"), final_weights(tmp_path / "second")
+    assert all(torch.equal(first[k], second[k]) for k in first)
