@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, Sample, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table
+from d3s.provenance import atomic_write_text
 from d3s.rewards import Grader, GradeResult
 
 SAMPLES_FILE, SUMMARY_FILE, RUN_FILE = "samples.jsonl", "summary.json", "run.json"
@@ -64,31 +64,11 @@ class BenchmarkRun:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write JSON to a temp file in the same folder and ``os.replace`` it: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(obj, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def _atomic_write_lines(path: Path, lines: Sequence[str]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.writelines(lines)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(lines))
 
 
 def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
