@@ -247,6 +247,11 @@ def test_end_to_end_every_benchmark(tiny_model: Path, tmp_path: Path) -> None:
         }
         assert summary["model_path"] == str(tiny_model) and summary["backend"] == "transformers"
         assert summary["unparsable_gold"] == 0 and summary["timeouts"] == 0
+        # provenance: versions, commit, hardware and the checksum of the benchmark file that was read
+        assert summary["versions"]["trl"] == "1.16.0" and set(summary["git"]) == {"commit", "dirty"}
+        assert summary["hardware"]["cpu_count"] >= 1
+        if name != "synthetic":
+            assert len(summary["data_sha256"]) == 64
         counts = {}
         for record in records:
             counts[record["problem_id"]] = counts.get(record["problem_id"], 0) + record["correct"]

@@ -21,10 +21,10 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from d3s import provenance
 from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, Sample, problem_seed
@@ -166,14 +166,7 @@ def _sample_records(
 
 
 def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for name in ("torch", "transformers", "math-verify", "latex2sympy2_extended", "vllm", "trl"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    versions["python"] = platform.python_version()
-    return versions
+    return {**provenance.package_versions(), "python": platform.python_version()}
 
 
 def evaluate_benchmark(
@@ -299,6 +292,11 @@ def summarize_benchmark(
         "grading_time_limit_s": grader.time_limit,
         "data_source": run.data_source,
         "versions": package_versions(),
+        "git": provenance.git_state(),
+        "hardware": provenance.hardware(),
+        "data_sha256": provenance.sha256_file(run.data_source)
+        if Path(str(run.data_source)).is_file()
+        else None,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **run.extra_provenance,
     }
