@@ -184,6 +184,15 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     return names, settings, backend
 
 
+def _data_source(name: str, data_dir: Path | None) -> str:
+    """The file a benchmark was read from (its checksum goes into the summary), or where else it came from."""
+    if name == "synthetic":
+        return "d3s.data.synthetic (generated)"
+    if data_dir is not None and (data_dir / BENCHMARKS[name].local_path).is_file():
+        return str(data_dir / BENCHMARKS[name].local_path)
+    return "huggingface hub"
+
+
 def _load_all(
     names: list[str], data_dir: Path | None, limit: int | None, synthetic: dict[str, int] | None = None
 ) -> dict[str, list[Problem]]:
@@ -294,7 +303,7 @@ def _evaluate(
                 template=args.template,
                 model_path=args.model,
                 scoring=scoring,
-                data_source=str(data_dir) if data_dir is not None else "huggingface hub",
+                data_source=_data_source(name, data_dir),
                 extra_provenance={"limit": args.limit, "batch_size": batch_size},
             )
             try:
