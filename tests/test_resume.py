@@ -175,3 +175,45 @@ def test_same_seed_and_threads_give_bitwise_identical_runs(tmp_path):
     assert step_metrics(tmp_path / "first") == step_metrics(tmp_path / "second")
     first, second = final_weights(tmp_path / "first"), final_weights(tmp_path / "second")
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def eval_command(model: Path, out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "d3s.cli", "eval", "--model", str(model), "--benchmarks", "synthetic",
+        "--synthetic", "count=16,max_ops=1,max_operand=9", "--samples", "4", "--k", "1,4", "--max-tokens", "16",
+        "--temperature", "1.0", "--top-p", "1.0", "--backend", "transformers", "--batch-size", "1",
+        "--grading-workers", "1", "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_killed_evaluation_resumes_without_duplicates_or_gaps(tmp_path, tiny_sft_model):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        eval_command(tiny_sft_model, tmp_path / "reference"), env=env, check=True, capture_output=True
+    )
+    out = tmp_path / "killed"
+    samples = out / "synthetic" / "samples.jsonl"
+    proc = subprocess.Popen(
+        eval_command(tiny_sft_model, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if samples.exists() and len(samples.read_text().splitlines()) >= 20:  # 5 of 16 problems done
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the evaluation finished before it could be killed"
+    assert not (out / "synthetic" / "summary.json").exists()
+    subprocess.run(eval_command(tiny_sft_model, out), env=env, check=True, capture_output=True)
+
+    def records(path: Path) -> list[tuple]:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [(r["problem_id"], r["sample_index"], r["completion"], r["correct"]) for r in rows]
+
+    resumed, reference = records(samples), records(tmp_path / "reference" / "synthetic" / "samples.jsonl")
+    assert len(resumed) == len(set(resumed)) == 16 * 4  # nothing duplicated, nothing missing
+    assert sorted(resumed) == sorted(reference)  # and the same samples as an uninterrupted run
+    summary = json.loads((out / "synthetic" / "summary.json").read_text())
+    assert summary["n_problems"] == 16 and summary["n_samples"] == 64
