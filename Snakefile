@@ -16,6 +16,13 @@ validate(config, "config/schema.yaml")
 
 
 include: "workflow/rules/common.smk"
+
+
+wildcard_constraints:
+    method="[a-z0-9_]+",
+    seed=r"\d+",
+
+
 include: "workflow/rules/base_model.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"

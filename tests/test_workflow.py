@@ -33,7 +33,7 @@ def _snakemake(args, cwd, timeout=120):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
 def test_dry_run_every_configuration(config):
-    result = _snakemake(["-n", "--quiet", "rules", "--configfile", str(config)], REPO)
+    result = _snakemake(["-n", "--forceall", "--quiet", "rules", "--configfile", str(config)], REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     cfg = yaml.safe_load(config.read_text())
     n_runs = len(cfg["methods"]) * len(cfg["seeds"])

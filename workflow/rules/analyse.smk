@@ -15,24 +15,26 @@ FIG = f"{RESULTS}/figures"
 TAB = f"{RESULTS}/tables"
 
 
-def fig(name, caption, category):
-    return report(f"{FIG}/{name}.png", caption=f"../report/{caption}.rst", category=category)
-
-
 rule training_dynamics:
     input:
         notebook="notebooks/training_dynamics.ipynb",
         logs=TRAIN_LOGS,
     output:
         notebook=f"{RESULTS}/notebooks/training_dynamics.ipynb",
-        dynamics=fig("training_dynamics", "training_dynamics", "Training dynamics"),
-        grad_norm=fig("grad_norm", "grad_norm", "Training dynamics"),
+        dynamics=report_figure("training_dynamics", "Training dynamics"),
+        grad_norm=report_figure("grad_norm", "Training dynamics"),
         pdfs=[f"{FIG}/training_dynamics.pdf", f"{FIG}/grad_norm.pdf"],
         table=report(f"{TAB}/dynamics.csv", caption="../report/dynamics_table.rst", category="Tables"),
     log:
         f"{RESULTS}/logs/notebooks/training_dynamics.log",
+    params:
+        papermill=PAPERMILL,
+        notebook_params=NB_PARAMS,
+    conda:
+        ENV
     shell:
-        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
+        "{params.notebook_params} > {log} 2>&1"
 
 
 rule pass_at_k:
@@ -43,15 +45,21 @@ rule pass_at_k:
         base=f"{RESULTS}/eval/base/summary.json",
     output:
         notebook=f"{RESULTS}/notebooks/pass_at_k.ipynb",
-        figure=fig("pass_at_k", "pass_at_k", "Pass@k"),
+        figure=report_figure("pass_at_k", "Pass@k"),
         pdf=f"{FIG}/pass_at_k.pdf",
         long=report(f"{TAB}/pass_at_k.csv", caption="../report/pass_at_k_table.rst", category="Tables"),
         table1=report(f"{TAB}/table1_layout.csv", caption="../report/table1.rst", category="Tables"),
         table2=report(f"{TAB}/table2_layout.csv", caption="../report/table2.rst", category="Tables"),
     log:
         f"{RESULTS}/logs/notebooks/pass_at_k.log",
+    params:
+        papermill=PAPERMILL,
+        notebook_params=NB_PARAMS,
+    conda:
+        ENV
     shell:
-        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
+        "{params.notebook_params} > {log} 2>&1"
 
 
 rule efficiency:
@@ -62,15 +70,21 @@ rule efficiency:
         base=f"{RESULTS}/eval/base/summary.json",
     output:
         notebook=f"{RESULTS}/notebooks/efficiency.ipynb",
-        figure=fig("learning_curves", "learning_curves", "Efficiency"),
+        figure=report_figure("learning_curves", "Efficiency"),
         pdf=f"{FIG}/learning_curves.pdf",
         curves=f"{TAB}/learning_curves.csv",
         efficiency=report(f"{TAB}/efficiency.csv", caption="../report/efficiency_table.rst", category="Tables"),
         table3=report(f"{TAB}/table3_layout.csv", caption="../report/table3.rst", category="Tables"),
     log:
         f"{RESULTS}/logs/notebooks/efficiency.log",
+    params:
+        papermill=PAPERMILL,
+        notebook_params=NB_PARAMS,
+    conda:
+        ENV
     shell:
-        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
+        "{params.notebook_params} > {log} 2>&1"
 
 
 rule selection_anatomy:
@@ -79,11 +93,17 @@ rule selection_anatomy:
         logs=TRAIN_LOGS,
     output:
         notebook=f"{RESULTS}/notebooks/selection_anatomy.ipynb",
-        var_after=fig("var_after_selection", "var_after_selection", "Selection anatomy"),
-        example=fig("token_selection_example", "token_selection_example", "Selection anatomy"),
+        var_after=report_figure("var_after_selection", "Selection anatomy"),
+        example=report_figure("token_selection_example", "Selection anatomy"),
         pdfs=[f"{FIG}/var_after_selection.pdf", f"{FIG}/token_selection_example.pdf"],
         table=report(f"{TAB}/var_after_selection.csv", caption="../report/var_table.rst", category="Tables"),
     log:
         f"{RESULTS}/logs/notebooks/selection_anatomy.log",
+    params:
+        papermill=PAPERMILL,
+        notebook_params=NB_PARAMS,
+    conda:
+        ENV
     shell:
-        "{PAPERMILL} {input.notebook} {output.notebook} -k python3 --no-progress-bar {NB_PARAMS} > {log} 2>&1"
+        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
+        "{params.notebook_params} > {log} 2>&1"

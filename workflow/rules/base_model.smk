@@ -12,6 +12,8 @@ rule base_model:
     threads: config["base_model"].get("threads", 1)
     log:
         f"{RESULTS}/logs/base_model.log",
+    conda:
+        ENV
     script:
         "../scripts/base_model.py"
 
@@ -22,7 +24,7 @@ rule evaluate_base:
     output:
         summary=f"{RESULTS}/eval/base/summary.json",
     params:
-        model=base_model_path(),
+        model=model_param,
         eval=config["eval"],
         task=TASK,
     threads: config["eval"].get("threads", 1)
@@ -30,5 +32,7 @@ rule evaluate_base:
         **config["eval"].get("resources", {}),
     log:
         f"{RESULTS}/logs/eval_base.log",
+    conda:
+        ENV
     script:
         "../scripts/evaluate.py"

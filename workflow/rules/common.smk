@@ -1,5 +1,9 @@
 # Shared settings and helpers of the workflow (no rules).
 import json
+from pathlib import Path
+
+# All jobs run in the project's environment (environment.yml: the pinned set and this package).
+ENV = "../../environment.yml"
 
 RESULTS = f"results/{config['experiment']}"
 METHODS = list(config["methods"])
@@ -38,17 +42,25 @@ def _check_config():
 _check_config()
 
 
-wildcard_constraints:
-    method="[a-z0-9_]+",
-    seed=r"\d+",
-    step=r"\d+",
-
-
 def base_model_path():
     """The model every run starts from: built by rule base_model (kind tiny) or a given path / hub id."""
     if config["base_model"]["kind"] == "tiny":
         return f"{RESULTS}/base_model"
     return config["base_model"]["path"]
+
+
+def model_param(wildcards, input):
+    """The model path as a rule parameter (derived from the input for the built tiny model)."""
+    if config["base_model"]["kind"] == "tiny":
+        return str(Path(input[0]).parent)
+    return config["base_model"]["path"]
+
+
+def report_figure(name, category):
+    """A figure of the analysis stage, declared for Snakemake's HTML report (caption in workflow/report/)."""
+    return report(
+        f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category=category
+    )
 
 
 def base_model_input():

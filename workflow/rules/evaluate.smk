@@ -18,5 +18,7 @@ rule evaluate:
         **config["eval"].get("resources", {}),
     log:
         f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}.log",
+    conda:
+        ENV
     script:
         "../scripts/evaluate.py"

@@ -15,9 +15,11 @@ rule report:
     output:
         report_md=f"{RESULTS}/report.md",
     params:
-        results=RESULTS,
+        results=lambda wildcards, output: str(Path(output.report_md).parent),
         config=config,
     log:
         f"{RESULTS}/logs/report.log",
+    conda:
+        ENV
     script:
         "../scripts/write_report.py"

@@ -15,7 +15,7 @@ rule train:
             for s in CKPT_STEPS
         ],
     params:
-        model=base_model_path(),
+        model=model_param,
         train=config["train"],
         task=TASK,
         data_dir=config["train"].get("data_dir"),
@@ -24,5 +24,7 @@ rule train:
         **config["train"].get("resources", {}),
     log:
         f"{RESULTS}/logs/train/{{method}}_seed{{seed}}.log",
+    conda:
+        ENV
     script:
         "../scripts/train_run.py"
