@@ -1,10 +1,10 @@
-"""The tiny offline model: a character-level tokenizer and a small Qwen2-architecture causal LM.
+"""The tiny offline model: a small byte-level BPE tokenizer and a small Qwen2-architecture causal LM.
 
-Nothing here downloads anything. The tokenizer covers printable ASCII one character per token (digits
-are single tokens, as in Qwen's tokenizer) plus a few multi-character tokens for the synthetic task's
-format (``\\boxed{``, ``Q:``, ``A:``), so ``tok(prompt) + tok(completion) == tok(prompt + completion)``
-holds for the task's prompt/completion boundary (a BPE merge across that boundary would make SFT and
-GRPO see different token ids; see docs/cpu-testbed-notes.md).
+Nothing here downloads anything. The tokenizer covers printable ASCII one symbol per token (digits are
+single tokens, as in Qwen's tokenizer) plus merged tokens for the synthetic task's ``\\boxed``, with
+Qwen2's pre-tokenizer, so ``tok(prompt) + tok(completion) == tok(prompt + completion)`` holds at the
+task's prompt/completion boundary (a BPE merge across that boundary would make SFT and GRPO see different
+token ids; see docs/cpu-testbed-notes.md), and a saved copy reloads identically through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -13,27 +13,74 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import WordLevel
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-MULTI_CHAR_TOKENS = ["\\boxed{", "Q:", "A:"]
+# Qwen2's pre-tokenizer (transformers' Qwen2Tokenizer): a regex split, then byte-level symbols.
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Whole words of the task's format, merged into single tokens (``\boxed`` as in Qwen's vocabulary).
+MERGED_WORDS = ["\\boxed", "boxed", "Ġ\\"]
 
 
-def _vocabulary() -> dict[str, int]:
-    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    tokens = [PAD, EOS, UNK, *MULTI_CHAR_TOKENS, *chars]
-    return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2 / Qwen byte-to-symbol table (printable ASCII maps to itself, space to 'Ġ', newline to 'Ċ')."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _vocabulary_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    symbols = _byte_symbols()
+    chars = [symbols[ord(c)] for c in string.printable if c not in "\r\x0b\x0c"]
+    tokens = [PAD, EOS, UNK, *chars]
+    merges: list[tuple[str, str]] = []
+    for word in MERGED_WORDS:
+        for i in range(2, len(word) + 1):
+            left, right = word[: i - 1], word[i - 1]
+            if word[:i] not in tokens:
+                tokens.append(word[:i])
+                merges.append((left, right))
+    return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}, merges
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A deterministic character-level tokenizer (~100 tokens), left padding, EOS doubling as BOS."""
-    vocab = _vocabulary()
-    core = Tokenizer(WordLevel(vocab, unk_token=UNK))
-    multi = "|".join(Regex_escape(t) for t in MULTI_CHAR_TOKENS)
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(f"{multi}|."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    """A deterministic byte-level BPE tokenizer of ~110 tokens in Qwen2's format, left padding, EOS as BOS.
+
+    Built exactly as transformers' ``Qwen2Tokenizer`` rebuilds a saved tokenizer (BPE over byte-level
+    symbols, NFC, Qwen2's split regex), so a saved copy reloaded with ``AutoTokenizer`` (which, for a
+    ``qwen2`` model, always instantiates ``Qwen2Tokenizer`` from the saved vocabulary and merges)
+    tokenises identically. Digits are single tokens, as in Qwen's tokenizer.
+    """
+    vocab, merges = _vocabulary_and_merges()
+    core = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -44,10 +91,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=512,
     )
     return tok
-
-
-def Regex_escape(text: str) -> str:  # noqa: N802 - mirrors re.escape for the tokenizers regex flavour
-    return "".join("\\" + c if c in r"\{}()[].*+?^$|" else c for c in text)
 
 
 def build_model(

@@ -109,8 +109,9 @@ def test_speedup_and_efficiency(results):
 def test_anatomy_var_after_selection(results):
     groups, token_records = io.load_anatomy(results)
     assert len(groups) == 4 and len(token_records) == 4
-    # kept advantages 1.5 and -0.5: population variance 1.0 (Lemma 1's bound, met with equality)
+    # kept advantages 1.5 and -0.5: population variance 1.0; the whole group's is 0.75
     assert groups["var_kept"].iloc[0] == pytest.approx(1.0)
+    assert groups["var_ratio"].iloc[0] == pytest.approx(4 / 3)
     assert groups["n_kept"].iloc[0] == 2
 
 

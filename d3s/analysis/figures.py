@@ -144,20 +144,20 @@ def pass_at_k_figure(table: pd.DataFrame, methods):
 
 
 def var_after_figure(groups: pd.DataFrame, methods):
-    """Distribution of Var(A) over the kept rollouts of groups with >= 2 kept and some reward variance
-    (Lemma 1: >= 1 for a max-variance subset of a standardised group)."""
+    """Distribution of Var(A of the kept rollouts) / Var(A of the group) over groups with >= 2 kept and
+    some reward variance (Lemma 1: >= 1 for a max-variance subset of a standardised group)."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     sub = groups[(groups["n_kept"] >= 2) & (groups["reward_std"] > 0)]
     data, names = [], []
     for method in methods:
-        values = sub[sub["method"] == method]["var_kept"].dropna()
+        values = sub[sub["method"] == method]["var_ratio"].dropna()
         if len(values):
             data.append(values.to_numpy())
             names.append(method)
     if data:
         ax.boxplot(data, tick_labels=names, showfliers=True)
-    ax.axhline(1.0, color="red", lw=1, ls="--", label="Var(A) = 1 (Lemma 1 bound)")
-    ax.set_ylabel("Var(A) of kept rollouts")
+    ax.axhline(1.0, color="red", lw=1, ls="--", label="Lemma 1 bound")
+    ax.set_ylabel("Var(A) kept / Var(A) group")
     ax.tick_params(axis="x", rotation=30)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -142,8 +142,11 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
     """Selection anatomy records (``anatomy.jsonl``, written when the trainer's anatomy_every > 0).
 
     Returns (groups, token_records): one row per (method, seed, step, group) with rewards, advantages,
-    kept flags, the number kept and the variance of the kept advantages ``var_kept`` (population
-    variance, as in Lemma 1); and the token records (method, seed, step, token_keep_ratio, examples).
+    kept flags, the number kept, the population variance of the kept advantages ``var_kept``, that of
+    the whole group ``var_all`` and their ratio ``var_ratio`` (Lemma 1: >= 1 for a max-variance subset;
+    the ratio does not depend on whether the advantages were standardised with the biased or the unbiased
+    standard deviation, TRL using the latter); and the token records (method, seed, step,
+    token_keep_ratio, examples).
     """
     groups, tokens = [], []
     for method, seed, run in _runs(Path(results)):
@@ -170,6 +173,9 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
                             "n_kept": n,
                             "var_kept": var,
                             "var_all": _pvar(group["advantages"]),
+                            "var_ratio": var / _pvar(group["advantages"])
+                            if _pvar(group["advantages"]) > 0
+                            else float("nan"),
                             "reward_std": _pvar(group["rewards"]) ** 0.5,
                         }
                     )

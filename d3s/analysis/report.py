@@ -267,8 +267,11 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
     if lemma.is_file():
         lem = pd.read_csv(lemma).rename(columns={"Unnamed: 0": "method"})
         out += [
-            "**Lemma 1** (Var(A) of a max-variance kept subset of a standardised group is at least 1), over logged "
-            "groups with at least 2 kept rollouts and some reward variance:",
+            "**Lemma 1** (Var(A) of a max-variance kept subset of a standardised group is at least 1): "
+            "Var(A) of the kept rollouts / Var(A) of their group, over logged groups with at least 2 kept "
+            "rollouts and some reward variance. The lemma binds intra-group max-variance selection "
+            "(pods, d1s, d3s_i); cross-group selection (d1s_cross, d2s, d3s) is not bound per group; grpo "
+            "keeps everything (ratio 1).",
             "",
             _md(lem.round(3)),
             "",

@@ -112,10 +112,12 @@ def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1, benc
 
 def speedup_to_target(curves: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99, x: str = "step"):
     """PODS speedup: the seed-mean curve of each method vs the time (``x``) at which it first reaches
-    ``fraction`` x the reference's best seed-mean accuracy; speedup = reference time / method time."""
+    ``fraction`` x the reference's best seed-mean accuracy over its trained checkpoints (step > 0);
+    speedup = reference time / method time, NaN for a method that never reaches the target."""
     mean = curves.groupby(["method", "step"], as_index=False).agg(
         value=("value", "mean"), **{x: (x, "mean")} if x != "step" else {}
     )
+    mean = mean[mean["step"] > 0]  # the shared base model (step 0) is no training time
     ref = mean[mean["method"] == reference]
     if ref.empty:
         return pd.DataFrame()

@@ -117,16 +117,20 @@ display(table3.round(2))""",
     "selection_anatomy": [
         "# Selection anatomy\n\nWhat sample and token selection kept, from `anatomy.jsonl` (written every "
         "`anatomy_every` steps). Lemma 1: the max-variance subset of a standardised group (mean 0, variance 1) "
-        "has Var(A) >= 1, so the distribution of Var(A) over kept rollouts (groups with >= 2 kept and some "
-        "reward variance) should sit at or above the red line for the max-variance methods.",
+        "has Var(A) >= 1. TRL standardises with the unbiased standard deviation (a whole group has population "
+        "variance (G-1)/G), so we show the convention-free form: Var(A) of the kept rollouts divided by Var(A) "
+        "of the whole group (population variances), over groups with >= 2 kept and some reward variance. "
+        "Max-variance selection within a group (pods, d1s, d3s_i) should sit at or above the red line; "
+        "cross-group selection (d1s_cross, d2s, d3s) picks rollouts across prompts, so a single group's "
+        "ratio is not bound by the lemma; keeping everything (grpo) gives exactly 1.",
         SETUP,
         """groups, token_records = io.load_anatomy(results)
 if groups.empty:
     print("no anatomy.jsonl found: set trainer.anatomy_every > 0")
 else:
     eligible = groups[(groups["n_kept"] >= 2) & (groups["reward_std"] > 0)]
-    lemma = eligible.groupby("method")["var_kept"].describe()[["count", "min", "25%", "50%", "mean"]]
-    lemma["fraction >= 1"] = eligible.assign(ok=eligible["var_kept"] >= 1 - 1e-6).groupby("method")["ok"].mean()
+    lemma = eligible.groupby("method")["var_ratio"].describe()[["count", "min", "25%", "50%", "mean"]]
+    lemma["fraction >= 1"] = eligible.assign(ok=eligible["var_ratio"] >= 1 - 1e-6).groupby("method")["ok"].mean()
     lemma.to_csv(out / "tables" / "var_after_selection.csv")
     display(lemma.round(3))
     fig = figures.var_after_figure(groups, methods)
