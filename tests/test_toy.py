@@ -18,7 +18,7 @@ def test_default_task_completions_are_chains_of_thought_ending_in_boxed():
     tok = build_tokenizer()
     problems = arithmetic_problems(500, **_default_task())
     lengths = [len(tok(p.completion, add_special_tokens=False)["input_ids"]) + 1 for p in problems]
-    assert min(lengths) >= 11 and max(lengths) <= 40
+    assert min(lengths) >= 12 and max(lengths) <= 40
     assert 15 <= sum(lengths) / len(lengths) <= 30
     assert all(p.completion.rstrip().endswith("\\boxed{" + p.answer + "}") for p in problems)
 
@@ -40,3 +40,19 @@ def test_held_out_split_is_disjoint_and_graded_by_math_verify():
     assert not train & {p.prompt for p in test}
     rewards = accuracy_reward([p.completion for p in test[:20]], answer=[p.answer for p in test[:20]])
     assert rewards == [1.0] * 20
+
+
+def test_saved_tokenizer_reloads_identically_through_auto_tokenizer(tmp_path):
+    """transformers rebuilds a qwen2 model's tokenizer as Qwen2Tokenizer; ours must survive that."""
+    from transformers import AutoTokenizer
+
+    from d3s.toy import save_tiny
+
+    save_tiny(tmp_path, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    tok, reloaded = build_tokenizer(), AutoTokenizer.from_pretrained(tmp_path)
+    assert (reloaded.pad_token_id, reloaded.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    for p in arithmetic_problems(100, max_ops=3, max_operand=99):
+        for text in (p.prompt, p.completion, p.prompt + p.completion):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert reloaded(text, add_special_tokens=False)["input_ids"] == ids
+            assert reloaded.decode(ids) == text
