@@ -109,9 +109,10 @@ def test_speedup_and_efficiency(results):
 def test_anatomy_var_after_selection(results):
     groups, token_records = io.load_anatomy(results)
     assert len(groups) == 4 and len(token_records) == 4
-    # kept advantages 1.5 and -0.5: population variance 1.0; the whole group's is 0.75
-    assert groups["var_kept"].iloc[0] == pytest.approx(1.0)
-    assert groups["var_ratio"].iloc[0] == pytest.approx(4 / 3)
+    # unbiased variances (TRL's convention): kept 1.5 and -0.5 give 2.0, the whole group 1.0
+    assert groups["var_kept"].iloc[0] == pytest.approx(2.0)
+    assert groups["var_all"].iloc[0] == pytest.approx(1.0)
+    assert groups["var_ratio"].iloc[0] == pytest.approx(2.0)
     assert groups["n_kept"].iloc[0] == 2
 
 

@@ -182,7 +182,7 @@ def token_scores_figure(example: dict, max_tokens: int = 48):
                 (c, -r), 0.95, 0.9, color=cmap(norm(score[i])), ec="red" if selected[i] else "none", lw=2
             )
         )
-        text = repr(tok)[1:-1] if tok.strip() else "␣" if tok == " " else repr(tok)[1:-1]
+        text = tok.replace(" ", "␣").replace("\n", "⏎").replace("$", r"\$")
         ax.text(
             c + 0.47,
             -r + 0.45,

@@ -142,11 +142,11 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
     """Selection anatomy records (``anatomy.jsonl``, written when the trainer's anatomy_every > 0).
 
     Returns (groups, token_records): one row per (method, seed, step, group) with rewards, advantages,
-    kept flags, the number kept, the population variance of the kept advantages ``var_kept``, that of
-    the whole group ``var_all`` and their ratio ``var_ratio`` (Lemma 1: >= 1 for a max-variance subset;
-    the ratio does not depend on whether the advantages were standardised with the biased or the unbiased
-    standard deviation, TRL using the latter); and the token records (method, seed, step,
-    token_keep_ratio, examples).
+    kept flags, the number kept, the unbiased variance of the kept advantages ``var_kept``, that of the
+    whole group ``var_all`` (1 up to TRL's epsilon: TRL standardises with the unbiased standard deviation)
+    and their ratio ``var_ratio`` (Lemma 1: >= 1 for a max-variance subset; with population variances the
+    bound fails for odd subset sizes, e.g. 5 of a group with 4 correct of 8 gives 0.96); and the token
+    records (method, seed, step, token_keep_ratio, examples).
     """
     groups, tokens = [], []
     for method, seed, run in _runs(Path(results)):
@@ -159,8 +159,7 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
                 for index, group in enumerate(record.get("groups", [])):
                     adv = [a for a, keep in zip(group["advantages"], group["kept"], strict=True) if keep]
                     n = len(adv)
-                    mean = sum(adv) / n if n else float("nan")
-                    var = sum((a - mean) ** 2 for a in adv) / n if n else float("nan")
+                    var = _var(adv)
                     groups.append(
                         labels
                         | {
@@ -172,11 +171,11 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
                             "kept": group["kept"],
                             "n_kept": n,
                             "var_kept": var,
-                            "var_all": _pvar(group["advantages"]),
-                            "var_ratio": var / _pvar(group["advantages"])
-                            if _pvar(group["advantages"]) > 0
+                            "var_all": _var(group["advantages"]),
+                            "var_ratio": var / _var(group["advantages"])
+                            if _var(group["advantages"]) > 0
                             else float("nan"),
-                            "reward_std": _pvar(group["rewards"]) ** 0.5,
+                            "reward_std": _var(group["rewards"]) ** 0.5,
                         }
                     )
             elif record.get("kind") == "tokens":
@@ -184,12 +183,13 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
     return pd.DataFrame(groups), tokens
 
 
-def _pvar(values) -> float:
+def _var(values) -> float:
+    """Unbiased variance (ddof 1), the convention of TRL's advantage standardisation."""
     values = list(values)
-    if not values:
+    if len(values) < 2:
         return float("nan")
     mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
 
 
 def load_paper(paper_dir: str | Path, name: str) -> pd.DataFrame:

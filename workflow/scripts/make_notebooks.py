@@ -117,9 +117,10 @@ display(table3.round(2))""",
     "selection_anatomy": [
         "# Selection anatomy\n\nWhat sample and token selection kept, from `anatomy.jsonl` (written every "
         "`anatomy_every` steps). Lemma 1: the max-variance subset of a standardised group (mean 0, variance 1) "
-        "has Var(A) >= 1. TRL standardises with the unbiased standard deviation (a whole group has population "
-        "variance (G-1)/G), so we show the convention-free form: Var(A) of the kept rollouts divided by Var(A) "
-        "of the whole group (population variances), over groups with >= 2 kept and some reward variance. "
+        "has Var(A) >= 1. TRL standardises with the unbiased standard deviation, so variances here are unbiased "
+        "too (a whole group has Var(A) = 1; with population variances the bound would fail for odd subset sizes, "
+        "e.g. 5 kept of a group with 4 of 8 correct gives 0.96). Shown: Var(A) of the kept rollouts / Var(A) of "
+        "the group, over groups with >= 2 kept and some reward variance. "
         "Max-variance selection within a group (pods, d1s, d3s_i) should sit at or above the red line; "
         "cross-group selection (d1s_cross, d2s, d3s) picks rollouts across prompts, so a single group's "
         "ratio is not bound by the lemma; keeping everything (grpo) gives exactly 1.",
