@@ -20,7 +20,7 @@ CONFIGS = [
 
 
 def _copy_workflow(dest: Path) -> Path:
-    for name in ("Snakefile", "workflow", "config", "notebooks"):
+    for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
     shutil.copytree(REPO / "results" / "paper", dest / "results" / "paper")
