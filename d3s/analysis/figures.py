@@ -17,6 +17,7 @@ DYNAMICS = [
     ("entropy", "entropy, all tokens (nats)"),
     ("selection/entropy_selected", "entropy, selected tokens (nats)"),
     ("reward", "reward (accuracy)"),
+    ("kl", "KL to the reference policy"),
     ("selection/adv_var_before", "Var(A) before selection"),
     ("selection/adv_var_after", "Var(A) after selection"),
     ("selection/sample_keep_fraction", "fraction of samples kept"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -151,7 +152,8 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         f"(temperature {ev.get('temperature')}, top-p {ev.get('top_p')}); checkpoints every "
         f"{trainer.get('save_steps', trainer['max_steps'])} steps with {ev.get('checkpoint_samples')} samples.",
         "- Intervals: mean across seeds ± half-width of the 95 % Student-t interval across seeds (none for one seed).",
-        f"- Machine: {platform.machine()}, {platform.system()}, Python {platform.python_version()}; git {_git_commit()}.",
+        f"- Machine: {platform.machine()}, {os.cpu_count()} CPU(s), {platform.system()}, Python "
+        f"{platform.python_version()}; git {_git_commit()}.",
         "",
         "## Main table: ours",
         "",
