@@ -27,6 +27,16 @@ FIGURES = [
 ]
 
 
+def _pass_cell(pass_at_k: pd.DataFrame, k: int) -> str:
+    if k not in pass_at_k.index:
+        return "n/a"
+    return _fmt(pass_at_k.loc[k, "mean"], pass_at_k.loc[k, "ci95"])
+
+
+def _efficiency_cell(efficiency: pd.DataFrame, method: str, column: str, digits: int) -> str:
+    return _fmt(efficiency.loc[method, column], digits=digits) if method in efficiency.index else "n/a"
+
+
 def _fmt(mean: float, half: float = float("nan"), digits: int = 1) -> str:
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "n/a"
@@ -173,23 +183,13 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         rows.append(
             {
                 "method": method,
-                "Pass@1 (%)": _fmt(sub.loc[1, "mean"], sub.loc[1, "ci95"]) if 1 in sub.index else "n/a",
-                f"Pass@{kmax} (%)": _fmt(sub.loc[kmax, "mean"], sub.loc[kmax, "ci95"])
-                if kmax in sub.index
-                else "n/a",
+                "Pass@1 (%)": _pass_cell(sub, 1),
+                f"Pass@{kmax} (%)": _pass_cell(sub, kmax),
                 "grad norm": _fmt(*mean_ci(grad)[:2], digits=3),
-                "update tokens/step": _fmt(eff.loc[method, "update_tokens_per_step"], digits=0)
-                if method in eff.index
-                else "n/a",
-                "s/step": _fmt(eff.loc[method, "seconds_per_step"], digits=3)
-                if method in eff.index
-                else "n/a",
-                "speedup (time)": _fmt(eff.loc[method, "speedup_time"], digits=2)
-                if method in eff.index
-                else "n/a",
-                "speedup (steps)": _fmt(eff.loc[method, "speedup_steps"], digits=2)
-                if method in eff.index
-                else "n/a",
+                "update tokens/step": _efficiency_cell(eff, method, "update_tokens_per_step", 0),
+                "s/step": _efficiency_cell(eff, method, "seconds_per_step", 3),
+                "speedup (time)": _efficiency_cell(eff, method, "speedup_time", 2),
+                "speedup (steps)": _efficiency_cell(eff, method, "speedup_steps", 2),
             }
         )
     main = pd.DataFrame(rows)
