@@ -1,0 +1,241 @@
+"""Shared helpers of the performance benchmarks: machine description, timing, result files.
+
+Scripts are run as files, ``.venv/bin/python benchmarks/<name>.py``: Python puts ``benchmarks/`` first
+on ``sys.path``, so they import this module as ``from _common import ...`` (no package, no path hacks).
+
+Every benchmark writes ``<out>/<name>.json`` (settings, rows, machine, versions, git state) and
+``<out>/<name>.md`` (the same as a Markdown table) atomically, ``<out>`` defaulting to
+``results/benchmarks/``. Results are compared as ratios measured in one run: the development machines
+are shared and noisy, so absolute times mean little off a dedicated GPU node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from d3s.provenance import atomic_write_text, git_state, hardware, now, package_versions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "results" / "benchmarks"
+
+
+def base_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark has: --quick, --out, --threads."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"folder for <name>.json and <name>.md ({DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: the CPU default of RL jobs)"
+    )
+    return parser
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with the table
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, GPUs, torch threads and the load average (a noise indicator on shared machines)."""
+    import torch
+
+    info = hardware()
+    info["python"] = platform.python_version()
+    info["torch_threads"] = torch.get_num_threads()
+    info["torch_interop_threads"] = torch.get_num_interop_threads()
+    try:
+        info["load_average_1min"] = os.getloadavg()[0]
+    except OSError:
+        info["load_average_1min"] = None
+    return info
+
+
+def timed(
+    fn: Callable[[], Any], repeats: int = 5, warmup: int = 1, min_seconds: float = 0.0
+) -> dict[str, Any]:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
+
+    ``min_seconds``: keep repeating past ``repeats`` until this much time was measured, so very short
+    calls still get enough samples for a stable median. Returns median, min, max and every sample.
+    """
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    while len(samples) < repeats or sum(samples) < min_seconds:
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return {
+        "median_s": statistics.median(samples),
+        "min_s": min(samples),
+        "max_s": max(samples),
+        "repeats": len(samples),
+        "samples_s": samples,
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table; floats are formatted by the caller (str() of anything else)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    """Seconds with a unit that keeps three significant digits (ns to s)."""
+    if seconds is None:
+        return "n/a"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def write_results(
+    name: str,
+    settings: dict[str, Any],
+    rows: list[dict[str, Any]],
+    markdown: str,
+    notes: Sequence[str] = (),
+    out_dir: Path = DEFAULT_OUT,
+    title: str | None = None,
+) -> tuple[Path, Path]:
+    """Write ``out_dir/name.json`` and ``out_dir/name.md`` atomically; returns both paths.
+
+    ``markdown`` is the body (one or more tables); machine, versions, git state and settings are added
+    around it so the Markdown file stands on its own.
+    """
+    info = machine()
+    versions = package_versions()
+    git = git_state()
+    record = {
+        "name": name,
+        "created": now(),
+        "machine": info,
+        "versions": versions,
+        "git": git,
+        "settings": settings,
+        "rows": rows,
+        "notes": list(notes),
+    }
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    atomic_write_text(json_path, json.dumps(record, indent=2, default=str) + "\n")
+    gpus = ", ".join(info["gpus"]) or "none"
+    version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None and k != "d3s")
+    commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
+    setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
+    parts = [
+        f"# {title or name}",
+        "",
+        f"Machine: {info['cpu']}, {info['cpu_count']} CPUs, GPU: {gpus}; torch threads "
+        f"{info['torch_threads']}; load average {info['load_average_1min']}. Python {info['python']}, "
+        f"{version_text}. Commit {commit}, {record['created']}.",
+        "",
+        f"Settings: {setting_text}.",
+        "",
+        markdown.strip(),
+    ]
+    if notes:
+        parts += ["", *[f"- {note}" for note in notes]]
+    atomic_write_text(md_path, "\n".join(parts) + "\n")
+    return json_path, md_path
+
+
+# --------------------------------------------------------------------------------------------------
+# The tiny model and trainer, in the geometry of benchmarks/step_time_per_method.py: 8 prompts x 8
+# rollouts per step, completions up to 24 tokens, one-step sums of digits, SFT warm start 150 steps.
+
+TINY_TRAINER: dict[str, Any] = {
+    "per_device_train_batch_size": 64,
+    "num_generations": 8,
+    "max_completion_length": 24,
+    "learning_rate": 3e-4,
+    "disable_tqdm": True,
+    "logging_steps": 1,
+}
+TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
+
+
+def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
+    """The tiny model warm-started exactly as ``d3s train`` does for ``model: tiny``, saved to ``path``."""
+    from d3s.data.synthetic import arithmetic_problems
+    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=seed)
+    problems = arithmetic_problems(2000, seed=1000, **TINY_TASK)
+    sft_warm_start(model, tokenizer, [(p.prompt, p.completion) for p in problems], steps=sft_steps)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_trainer(
+    method: str, model_dir: Path, output_dir: Path, max_steps: int, **trainer_overrides: Any
+) -> Any:
+    """A D3STrainer for ``method`` on the saved tiny model, configured through ``d3s.train.resolve_config``
+    (so it gets the same CPU defaults as ``d3s train``), with math-verify accuracy rewards."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+
+    from d3s.data.synthetic import arithmetic_problems
+    from d3s.rewards import accuracy_reward, default_grader
+    from d3s.train import resolve_config
+    from d3s.trainer import D3STrainer
+
+    args = resolve_config(
+        {
+            "method": method,
+            "model": str(model_dir),
+            "output_dir": str(output_dir),
+            "trainer": {**TINY_TRAINER, "max_steps": max_steps, **trainer_overrides},
+        }
+    )
+    rows = [
+        {"prompt": p.prompt, "answer": p.answer}
+        for p in arithmetic_problems(2000, split="train", seed=0, **TINY_TASK)
+    ]
+    default_grader().grade("\\boxed{1}", "1")  # start the grading worker now, not inside step 1
+    trainer = D3STrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=args,
+        reward_funcs=[accuracy_reward],
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    trainer.remove_callback(PrinterCallback)  # the benchmark prints its own table, not every log dict
+    return trainer
+
+
+def step_timer() -> Any:
+    """A TrainerCallback recording the wall seconds of every optimizer step (``.seconds``), from
+    on_step_begin to on_step_end: generation, scoring, selection, forward, backward, optimizer."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self._start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    return StepTimer()
