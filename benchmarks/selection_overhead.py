@@ -1,0 +1,385 @@
+"""Selection overhead: the vectorised max-variance selection against per-group / per-split Python loops.
+
+    .venv/bin/python benchmarks/selection_overhead.py            # 2^20 rollouts, groups of 32, keep 8
+    .venv/bin/python benchmarks/selection_overhead.py --quick    # 2^14 rollouts, a smoke run
+
+Writes results/benchmarks/selection_overhead.{json,md} (``--out`` elsewhere).
+
+Inputs: binary rewards with a per-prompt success rate drawn from U(0, 1) (many all-correct / all-wrong
+groups, many ties, as in RL on math), advantages normalised per group as TRL does.
+
+Intra-group rule (PODS, D1S, D3S-I): ``d3s.selection.select_samples(scope="group")`` against
+  * the loop of the official PODS single-GPU trainer: for each group, sort the rewards, then for each
+    split i in 0..k take the i largest and k - i smallest (``torch.cat``) and compute ``.var()``;
+  * the same loop in plain Python (lists, ``sorted``, sums), no torch per group.
+Cross-group rule (D3S, D1S-Cross): ``select_samples(scope="batch")`` on the pooled batch against
+  * the straightforward loop over every split i of the pooled sorted batch, recomputing the variance of
+    the k-element candidate each time (O(k) per split, O(k^2) in all);
+  * the best loop formulation: one sort, then a Python loop over the splits updating running sums
+    (O(1) per split), i.e. the sort-and-scan of the PODS paper written as a loop.
+Loops too slow for the full size are timed on a subset (groups, or evenly spaced split points) and
+extrapolated linearly; the table says which. Every loop's pick is checked to have the same variance
+as the vectorised pick. The tiny model's training step (GRPO, the step_time_per_method geometry) is
+measured in the same run, and selection is reported as a percentage of it, both at the benchmark size
+and at the step's own batch (8 prompts x 8 rollouts, keep 2 per prompt).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import (
+    base_parser,
+    build_tiny_trainer,
+    fmt_seconds,
+    markdown_table,
+    prepare_tiny_model,
+    set_threads,
+    step_timer,
+    timed,
+    write_results,
+)
+
+from d3s.selection import max_variance_subset, select_samples
+
+NAME = "selection_overhead"
+
+
+def grouped_rewards(num_groups: int, group_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, advantages), each (num_groups, group_size): binary rewards, TRL's group normalisation."""
+    generator = torch.Generator().manual_seed(seed)
+    success = torch.rand(num_groups, 1, generator=generator)
+    rewards = (torch.rand(num_groups, group_size, generator=generator) < success).float()
+    advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+    return rewards, advantages
+
+
+# ------------------------------------------------------------------------------------------ baselines
+
+
+def pods_loop_torch(values: torch.Tensor, keep: int) -> list[torch.Tensor]:
+    """The PODS single-GPU trainer's rule, one group at a time with torch ops on the group."""
+    picks = []
+    n = values.shape[1]
+    for group in values:
+        ordered, order = torch.sort(group, descending=True)
+        best_var, best_split = -math.inf, 0
+        for split in range(keep + 1):
+            candidate = torch.cat([ordered[:split], ordered[n - (keep - split) :]])
+            var = candidate.var().item()  # unbiased, as PODS; same argmax as the population variance
+            if var > best_var:
+                best_var, best_split = var, split
+        picks.append(torch.cat([order[:best_split], order[n - (keep - best_split) :]]))
+    return picks
+
+
+def pods_loop_python(values: list[list[float]], keep: int) -> list[list[int]]:
+    """The same rule in plain Python: sort each group, score every split by recomputing the variance."""
+    picks = []
+    for group in values:
+        n = len(group)
+        order = sorted(range(n), key=group.__getitem__, reverse=True)
+        best_var, best_split = -math.inf, 0
+        for split in range(keep + 1):
+            candidate = [group[i] for i in order[:split]] + [group[i] for i in order[n - (keep - split) :]]
+            mean = sum(candidate) / keep
+            var = sum((x - mean) ** 2 for x in candidate) / keep
+            if var > best_var:
+                best_var, best_split = var, split
+        picks.append(order[:best_split] + order[n - (keep - best_split) :])
+    return picks
+
+
+def cross_loop_recompute(ordered: torch.Tensor, keep: int, splits: range | list[int]) -> tuple[float, int]:
+    """Loop over the given splits of the pooled, descending-sorted batch, computing each candidate's
+    variance from scratch; returns (best population variance, best split)."""
+    n = ordered.numel()
+    best_var, best_split = -math.inf, 0
+    for split in splits:
+        var = torch.cat([ordered[:split], ordered[n - (keep - split) :]]).var(unbiased=False).item()
+        if var > best_var:
+            best_var, best_split = var, split
+    return best_var, best_split
+
+
+def cross_loop_running(values: torch.Tensor, keep: int) -> torch.Tensor:
+    """One sort, then a Python loop over every split with running sums (O(1) per split)."""
+    ordered, order = torch.sort(values.double(), descending=True)
+    xs = ordered.tolist()
+    n = len(xs)
+    total = sum(xs[n - keep :])  # split 0: the keep smallest
+    total_sq = sum(x * x for x in xs[n - keep :])
+    best_var, best_split = total_sq / keep - (total / keep) ** 2, 0
+    for split in range(1, keep + 1):
+        # split - 1 -> split: the (split)th largest joins, the largest of the bottom part leaves
+        joined, left = xs[split - 1], xs[n - keep + split - 1]
+        total += joined - left
+        total_sq += joined * joined - left * left
+        var = total_sq / keep - (total / keep) ** 2
+        if var > best_var:
+            best_var, best_split = var, split
+    return torch.cat([order[:best_split], order[n - (keep - best_split) :]])
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def population_var(values: torch.Tensor) -> float:
+    return values.double().var(unbiased=False).item()
+
+
+def check_group_picks(advantages: torch.Tensor, vectorised: torch.Tensor, loop_picks: list[Any]) -> float:
+    """Largest |Var(loop pick) - Var(vectorised pick)| over the groups the loop ran on."""
+    worst = 0.0
+    for row, pick in enumerate(loop_picks):
+        loop_var = population_var(advantages[row, torch.as_tensor(pick)])
+        worst = max(worst, abs(loop_var - population_var(advantages[row, vectorised[row]])))
+    return worst
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+
+def tiny_step_seconds(steps: int, sft_steps: int) -> dict[str, Any]:
+    """Median wall seconds of a GRPO step of the tiny model (first step dropped), measured now."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=sft_steps)
+        trainer = build_tiny_trainer("grpo", model_dir, Path(tmp) / "run", max_steps=steps, metrics_log=None)
+        timer = step_timer()
+        trainer.add_callback(timer)
+        trainer.train()
+    measured = timer.seconds[1:] or timer.seconds
+    return {"median_s": statistics.median(measured), "steps_timed": len(measured), "sft_steps": sft_steps}
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = base_parser(__doc__)
+    parser.add_argument("--log2-rollouts", type=int, default=20, help="pooled batch size 2^x (default 20)")
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--keep", type=int, default=8, help="rollouts kept per group")
+    parser.add_argument("--loop-groups", type=int, default=4096, help="groups the loops are timed on")
+    parser.add_argument(
+        "--loop-splits", type=int, default=64, help="split points the O(k^2) loop is timed on"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--train-steps", type=int, default=8, help="tiny-model GRPO steps to time")
+    parser.add_argument("--sft-steps", type=int, default=150)
+    args = parser.parse_args()
+    if args.quick:
+        args.log2_rollouts, args.loop_groups, args.loop_splits = 14, 64, 16
+        args.repeats, args.train_steps, args.sft_steps = 3, 3, 10
+    set_threads(args.threads)
+
+    total = 2**args.log2_rollouts
+    group_size, keep = args.group_size, args.keep
+    num_groups = total // group_size
+    loop_groups = min(args.loop_groups, num_groups)
+    batch_keep = keep * num_groups
+    rewards, advantages = grouped_rewards(num_groups, group_size)
+    flat_a, flat_r = advantages.flatten(), rewards.flatten()
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+
+    def add(scope: str, implementation: str, seconds: float, measured: str, **extra: Any) -> None:
+        rows.append(
+            {
+                "scope": scope,
+                "implementation": implementation,
+                "seconds": seconds,
+                "measured": measured,
+                **extra,
+            }
+        )
+        print(rows[-1]["scope"], implementation, fmt_seconds(seconds), measured, flush=True)
+
+    # ---- intra-group ---------------------------------------------------------------------------
+    vec_group = timed(
+        lambda: select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="group"),
+        repeats=args.repeats,
+    )
+    add("group", "select_samples (vectorised)", vec_group["median_s"], f"median of {vec_group['repeats']}")
+    vec_subset = timed(lambda: max_variance_subset(advantages, keep), repeats=args.repeats)
+    add(
+        "group",
+        "max_variance_subset (vectorised)",
+        vec_subset["median_s"],
+        f"median of {vec_subset['repeats']}",
+    )
+    picks = max_variance_subset(advantages, keep)
+
+    scale = num_groups / loop_groups
+    sub = advantages[:loop_groups]
+    start = time.perf_counter()
+    torch_picks = pods_loop_torch(sub, keep)
+    loop_torch = (time.perf_counter() - start) * scale
+    how = "full" if scale == 1 else f"{loop_groups} groups, x{scale:g} extrapolated"
+    add(
+        "group",
+        "PODS loop, per-group torch ops",
+        loop_torch,
+        how,
+        max_var_diff=check_group_picks(advantages, picks, torch_picks),
+    )
+    sub_lists = sub.double().tolist()
+    start = time.perf_counter()
+    python_picks = pods_loop_python(sub_lists, keep)
+    loop_python = (time.perf_counter() - start) * scale
+    add(
+        "group",
+        "PODS loop, plain Python",
+        loop_python,
+        how,
+        max_var_diff=check_group_picks(advantages, picks, python_picks),
+    )
+
+    # ---- cross-group -----------------------------------------------------------------------------
+    vec_batch = timed(
+        lambda: select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="batch"),
+        repeats=args.repeats,
+    )
+    add("batch", "select_samples (vectorised)", vec_batch["median_s"], f"median of {vec_batch['repeats']}")
+    batch_pick = select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="batch")
+    batch_var = population_var(flat_a[batch_pick])
+
+    start = time.perf_counter()
+    running_pick = cross_loop_running(flat_a, batch_keep)
+    running = time.perf_counter() - start
+    add(
+        "batch",
+        "split loop, running sums (Python)",
+        running,
+        "full",
+        max_var_diff=abs(population_var(flat_a[running_pick]) - batch_var),
+    )
+
+    ordered = torch.sort(flat_a.double(), descending=True).values
+    stride = max(1, (batch_keep + 1) // args.loop_splits)
+    sample_splits = list(range(0, batch_keep + 1, stride))[: args.loop_splits]
+    start = time.perf_counter()
+    cross_loop_recompute(ordered, batch_keep, sample_splits)
+    per_split = (time.perf_counter() - start) / len(sample_splits)
+    recompute = per_split * (batch_keep + 1)
+    add(
+        "batch",
+        "split loop, variance recomputed",
+        recompute,
+        f"{len(sample_splits)} of {batch_keep + 1} splits, x{(batch_keep + 1) / len(sample_splits):.0f} extrapolated",
+    )
+    # The recomputing loop is too slow to run in full at this size: check it in full on a small batch.
+    small_r, small_a = grouped_rewards(64, group_size, seed=1)
+    small_flat = small_a.flatten()
+    small_keep = keep * 64
+    small_pick = select_samples(small_flat, small_r.flatten(), group_size, keep, scope="batch")
+    small_var, _ = cross_loop_recompute(
+        torch.sort(small_flat.double(), descending=True).values, small_keep, range(small_keep + 1)
+    )
+    rows[-1]["max_var_diff"] = abs(small_var - population_var(small_flat[small_pick]))
+    rows[-1]["checked_on"] = f"{small_flat.numel()} rollouts, every split"
+
+    # ---- the tiny model's training step --------------------------------------------------------------
+    step = tiny_step_seconds(args.train_steps, args.sft_steps)
+    step_s = step["median_s"]
+    tiny_a = flat_a[:64]
+    tiny_r = flat_r[:64]
+    at_step = {
+        scope: timed(
+            lambda scope=scope: select_samples(tiny_a, tiny_r, 8, 2, rule="max_variance", scope=scope),
+            repeats=args.repeats,
+            min_seconds=0.05,
+        )["median_s"]
+        for scope in ("group", "batch")
+    }
+
+    # ---- table ---------------------------------------------------------------------------------------
+    reference = {"group": vec_group["median_s"], "batch": vec_batch["median_s"]}
+    for row in rows:
+        row["vectorised_speedup"] = row["seconds"] / reference[row["scope"]]
+        row["percent_of_tiny_step"] = 100 * row["seconds"] / step_s
+    headers = [
+        "scope",
+        "implementation",
+        "time",
+        "how measured",
+        "time / vectorised",
+        "% of tiny step",
+        "max |ΔVar|",
+    ]
+    table_rows = [
+        [
+            r["scope"],
+            r["implementation"],
+            fmt_seconds(r["seconds"]),
+            r["measured"],
+            f"{r['vectorised_speedup']:.1f}x",
+            f"{r['percent_of_tiny_step']:.1f} %",
+            f"{r['max_var_diff']:.1e}" if "max_var_diff" in r else "",
+        ]
+        for r in rows
+    ]
+    step_table = markdown_table(
+        ["selection at the tiny step's batch (64 rollouts, groups of 8, keep 2)", "time", "% of tiny step"],
+        [
+            [f"select_samples, scope={s}", fmt_seconds(t), f"{100 * t / step_s:.2f} %"]
+            for s, t in at_step.items()
+        ],
+    )
+    rows.append(
+        {"scope": "tiny_step", "implementation": "GRPO training step, tiny model", "seconds": step_s, **step}
+    )
+    rows += [
+        {
+            "scope": f"{s}@tiny_step",
+            "implementation": "select_samples (vectorised)",
+            "seconds": t,
+            "percent_of_tiny_step": 100 * t / step_s,
+        }
+        for s, t in at_step.items()
+    ]
+    pods_ratio = loop_torch / vec_group["median_s"]
+    notes += [
+        f"{total:,} rollouts = {num_groups:,} groups of {group_size}; keep {keep} per group "
+        f"(cross-group: {batch_keep:,} from the pooled batch). Times are medians; loops run once.",
+        f"Tiny-model GRPO step (8 prompts x 8 rollouts, <= 24 tokens, {args.threads} thread): "
+        f"{fmt_seconds(step_s)} (median of {step['steps_timed']} steps, measured in this run).",
+        f"Goal 'vectorised >= 50x faster than the PODS loop': {pods_ratio:.0f}x "
+        f"({'met' if pods_ratio >= 50 else 'NOT met'}).",
+        f"Goal 'selection < 1 % of the tiny step': at the tiny step's own batch {100 * at_step['group'] / step_s:.2f} % "
+        f"(group) / {100 * at_step['batch'] / step_s:.2f} % (batch); at {total:,} rollouts "
+        f"{100 * vec_group['median_s'] / step_s:.2g} % / {100 * vec_batch['median_s'] / step_s:.2g} % "
+        f"(that batch is {total // 64:,} times the step's 64 rollouts; the sort dominates).",
+        "max |ΔVar|: largest difference between the variance of the loop's pick and the vectorised pick "
+        "(equal variance = both optimal; ties can make the indices differ).",
+    ]
+    markdown = markdown_table(headers, table_rows) + "\n\n" + step_table
+    print(markdown)
+    print("\n".join(notes))
+    settings = {
+        "rollouts": total,
+        "group_size": group_size,
+        "keep_per_group": keep,
+        "loop_groups": loop_groups,
+        "loop_splits": len(sample_splits),
+        "repeats": args.repeats,
+        "train_steps": args.train_steps,
+        "sft_steps": args.sft_steps,
+        "threads": args.threads,
+        "quick": args.quick,
+    }
+    write_results(NAME, settings, rows, markdown, notes, args.out, title="Selection overhead")
+    bad = [r for r in rows if r.get("max_var_diff", 0.0) > 1e-6]
+    if bad:
+        sys.exit(f"loop and vectorised picks differ in variance: {bad}")
+
+
+if __name__ == "__main__":
+    main()
