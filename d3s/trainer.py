@@ -5,6 +5,11 @@ TRL owns generation, rewards, advantages, the clipped loss and logging. We add t
      gathered batch identically on every rank;
   2. in the loss, keep the top-K% tokens by |A| * H (``get_high_entropy_mask``, TRL's own hook).
 With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
+
+Dropped work is not paid for: the old-policy, reference and importance-sampling log-prob passes TRL runs while
+scoring are deferred until after selection and run on the kept rollouts only (``defer_logprob_passes``), and with
+K < 1 the gradient pass projects through the LM head only at the kept tokens (``kept_token_logprobs``,
+d3s/kept_head.py). Both give the same losses and gradients as the straightforward computation.
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
+from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanmax, nanmin, use_adapter
 
+from d3s.kept_head import add_kept_token_head, kept_token_head_unsupported
 from d3s.methods import get_method
 from d3s.selection import (
     SAMPLE_RULES,
@@ -32,6 +42,8 @@ from d3s.selection import (
     token_keep_mask,
     token_scores,
 )
+
+logger = logging.get_logger(__name__)
 
 _FROM_METHOD = "default: from the method registry (d3s/methods.py)"
 
@@ -124,6 +136,22 @@ class D3SConfig(GRPOConfig):
         default=4,
         metadata={
             "help": "Completions per anatomy record whose tokens, entropies, scores and mask are written."
+        },
+    )
+    defer_logprob_passes: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the old-policy, reference and vLLM importance-sampling log-prob passes after rollout "
+            "selection, on the kept rollouts only, so a dropped rollout costs only its generation and reward. "
+            "False: TRL's order (every rollout), for comparison; the losses are the same."
+        },
+    )
+    kept_token_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": "With token_keep_ratio < 1, back-propagate through the LM head only at the kept tokens "
+            "(entropies come from a no-gradient pass). False: TRL's head at every position, for comparison; "
+            "the losses and gradients are the same."
         },
     )
     logging_steps: float = field(
@@ -275,6 +303,12 @@ def _jsonable(value: Any) -> Any:
 
 D3S_STATE_FILE = "d3s_state.json"
 
+# Generation outputs that TRL computes with log-prob passes; deferred until after selection.
+_DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
+
+# Losses in which an unselected token's log-prob reaches the loss only through the token mask.
+_PER_TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+
 # Per-rollout tensors of TRL's generation batch (first dimension = rollouts); left-padded ones pad first.
 _LEFT_PADDED = {"prompt_ids", "prompt_mask"}
 
@@ -292,6 +326,18 @@ class D3STrainer(GRPOTrainer):
         self._loss_advantages: torch.Tensor | None = None
         self._loss_inputs: dict | None = None
         self._anatomy_tokens_due = False
+        self._deferring_logprobs = False
+        self._token_mask_from_head: torch.Tensor | None = None
+        self.kept_token_head = False  # True when the gradient pass projects only the kept tokens
+        if self.args.kept_token_logprobs and self.args.token_rule != "none":
+            blocker = self._kept_token_head_blocker()
+            if blocker is None:
+                add_kept_token_head(self._head_model(), self.temperature, self.args.cast_lm_head_to_fp32)
+                self.kept_token_head = True
+            else:
+                logger.warning(
+                    "kept-token log-probs are off, the LM head runs at every position: %s", blocker
+                )
         if self.args.metrics_log:
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
         self.add_callback(NanGuardCallback())  # after the metrics log, so the NaN step is recorded
@@ -310,11 +356,18 @@ class D3STrainer(GRPOTrainer):
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        if not self.model.training:
-            return output
         progress = self.training_progress()
         keep = self.selection_schedule.keep_per_prompt(progress)
+        drops_rollouts = self.args.sample_rule != "none" and keep < self.num_generations
+        self._deferring_logprobs = self.model.training and drops_rollouts and self.args.defer_logprob_passes
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            deferred, self._deferring_logprobs = self._deferring_logprobs, False
+        if not self.model.training:
+            return output
+        # TRL filled these from placeholders (see _get_per_token_logps_and_entropies); they are computed below
+        pending = [key for key in _DEFERRED_KEYS if deferred and output.pop(key, None) is not None]
         metrics = self._metrics["train"]
         metrics["schedule/keep_per_prompt"].append(float(keep))
         metrics["schedule/token_keep_ratio"].append(self.selection_schedule.token_keep_ratio(progress))
@@ -322,7 +375,7 @@ class D3STrainer(GRPOTrainer):
         all_advantages = self.accelerator.gather(output["advantages"])
         anatomy_due = self.args.anatomy_every > 0 and self.state.global_step % self.args.anatomy_every == 0
         self._anatomy_tokens_due = anatomy_due
-        if self.args.sample_rule == "none" or keep == self.num_generations:
+        if not drops_rollouts:
             self._log_selection(all_advantages, all_advantages, total=all_advantages.numel())
             if anatomy_due:
                 everything = torch.arange(all_advantages.numel(), device=all_advantages.device)
@@ -349,7 +402,129 @@ class D3STrainer(GRPOTrainer):
         self._log_selection(all_advantages, kept_advantages, total=all_advantages.numel())
         if anatomy_due:
             self._write_sample_anatomy(all_advantages, kept, keep)
-        return self._keep_rows(output, kept, kept_advantages)
+        selected = self._keep_rows(output, kept, kept_advantages)
+        if pending:
+            self._run_deferred_logprob_passes(selected, pending)
+        return selected
+
+    # ---- log-prob passes on the kept rollouts only -------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_extras,
+    ):
+        multimodal = any(value is not None for value in model_extras.values())
+        if self._deferring_logprobs:
+            if multimodal:
+                raise ValueError(
+                    "rollout selection defers log-prob passes, which multimodal inputs do not support; "
+                    "set defer_logprob_passes=False"
+                )
+            # A stand-in of the right shape: selection first, then the real pass on the kept rows only.
+            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
+            return placeholder, None, None
+        if (
+            self.kept_token_head
+            and compute_entropy
+            and not compute_aux_loss
+            and not multimodal
+            and torch.is_grad_enabled()
+            and self.model.training
+            and self.top_entropy_quantile < 1.0
+        ):
+            return self._kept_token_logps(model, input_ids, attention_mask, logits_to_keep)
+        return super()._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **model_extras,
+        )
+
+    def _run_deferred_logprob_passes(self, output: dict, pending: list[str]) -> None:
+        """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
+        completion_ids = output["completion_ids"]
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        extras = {key: output[key] for key in ("token_type_ids", "mm_token_type_ids") if key in output}
+
+        def logps(model) -> torch.Tensor:
+            return self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                batch_size=self.args.per_device_train_batch_size,
+                **extras,
+            )[0]
+
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
+            if "old_per_token_logps" in pending:
+                output["old_per_token_logps"] = logps(self.model)
+            if "ref_per_token_logps" in pending:
+                if self.ref_model is not None:
+                    output["ref_per_token_logps"] = logps(self.ref_model)
+                else:  # PEFT: the reference is the base model (or the "ref" adapter), as in TRL
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(
+                        unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None
+                    ):
+                        output["ref_per_token_logps"] = logps(self.model)
+        if "importance_sampling_ratio" in pending:
+            output["importance_sampling_ratio"] = self._importance_sampling_ratio(output)
+
+    def _importance_sampling_ratio(self, output: dict) -> torch.Tensor:
+        """TRL's vLLM importance-sampling ratio and its metrics, over the kept rollouts."""
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        old, sampling = output["old_per_token_logps"], output["sampling_per_token_logps"]
+        logps_diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # NaN: vLLM could not score the token
+        mode = self.vllm_importance_sampling_mode
+        sequence_level = mode in ("sequence_mask", "sequence_truncate")
+        ratio = torch.exp(logps_diff.sum(dim=-1, keepdim=True) if sequence_level else logps_diff)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if mode in ("sequence_truncate", "token_truncate"):
+            ratio = torch.clamp(ratio, min=low, max=high)
+        else:
+            low = -math.inf if low is None else low
+            high = math.inf if high is None else high
+            ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+        # TRL logged these from the placeholder: replace its entries with the kept rollouts' values.
+        valid = mask.bool()
+        delta = torch.abs(old - sampling)[valid]
+        delta = delta[~torch.isnan(delta)]
+        flat_ratio = ratio.flatten() if sequence_level else ratio[valid]
+        zero = torch.tensor(0.0, device=ratio.device)
+        gather = self.accelerator.gather
+        stats = {
+            "sampling/sampling_logp_difference/mean": gather(delta.mean() if delta.numel() else zero).mean(),
+            "sampling/sampling_logp_difference/max": gather(delta.max() if delta.numel() else zero).max(),
+            "sampling/importance_sampling_ratio/min": nanmin(
+                gather(flat_ratio.min() if flat_ratio.numel() else zero)
+            ),
+            "sampling/importance_sampling_ratio/mean": gather(
+                flat_ratio.mean() if flat_ratio.numel() else zero
+            ).nanmean(),
+            "sampling/importance_sampling_ratio/max": nanmax(
+                gather(flat_ratio.max() if flat_ratio.numel() else zero)
+            ),
+        }
+        for name, value in stats.items():
+            self._metrics["train"][name][-1] = value.item()
+        return ratio
 
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
         rewards_per_func = self._rewards_per_func.to(device)
@@ -413,6 +588,7 @@ class D3STrainer(GRPOTrainer):
         self._loss_advantages = inputs["advantages"]
         self._loss_inputs = inputs
         self._last_token_mask = None
+        self._token_mask_from_head = None
         loss = super()._compute_loss(model, inputs)
         if training:
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
@@ -435,6 +611,12 @@ class D3STrainer(GRPOTrainer):
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
     ) -> torch.Tensor:
         """Top-K% tokens by |A| x H (or H) instead of TRL's entropy quantile; K = 1 - threshold."""
+        if self._token_mask_from_head is not None:  # the kept-token head already chose them
+            keep, self._token_mask_from_head = self._token_mask_from_head, None
+            return keep
+        return self._select_tokens(entropies, mask)
+
+    def _select_tokens(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep_ratio = self.top_entropy_quantile
         scores = token_scores(self._loss_advantages, entropies, self.args.token_rule)
         if self.args.token_scope == "batch" and self.accelerator.num_processes > 1:
@@ -460,6 +642,40 @@ class D3STrainer(GRPOTrainer):
         stats = self.accelerator.reduce(stats, reduction="sum")
         self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
         return keep
+
+    def _kept_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
+        """Log-probs with gradient at the kept tokens only (d3s/kept_head.py); the mask is chosen inside."""
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100  # only the completion is scored, as in TRL
+        loss_inputs = self._loss_inputs
+        loss_mask = loss_inputs["completion_mask"] * loss_inputs.get("tool_mask", 1)
+
+        def select_tokens(entropy: torch.Tensor) -> torch.Tensor:
+            keep = torch.zeros_like(entropy, dtype=torch.bool)
+            keep[:, -logits_to_keep:] = self._select_tokens(entropy[:, -logits_to_keep:], loss_mask)
+            self._token_mask_from_head = keep[:, -logits_to_keep:]
+            return keep
+
+        with self.accelerator.autocast():
+            outputs = model(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, select_tokens=select_tokens
+            )
+        return outputs.log_probs[:, -logits_to_keep:], outputs.entropy[:, -logits_to_keep:], None
+
+    def _head_model(self):
+        return self.model.get_base_model() if is_peft_model(self.model) else self.model
+
+    def _kept_token_head_blocker(self) -> str | None:
+        """Why unselected tokens may still need a gradient (None: the kept-token head is exact)."""
+        if self.beta != 0.0:
+            return "beta != 0: the KL term trains every token"
+        if self.importance_sampling_level != "token":
+            return "a sequence-level importance ratio (GSPO) reaches every token of a kept sequence"
+        if self.loss_type not in _PER_TOKEN_LOSSES:
+            return f"loss_type {self.loss_type!r} is not one of the per-token losses {', '.join(_PER_TOKEN_LOSSES)}"
+        if self._entropy_bonus_enabled:
+            return "the entropy bonus trains the entropy of every token"
+        return kept_token_head_unsupported(self._head_model())
 
     # ---- anatomy log ----------------------------------------------------------------------------------------
 
