@@ -177,7 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.log2_rollouts, args.loop_groups, args.loop_splits = 14, 64, 16
-        args.repeats, args.train_steps, args.sft_steps = 3, 3, 10
+        args.repeats, args.train_steps, args.sft_steps = 3, 3, 0
     set_threads(args.threads)
 
     total = 2**args.log2_rollouts

@@ -1,0 +1,393 @@
+"""End-to-end training step per method: where the time goes, and how many tokens are forwarded and trained.
+
+    .venv/bin/python benchmarks/end_to_end_step.py            # 10 methods x 2 settings, ~2-3 min on 1 thread
+    .venv/bin/python benchmarks/end_to_end_step.py --quick    # grpo and d3s, 2 steps: a smoke run
+
+Writes results/benchmarks/end_to_end_step.{json,md} (``--out`` elsewhere).
+
+Every method trains the same SFT-warm-started tiny model in the geometry of step_time_per_method.py
+(8 prompts x 8 rollouts, completions <= 24 tokens, 1 torch thread), in two settings:
+  * ``beta=0, num_iterations=1`` (the CPU default: no reference or old-policy pass), and
+  * ``beta=0.04, num_iterations=2`` (a reference pass, an old-policy pass, and a second update on the same
+    rollouts), where passes over dropped rollouts would cost the most.
+The trainer is instrumented from outside (instance-level wrappers and module hooks set up here; d3s is
+not changed), so the benchmark measures whatever the trainer currently does:
+  * step wall time, on_step_begin -> on_step_end (a TrainerCallback);
+  * generation phase: ``_generate_and_score_completions`` (generate, rewards, no-grad log-prob passes,
+    selection); inside it ``model.generate``, ``_calculate_rewards``, and the no-grad forwards;
+  * update phase = step - generation phase: ``compute_loss`` (the gradient forward, the loss and the
+    token mask), and the rest (backward, gradient clipping, optimizer);
+  * selection: time in ``d3s.trainer.select_samples`` / ``token_keep_mask`` (wrapped where the trainer looks
+    them up);
+  * tokens forwarded: a forward pre-hook on the policy (and reference) model counts, per pass, the input
+    positions (padding included, what the compute pays for), the non-padding tokens, and the labelled
+    positions scored by the LM head; the gradient pass also counts the positions projected through the LM
+    head with gradient (all labelled positions, or the mask returned by the trainer's ``select_tokens``
+    callback when it restricts the head to kept tokens);
+  * tokens backpropagated: the trainer's ``selection/update_tokens`` (completion tokens with nonzero loss
+    weight) per step.
+Times are means over the steps after the first generation cycle (start-up effects), so the phases add up
+to the step; ratios to grpo in the same run are the numbers to compare.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import (
+    base_parser,
+    build_tiny_trainer,
+    fmt_seconds,
+    markdown_table,
+    prepare_tiny_model,
+    set_threads,
+    write_results,
+)
+from transformers import TrainerCallback
+
+import d3s.trainer as d3s_trainer
+
+NAME = "end_to_end_step"
+METHODS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "entropy_8020", "gspo", "gspo_d3s"]
+SETTINGS = {
+    "beta0_iter1": {"beta": 0.0, "num_iterations": 1},
+    "beta0.04_iter2": {"beta": 0.04, "num_iterations": 2},
+}
+
+
+class StepRecorder(TrainerCallback):
+    """Per-step totals of the timers and counters; the current step's go in ``self.now``."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.now: defaultdict[str, float] = defaultdict(float)
+        self.phase = "other"  # generate / scoring / loss / other: what a model forward belongs to
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.now = defaultdict(float)
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.now["step_s"] = time.perf_counter() - self._start
+        self.steps.append(dict(self.now))
+
+    @contextmanager
+    def timing(self, key: str, phase: str | None = None) -> Iterator[None]:
+        previous = self.phase
+        if phase is not None:
+            self.phase = phase
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.now[key] += time.perf_counter() - start
+            self.phase = previous
+
+
+def _wrap(recorder: StepRecorder, fn: Callable[..., Any], key: str, phase: str | None = None) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with recorder.timing(key, phase):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _count_forward(recorder: StepRecorder, model: torch.nn.Module, role: str) -> list[Any]:
+    """Forward pre/post hooks that count tokens and time per pass, keyed by phase and model role."""
+    starts: list[float] = []
+
+    def pre(module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            return None
+        new = input_ids.shape[1]  # positions processed by this call (1 per row in cached decoding)
+        mask = kwargs.get("attention_mask")
+        tokens = mask[:, -new:].sum().item() if mask is not None and mask.dim() == 2 else input_ids.numel()
+        grad = torch.is_grad_enabled()
+        prefix = f"{recorder.phase}.{role}.{'grad' if grad else 'nograd'}"
+        recorder.now[f"{prefix}.passes"] += 1
+        recorder.now[f"{prefix}.positions"] += input_ids.numel()
+        recorder.now[f"{prefix}.tokens"] += tokens
+        labels = kwargs.get("labels")
+        if labels is not None:
+            scored = (labels != -100).sum().item()
+            recorder.now[f"{prefix}.scored"] += scored
+            select = kwargs.get("select_tokens")
+            if grad and select is None:
+                recorder.now[f"{prefix}.head_grad"] += scored
+            elif grad:  # the trainer restricts the LM head's gradient to the positions this returns
+
+                def counting_select(entropy, _select=select, _key=f"{prefix}.head_grad"):
+                    keep = _select(entropy)
+                    recorder.now[_key] += keep.sum().item()
+                    return keep
+
+                kwargs = {**kwargs, "select_tokens": counting_select}
+        starts.append(time.perf_counter())
+        return args, kwargs
+
+    def post(module, args, kwargs, output):
+        if starts:
+            recorder.now[f"{recorder.phase}.{role}.forward_s"] += time.perf_counter() - starts.pop()
+
+    return [
+        model.register_forward_pre_hook(pre, with_kwargs=True),
+        model.register_forward_hook(post, with_kwargs=True),
+    ]
+
+
+@contextmanager
+def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
+    """Timers on the trainer instance, the model and d3s.trainer's selection functions; undone on exit."""
+    trainer.add_callback(recorder)
+    originals = {name: getattr(d3s_trainer, name) for name in ("select_samples", "token_keep_mask")}
+    d3s_trainer.select_samples = _wrap(recorder, originals["select_samples"], "select_samples_s")
+    d3s_trainer.token_keep_mask = _wrap(recorder, originals["token_keep_mask"], "token_mask_s")
+    trainer._generate_and_score_completions = _wrap(
+        recorder, trainer._generate_and_score_completions, "generation_phase_s", "scoring"
+    )
+    trainer._calculate_rewards = _wrap(recorder, trainer._calculate_rewards, "reward_s")
+    trainer.compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
+    model = trainer.model
+    model.generate = _wrap(
+        recorder, model.generate, "generate_s", "generate"
+    )  # TRL calls the unwrapped model
+    metrics = trainer._metrics["train"]
+    compute_loss = trainer.compute_loss
+
+    def compute_loss_counting(model, inputs, *args, **kwargs):
+        logged = len(metrics["selection/update_tokens"])
+        loss = compute_loss(model, inputs, *args, **kwargs)
+        recorder.now["completion_tokens_in_update"] += inputs["completion_mask"].sum().item()
+        recorder.now["update_rows"] += inputs["completion_mask"].shape[0]
+        if len(metrics["selection/update_tokens"]) > logged:
+            recorder.now["backprop_tokens"] += metrics["selection/update_tokens"][-1]
+        return loss
+
+    trainer.compute_loss = compute_loss_counting
+    hooks = _count_forward(recorder, model, "policy")
+    if getattr(trainer, "ref_model", None) is not None:
+        hooks += _count_forward(recorder, trainer.ref_model, "ref")
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for name, fn in originals.items():
+            setattr(d3s_trainer, name, fn)
+
+
+def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[str, Any]:
+    """Means per step of every timer and counter, plus the derived update phase."""
+    keys = sorted({key for step in steps for key in step})
+    mean = {key: sum(step.get(key, 0.0) for step in steps) / len(steps) for key in keys}
+    forward = defaultdict(float)
+    for key, value in mean.items():
+        parts = key.split(".")
+        if len(parts) == 4:  # phase.role.grad.kind
+            phase, _, grad, kind = parts
+            forward[f"{phase}_{grad}_{kind}"] += value
+    step_s = mean["step_s"]
+    generation = mean.get("generation_phase_s", 0.0)
+    return {
+        "method": method,
+        "setting": setting,
+        "steps_timed": len(steps),
+        "step_s": step_s,
+        "step_s_median": statistics.median(step["step_s"] for step in steps),
+        "generation_phase_s": generation,
+        "generate_s": mean.get("generate_s", 0.0),
+        "reward_s": mean.get("reward_s", 0.0),
+        "scoring_forward_s": sum(
+            v for k, v in mean.items() if k.startswith("scoring.") and k.endswith("forward_s")
+        ),
+        "select_samples_s": mean.get("select_samples_s", 0.0),
+        "update_phase_s": step_s - generation,
+        "compute_loss_s": mean.get("compute_loss_s", 0.0),
+        "backward_optimizer_s": step_s - generation - mean.get("compute_loss_s", 0.0),
+        "token_mask_s": mean.get("token_mask_s", 0.0),
+        "generation_tokens": forward["generate_nograd_tokens"],
+        "scoring_pass_tokens": forward["scoring_nograd_tokens"],
+        "scoring_pass_positions": forward["scoring_nograd_positions"],
+        "scoring_passes": forward["scoring_nograd_passes"],
+        "loss_pass_tokens": forward["loss_grad_tokens"],
+        "loss_pass_positions": forward["loss_grad_positions"],
+        "loss_pass_scored": forward["loss_grad_scored"],
+        "lm_head_grad_positions": forward["loss_grad_head_grad"],
+        "completion_tokens_in_update": mean.get("completion_tokens_in_update", 0.0),
+        "update_rows": mean.get("update_rows", 0.0),
+        "backprop_tokens": mean.get("backprop_tokens", 0.0),
+        "forward_tokens_total": forward["generate_nograd_tokens"]
+        + forward["scoring_nograd_tokens"]
+        + forward["loss_grad_tokens"],
+        "raw_means": mean,
+    }
+
+
+def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path) -> dict[str, Any]:
+    overrides = SETTINGS[setting]
+    trainer = build_tiny_trainer(
+        method, model_dir, out / f"{setting}-{method}", max_steps=steps, metrics_log=None, **overrides
+    )
+    recorder = StepRecorder()
+    with instrument(trainer, recorder):
+        trainer.train()
+    skip = overrides["num_iterations"]  # the first generation cycle carries start-up costs
+    row = summarise(method, setting, recorder.steps[skip:] or recorder.steps)
+    row["trainer_options"] = {
+        name: getattr(trainer.args, name, None) for name in ("defer_logprob_passes", "kept_token_logprobs")
+    }
+    row["kept_token_head"] = getattr(trainer, "kept_token_head", None)
+    return row
+
+
+def main() -> None:
+    parser = base_parser(__doc__)
+    parser.add_argument(
+        "--methods", help=f"comma-separated (default: all; --quick: grpo,d3s): {', '.join(METHODS)}"
+    )
+    parser.add_argument(
+        "--settings", help=f"comma-separated (default: all; --quick: the first): {', '.join(SETTINGS)}"
+    )
+    parser.add_argument(
+        "--cycles", type=int, default=5, help="generation cycles timed per method (after one warm-up)"
+    )
+    parser.add_argument("--sft-steps", type=int, default=150)
+    args = parser.parse_args()
+    if args.quick:
+        args.cycles, args.sft_steps = 1, 0
+    args.methods = args.methods or ("grpo,d3s" if args.quick else ",".join(METHODS))
+    args.settings = args.settings or (next(iter(SETTINGS)) if args.quick else ",".join(SETTINGS))
+    set_threads(args.threads)
+    methods, settings = args.methods.split(","), args.settings.split(",")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
+        for setting in settings:
+            iterations = SETTINGS[setting]["num_iterations"]
+            for method in methods:
+                row = run_method(method, setting, model_dir, iterations * (1 + args.cycles), Path(tmp))
+                rows.append(row)
+                print(
+                    f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation {fmt_seconds(row['generation_phase_s'])}, "
+                    f"update {fmt_seconds(row['update_phase_s'])}, backprop tokens {row['backprop_tokens']:.0f}",
+                    flush=True,
+                )
+
+    tables = []
+    for setting in settings:
+        subset = [r for r in rows if r["setting"] == setting]
+        base = next((r for r in subset if r["method"] == "grpo"), subset[0])
+        for r in subset:
+            r["step_vs_grpo"] = r["step_s"] / base["step_s"]
+            r["update_vs_grpo"] = r["update_phase_s"] / base["update_phase_s"]
+            r["backprop_tokens_vs_grpo"] = r["backprop_tokens"] / max(base["backprop_tokens"], 1.0)
+            r["forward_tokens_vs_grpo"] = r["forward_tokens_total"] / max(base["forward_tokens_total"], 1.0)
+        time_rows = [
+            [
+                r["method"],
+                fmt_seconds(r["step_s"]),
+                f"{r['step_vs_grpo']:.2f}",
+                f"{100 * r['generation_phase_s'] / r['step_s']:.0f} %",
+                f"{100 * r['generate_s'] / r['step_s']:.0f} %",
+                f"{100 * r['reward_s'] / r['step_s']:.0f} %",
+                f"{100 * r['scoring_forward_s'] / r['step_s']:.0f} %",
+                f"{100 * r['select_samples_s'] / r['step_s']:.2f} %",
+                f"{100 * r['update_phase_s'] / r['step_s']:.0f} %",
+                f"{100 * r['compute_loss_s'] / r['step_s']:.0f} %",
+                f"{100 * r['backward_optimizer_s'] / r['step_s']:.0f} %",
+                f"{r['update_vs_grpo']:.2f}",
+            ]
+            for r in subset
+        ]
+        token_rows = [
+            [
+                r["method"],
+                f"{r['generation_tokens']:.0f}",
+                f"{r['scoring_pass_tokens']:.0f} ({r['scoring_passes']:.1f} passes)",
+                f"{r['loss_pass_tokens']:.0f}",
+                f"{r['loss_pass_scored']:.0f}",
+                f"{r['lm_head_grad_positions']:.0f}",
+                f"{r['backprop_tokens']:.0f}",
+                f"{r['backprop_tokens_vs_grpo']:.2f}",
+                f"{r['forward_tokens_vs_grpo']:.2f}",
+            ]
+            for r in subset
+        ]
+        overrides = SETTINGS[setting]
+        tables += [
+            f"## {setting}: beta={overrides['beta']}, num_iterations={overrides['num_iterations']}",
+            "",
+            "Time per step (mean), split into the generation phase and the update phase, as % of the step:",
+            "",
+            markdown_table(
+                [
+                    "method",
+                    "step",
+                    "step / grpo",
+                    "generation phase",
+                    "of which generate",
+                    "rewards",
+                    "no-grad log-prob passes",
+                    "sample selection",
+                    "update phase",
+                    "of which loss forward",
+                    "backward + optimizer",
+                    "update / grpo",
+                ],
+                time_rows,
+            ),
+            "",
+            "Tokens per step (mean; non-padding tokens fed to the model):",
+            "",
+            markdown_table(
+                [
+                    "method",
+                    "generation (prefill + decode)",
+                    "no-grad log-prob passes",
+                    "gradient pass",
+                    "positions scored by the LM head (gradient pass)",
+                    "LM-head positions with gradient",
+                    "tokens backpropagated (update_tokens)",
+                    "backprop / grpo",
+                    "all forwarded / grpo",
+                ],
+                token_rows,
+            ),
+            "",
+        ]
+    notes = [
+        "Generation phase: TRL's _generate_and_score_completions with the D3S selection (generate, rewards, "
+        "no-grad log-prob passes, selection, advantages). Update phase: the rest of the step (the gradient "
+        "forward and loss, backward, clipping, optimizer).",
+        "Per step means over the steps after the first generation cycle; with num_iterations=2 every other "
+        "step reuses the rollouts (no generation), so the mean is per optimizer step.",
+        "Tokens backpropagated: the trainer's selection/update_tokens (completion tokens with nonzero loss "
+        "weight); 'LM-head positions with gradient' counts the positions the LM head projects with gradient.",
+        "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
+    ]
+    markdown = "\n".join(tables)
+    print(markdown)
+    run_settings = {
+        "methods": methods,
+        "settings": {s: SETTINGS[s] for s in settings},
+        "cycles": args.cycles,
+        "sft_steps": args.sft_steps,
+        "threads": args.threads,
+        "batch": "8 prompts x 8 rollouts, max 24 completion tokens",
+        "quick": args.quick,
+    }
+    write_results(NAME, run_settings, rows, markdown, notes, args.out, title="End-to-end step per method")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Evaluation throughput: math-verify grading (answers/s) and transformers-backend generation (tokens/s).
+
+    .venv/bin/python benchmarks/eval_throughput.py            # ~1-2 min on a 2-core machine
+    .venv/bin/python benchmarks/eval_throughput.py --quick    # small sizes, a smoke run
+
+Writes results/benchmarks/eval_throughput.{json,md} (``--out`` elsewhere).
+
+Grading: ``d3s.rewards.Grader`` (the evaluation's and the training reward's grader) with 1 and 2 worker
+subprocesses, and in-process without a time limit (no IPC, no protection: the lower bound of the
+overhead), on
+  * short synthetic answers: the tiny task's held-out completions `` 3+4=7. \\boxed{7}``, every other one
+    with a wrong boxed answer;
+  * real MATH500 reference solutions (``../shared/data/math500/test.jsonl``, or ``--data-dir``) graded
+    against their gold answers: long LaTeX, the worst case of the benchmarks; skipped with a note if absent.
+Workers are started before the clock starts (start-up is a one-off cost per evaluation job); each
+answer's gold is new to the grader (its gold cache is cold), as on the first sample of a problem.
+
+Generation: ``d3s.evaluation.backends.TransformersBackend`` on the SFT-warm-started tiny model and the
+synthetic task's held-out problems: 8 samples per problem at temperature 0.6, top-p 0.95 (the paper's
+evaluation settings, shortened), with 8 and 32 prompts per ``generate`` call, and greedy decoding.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    REPO_ROOT,
+    base_parser,
+    fmt_seconds,
+    markdown_table,
+    prepare_tiny_model,
+    set_threads,
+    timed,
+    write_results,
+)
+
+from d3s.rewards import Grader
+
+NAME = "eval_throughput"
+TINY_EVAL_TASK = {"max_ops": 1, "max_operand": 9}  # the task the tiny model is warm-started on
+
+
+def synthetic_answers(count: int) -> tuple[list[str], list[str]]:
+    """Held-out completions of the tiny task with their gold; every other answer is made wrong."""
+    from d3s.data.synthetic import arithmetic_problems
+
+    completions, golds = [], []
+    for i, problem in enumerate(arithmetic_problems(count, split="test", **TINY_EVAL_TASK)):
+        text = problem.completion
+        if i % 2:
+            text = text.replace(f"\\boxed{{{problem.answer}}}", f"\\boxed{{{int(problem.answer) + 1}}}")
+        completions.append(text)
+        golds.append(problem.answer)
+    return completions, golds
+
+
+def math500_answers(data_dir: Path, count: int) -> tuple[list[str], list[tuple[str, ...]]] | None:
+    """MATH500 reference solutions and gold answers, or None when the local copy is absent."""
+    from d3s.data.benchmarks import load_benchmark
+
+    if not (data_dir / "math500" / "test.jsonl").is_file():
+        return None
+    problems = load_benchmark("math500", data_dir, limit=count, allow_hub=False)
+    return [p.reference_solution or "" for p in problems], [p.gold for p in problems]
+
+
+def grading_rows(answer_sets: dict[str, tuple[list[str], list[Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for mode, workers in (("subprocess", 1), ("subprocess", 2), ("in-process", 1)):
+        with Grader(num_workers=workers, time_limit=None if mode == "in-process" else 10.0) as grader:
+            grader.grade_many(["\\boxed{1}"] * workers, ["1"] * workers)  # start the workers
+            for label, (completions, golds) in answer_sets.items():
+                start = time.perf_counter()
+                results = grader.grade_many(completions, golds)
+                seconds = time.perf_counter() - start
+                rows.append(
+                    {
+                        "kind": "grading",
+                        "answers": label,
+                        "mode": mode,
+                        "workers": workers,
+                        "count": len(completions),
+                        "seconds": seconds,
+                        "answers_per_s": len(completions) / seconds,
+                        "correct": sum(r.correct for r in results),
+                        "timeouts": sum(r.timed_out for r in results),
+                        "mean_chars": sum(map(len, completions)) / len(completions),
+                    }
+                )
+                print(
+                    f"grading {label} {mode} x{workers}: {rows[-1]['answers_per_s']:.0f} answers/s",
+                    flush=True,
+                )
+    return sorted(rows, key=lambda row: list(answer_sets).index(row["answers"]))
+
+
+def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from d3s.data.benchmarks import load_benchmark
+    from d3s.evaluation.backends import GenerationSettings, TransformersBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompts = [
+        p.question for p in load_benchmark("synthetic", synthetic={"count": problems, **TINY_EVAL_TASK})
+    ]
+    seeds = list(range(len(prompts)))
+    configs = [
+        (
+            "sampled, 8 per problem",
+            8,
+            GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32),
+        ),
+        (
+            "sampled, 8 per problem",
+            32,
+            GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32),
+        ),
+        ("greedy, 1 per problem", 64, GenerationSettings(samples=1, temperature=0.0, max_new_tokens=32)),
+    ]
+    rows = []
+    for label, batch, settings in configs:
+        backend = TransformersBackend(str(model_dir), model=model, tokenizer=tokenizer, batch_size=batch)
+        outputs: list[Any] = []
+
+        def run(
+            backend: TransformersBackend = backend,
+            settings: GenerationSettings = settings,
+            outputs: list[Any] = outputs,
+        ) -> None:
+            outputs[:] = backend.generate(prompts, settings, seeds, add_special_tokens=False)
+
+        timing = timed(run, repeats=repeats, warmup=1)
+        samples = [s for per_problem in outputs for s in per_problem]
+        tokens = sum(s.num_tokens for s in samples)
+        seconds = timing["median_s"]
+        rows.append(
+            {
+                "kind": "generation",
+                "decoding": label,
+                "prompts_per_call": min(batch, len(prompts)),
+                "rows_per_call": min(batch, len(prompts)) * settings.samples,
+                "problems": len(prompts),
+                "samples": len(samples),
+                "generated_tokens": tokens,
+                "mean_tokens": tokens / len(samples),
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "problems_per_s": len(prompts) / seconds,
+                "samples_per_s": len(samples) / seconds,
+                "repeats": timing["repeats"],
+            }
+        )
+        print(f"generation {label} batch {batch}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = base_parser(__doc__)
+    parser.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data")
+    parser.add_argument("--synthetic-answers", type=int, default=2000)
+    parser.add_argument("--math500-answers", type=int, default=500)
+    parser.add_argument("--problems", type=int, default=128, help="synthetic problems to generate for")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sft-steps", type=int, default=150)
+    args = parser.parse_args()
+    if args.quick:
+        args.synthetic_answers, args.math500_answers, args.problems = 40, 10, 16
+        args.repeats, args.sft_steps = 1, 0
+    set_threads(args.threads)
+    notes: list[str] = []
+
+    answer_sets: dict[str, tuple[list[str], list[Any]]] = {
+        "synthetic": synthetic_answers(args.synthetic_answers)
+    }
+    math500 = math500_answers(args.data_dir, args.math500_answers)
+    if math500 is None:
+        notes.append(f"MATH500 skipped: no {args.data_dir / 'math500' / 'test.jsonl'}.")
+    else:
+        answer_sets["math500 reference solutions"] = math500
+    rows = grading_rows(answer_sets)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
+        rows += generation_rows(model_dir, args.problems, args.repeats)
+
+    grading = [r for r in rows if r["kind"] == "grading"]
+    for r in grading:
+        single = next(
+            g
+            for g in grading
+            if g["answers"] == r["answers"] and g["mode"] == "subprocess" and g["workers"] == 1
+        )
+        r["speedup_vs_1_worker"] = r["answers_per_s"] / single["answers_per_s"]
+    grading_table = markdown_table(
+        [
+            "answers",
+            "mean length (chars)",
+            "grader",
+            "answers",
+            "time",
+            "answers/s",
+            "vs 1 worker",
+            "correct",
+            "timeouts",
+        ],
+        [
+            [
+                r["answers"],
+                f"{r['mean_chars']:.0f}",
+                f"{r['workers']} worker subprocess{'es' if r['workers'] > 1 else ''}"
+                if r["mode"] == "subprocess"
+                else "in-process, no time limit",
+                r["count"],
+                fmt_seconds(r["seconds"]),
+                f"{r['answers_per_s']:.0f}",
+                f"{r['speedup_vs_1_worker']:.2f}x",
+                r["correct"],
+                r["timeouts"],
+            ]
+            for r in grading
+        ],
+    )
+    generation = [r for r in rows if r["kind"] == "generation"]
+    generation_table = markdown_table(
+        [
+            "decoding",
+            "prompts per generate call",
+            "rows per call",
+            "samples",
+            "mean tokens",
+            "time",
+            "tokens/s",
+            "problems/s",
+            "samples/s",
+        ],
+        [
+            [
+                r["decoding"],
+                r["prompts_per_call"],
+                r["rows_per_call"],
+                r["samples"],
+                f"{r['mean_tokens']:.1f}",
+                fmt_seconds(r["seconds"]),
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['problems_per_s']:.1f}",
+                f"{r['samples_per_s']:.0f}",
+            ]
+            for r in generation
+        ],
+    )
+    notes += [
+        "Grading: one pass over the answers after the workers started; every gold is parsed for the first "
+        "time (the grader caches parsed gold, so repeated samples of a problem grade faster).",
+        "Generation: transformers generate on the tiny model (fp32, 1 torch thread), median of the repeats; "
+        "tokens include the EOS; max 32 new tokens.",
+        "Shared 2-core machine: two grading workers compete with each other and with other jobs; compare "
+        "ratios within this run.",
+    ]
+    markdown = (
+        "## Grading (math-verify)\n\n"
+        + grading_table
+        + "\n\n## Generation (transformers backend)\n\n"
+        + generation_table
+    )
+    print(markdown)
+    settings = {
+        "synthetic_answers": args.synthetic_answers,
+        "math500_answers": args.math500_answers if math500 is not None else 0,
+        "generation_problems": args.problems,
+        "repeats": args.repeats,
+        "sft_steps": args.sft_steps,
+        "threads": args.threads,
+        "quick": args.quick,
+    }
+    write_results(NAME, settings, rows, markdown, notes, args.out, title="Evaluation throughput")
+
+
+if __name__ == "__main__":
+    main()
