@@ -63,8 +63,12 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
-def resolve_config(config: dict[str, Any]):
-    """Check the config and build the D3SConfig; raises ValueError naming the field to change."""
+def resolve_config(config: dict[str, Any], *, check_hardware: bool = True):
+    """Check the config and build the D3SConfig; raises ValueError naming the field to change.
+
+    ``check_hardware=False`` validates a GPU config on a machine without GPUs (the workflow's parse-time
+    check, the paper-config tests): GPU-only settings pass, everything else is checked.
+    """
     from d3s.trainer import D3SConfig
 
     unknown = set(config) - TOP_LEVEL_KEYS
@@ -88,7 +92,8 @@ def resolve_config(config: dict[str, Any]):
         "output_dir": str(config.get("output_dir", f"runs/{method}")),
     }
     settings |= trainer
-    _check_hardware(settings)
+    if check_hardware:
+        _check_hardware(settings)
     _check_inputs(config)
     return D3SConfig.for_method(method, **settings)
 
@@ -148,12 +153,26 @@ def _training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
     ]
 
 
-def _load_model(config: dict[str, Any], output_dir: Path):
+def _model_init_kwargs(args) -> dict[str, Any]:
+    """The trainer's model_init_kwargs, which TRL applies only to a model it loads itself (dtype as torch's).
+
+    e.g. ``{dtype: float32}`` keeps fp32 master weights under bf16 autocast: transformers loads in the
+    checkpoint's dtype by default, and an optimizer on bf16 weights loses updates as small as lr 1e-6.
+    """
+    kwargs = args.model_init_kwargs or {}
+    kwargs = dict(json.loads(kwargs) if isinstance(kwargs, str) else kwargs)
+    if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
+        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    return kwargs
+
+
+def _load_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str, Any] | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_name = config.get("model", "tiny")
     if model_name != "tiny":
-        return AutoModelForCausalLM.from_pretrained(model_name), AutoTokenizer.from_pretrained(model_name)
+        model = AutoModelForCausalLM.from_pretrained(model_name, **(model_kwargs or {}))
+        return model, AutoTokenizer.from_pretrained(model_name)
     from d3s.data.synthetic import arithmetic_problems
     from d3s.toy import build_model, build_tokenizer, sft_warm_start
 
@@ -206,6 +225,8 @@ def train(config: dict[str, Any]) -> Path:
     from its newest complete checkpoint (``resume: auto``).
     """
     args = resolve_config(config)
+    # Under `accelerate launch` every process runs this; only the main one writes the run's files.
+    is_main = args.process_index == 0
     threads = int(config.get("threads", 1))
     torch.set_num_threads(threads)
     output_dir = Path(args.output_dir)
@@ -217,7 +238,7 @@ def train(config: dict[str, Any]) -> Path:
     from d3s.rewards import accuracy_reward
     from d3s.trainer import D3STrainer
 
-    model, tokenizer = _load_model(config, output_dir)
+    model, tokenizer = _load_model(config, output_dir, _model_init_kwargs(args))
     rows = _training_rows(config, tokenizer)
     resolved = {
         **config,
@@ -225,16 +246,17 @@ def train(config: dict[str, Any]) -> Path:
         "resolved_trainer": {k: _plain(v) for k, v in args.to_dict().items()},
         "method_settings": dataclasses.asdict(get_method(args.method)),
     }
-    atomic_write_text(output_dir / "resolved_config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     manifest = build_manifest(resolved, seed=args.seed, threads=threads, inputs=_input_files(config))
     manifest["resumed_from"] = str(resume_from) if resume_from else None
-    write_manifest(output_dir / "manifest.json", manifest)
-    if resume_from is not None:
-        step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
-        _truncate_metrics(output_dir / (args.metrics_log or "metrics.jsonl"), step)
-        print(f"resuming from {resume_from} (step {step})")
-    elif args.metrics_log:
-        (output_dir / args.metrics_log).unlink(missing_ok=True)  # a fresh run starts a fresh log
+    if is_main:
+        atomic_write_text(output_dir / "resolved_config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+        write_manifest(output_dir / "manifest.json", manifest)
+        if resume_from is not None:
+            step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
+            _truncate_metrics(output_dir / (args.metrics_log or "metrics.jsonl"), step)
+            print(f"resuming from {resume_from} (step {step})")
+        elif args.metrics_log:
+            (output_dir / args.metrics_log).unlink(missing_ok=True)  # a fresh run starts a fresh log
     trainer = D3STrainer(
         model=model,
         args=args,
@@ -246,21 +268,25 @@ def train(config: dict[str, Any]) -> Path:
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     elapsed = time.perf_counter() - start
     partial = output_dir / "final.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    trainer.save_model(str(partial))
-    tokenizer.save_pretrained(str(partial))
-    shutil.rmtree(output_dir / "final", ignore_errors=True)
-    os.replace(partial, output_dir / "final")  # a crash never leaves a half-written final model
-    summary = {
-        "train_seconds": elapsed,
-        "steps": trainer.state.global_step,
-        "threads": threads,
-        "update_tokens_total": trainer.update_tokens_total,
-        "resumed_from": manifest["resumed_from"],
-    }
-    atomic_write_text(output_dir / "train_summary.json", json.dumps(summary, indent=2))
-    manifest["finished"] = now()
-    write_manifest(output_dir / "manifest.json", manifest)
+    if is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(str(partial))  # on every process: DeepSpeed ZeRO-3 gathers the weights from all
+    if is_main:
+        tokenizer.save_pretrained(str(partial))
+        shutil.rmtree(output_dir / "final", ignore_errors=True)
+        os.replace(partial, output_dir / "final")  # a crash never leaves a half-written final model
+        summary = {
+            "train_seconds": elapsed,
+            "steps": trainer.state.global_step,
+            "threads": threads,
+            "update_tokens_total": trainer.update_tokens_total,
+            "resumed_from": manifest["resumed_from"],
+        }
+        atomic_write_text(output_dir / "train_summary.json", json.dumps(summary, indent=2))
+        manifest["finished"] = now()
+        write_manifest(output_dir / "manifest.json", manifest)
+    trainer.accelerator.wait_for_everyone()
     return output_dir
 
 

@@ -1,4 +1,5 @@
-"""Run by tests/test_multiprocess.py under `torchrun --nproc_per_node 2` (gloo on CPU).
+"""Run by tests/test_multiprocess.py under `accelerate launch --num_processes 2` or `torchrun
+--nproc_per_node 2` (gloo on CPU).
 
 Trains a few steps and writes, per rank, the kept rows decided at each generation, the local row and
 token counts, and TRL's num_items_in_batch, so the test can compare ranks.
@@ -84,6 +85,7 @@ def main(model_path: str, method: str, out_dir: str) -> None:
     rank = trainer.accelerator.process_index
     record = {
         "world_size": trainer.accelerator.num_processes,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "decisions": decisions,
         "batches": batches,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

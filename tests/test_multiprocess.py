@@ -1,4 +1,9 @@
-"""Selection across two processes (torchrun, gloo on CPU): same decision on every rank, no row lost."""
+"""Selection across two processes on the CPU (gloo): same decision on every rank, no row lost.
+
+Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP config
+(workflow/accelerate/ddp.yaml, built by d3s.launch.accelerate_command, as GPU training jobs are); PODS
+under plain torchrun.
+"""
 
 from __future__ import annotations
 
@@ -11,31 +16,45 @@ from pathlib import Path
 import pytest
 import torch
 
+from d3s.launch import accelerate_command, free_port
 from d3s.selection import select_samples
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
+DDP_CONFIG = WORKER.parents[1] / "workflow" / "accelerate" / "ddp.yaml"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["d3s", "pods"])
-def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
-    cmd = [
+def _launch(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "accelerate":
+        return accelerate_command(
+            [str(WORKER), *args],
+            num_processes=2,
+            config_file=DDP_CONFIG,
+            main_process_port=free_port(),
+            threads_per_process=1,
+        )
+    # --standalone: a free rendezvous port on localhost
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",  # a free rendezvous port on localhost
+        "--standalone",
         "--nproc_per_node",
         "2",
         str(WORKER),
-        str(tiny_sft_model),
-        method,
-        str(tmp_path),
+        *args,
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "launcher"), [("d3s", "accelerate"), ("pods", "torchrun")])
+def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method, launcher):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    cmd = _launch(launcher, [str(tiny_sft_model), method, str(tmp_path)])
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"{method}_rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["backend"] for r in ranks] == ["gloo", "gloo"]
     # every rank decided the same kept rows, from the same gathered batch
     assert ranks[0]["decisions"] == ranks[1]["decisions"] and len(ranks[0]["decisions"]) == 3
     for step, decision in enumerate(ranks[0]["decisions"]):
