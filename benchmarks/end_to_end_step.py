@@ -1,6 +1,6 @@
 """End-to-end training step per method: where the time goes, and how many tokens are forwarded and trained.
 
-    .venv/bin/python benchmarks/end_to_end_step.py            # 10 methods x 2 settings, ~2-3 min on 1 thread
+    .venv/bin/python benchmarks/end_to_end_step.py            # 10 methods x 2 settings x 2 rounds, ~3 min
     .venv/bin/python benchmarks/end_to_end_step.py --quick    # grpo and d3s, 2 steps: a smoke run
 
 Writes results/benchmarks/end_to_end_step.{json,md} (``--out`` elsewhere).
@@ -26,8 +26,10 @@ not changed), so the benchmark measures whatever the trainer currently does:
     callback when it restricts the head to kept tokens);
   * tokens backpropagated: the trainer's ``selection/update_tokens`` (completion tokens with nonzero loss
     weight) per step.
-Times are means over the steps after the first generation cycle (start-up effects), so the phases add up
-to the step; ratios to grpo in the same run are the numbers to compare.
+Each method runs ``--rounds`` times (method order reversed every other round, after one discarded
+warm-up run) so drifts in machine load do not favour the methods run first or last. Times are means over
+the steps after each run's first generation cycle (start-up effects), so the phases add up to the step;
+ratios to grpo in the same run are the numbers to compare.
 """
 
 from __future__ import annotations
@@ -233,7 +235,8 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
     }
 
 
-def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path) -> dict[str, Any]:
+def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path) -> tuple[list[dict], dict]:
+    """Train ``method`` for ``steps`` steps; (the recorded steps after the first generation cycle, trainer info)."""
     overrides = SETTINGS[setting]
     trainer = build_tiny_trainer(
         method, model_dir, out / f"{setting}-{method}", max_steps=steps, metrics_log=None, **overrides
@@ -242,12 +245,14 @@ def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path
     with instrument(trainer, recorder):
         trainer.train()
     skip = overrides["num_iterations"]  # the first generation cycle carries start-up costs
-    row = summarise(method, setting, recorder.steps[skip:] or recorder.steps)
-    row["trainer_options"] = {
-        name: getattr(trainer.args, name, None) for name in ("defer_logprob_passes", "kept_token_logprobs")
+    info = {
+        "trainer_options": {
+            name: getattr(trainer.args, name, None)
+            for name in ("defer_logprob_passes", "kept_token_logprobs")
+        },
+        "kept_token_head": getattr(trainer, "kept_token_head", None),
     }
-    row["kept_token_head"] = getattr(trainer, "kept_token_head", None)
-    return row
+    return recorder.steps[skip:] or recorder.steps, info
 
 
 def main() -> None:
@@ -261,10 +266,13 @@ def main() -> None:
     parser.add_argument(
         "--cycles", type=int, default=5, help="generation cycles timed per method (after one warm-up)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs per method, method order reversed each round"
+    )
     parser.add_argument("--sft-steps", type=int, default=150)
     args = parser.parse_args()
     if args.quick:
-        args.cycles, args.sft_steps = 1, 0
+        args.cycles, args.sft_steps, args.rounds = 1, 0, 1
     args.methods = args.methods or ("grpo,d3s" if args.quick else ",".join(METHODS))
     args.settings = args.settings or (next(iter(SETTINGS)) if args.quick else ",".join(SETTINGS))
     set_threads(args.threads)
@@ -272,10 +280,30 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
+        # A discarded run first: the first trainer of a process pays one-off costs (lazy imports, caches).
+        run_method(
+            "grpo", settings[0], model_dir, 2 * SETTINGS[settings[0]]["num_iterations"], Path(tmp) / "warm-up"
+        )
         for setting in settings:
             iterations = SETTINGS[setting]["num_iterations"]
+            steps: dict[str, list[dict]] = {method: [] for method in methods}
+            infos: dict[str, dict] = {}
+            # Alternate the method order between rounds so drifts in machine load do not favour one end.
+            for round_index in range(args.rounds):
+                order = methods if round_index % 2 == 0 else methods[::-1]
+                for method in order:
+                    recorded, info = run_method(
+                        method,
+                        setting,
+                        model_dir,
+                        iterations * (1 + args.cycles),
+                        Path(tmp) / str(round_index),
+                    )
+                    steps[method] += recorded
+                    infos[method] = info
+                    print(f"{setting} round {round_index} {method}: {len(recorded)} steps", flush=True)
             for method in methods:
-                row = run_method(method, setting, model_dir, iterations * (1 + args.cycles), Path(tmp))
+                row = summarise(method, setting, steps[method]) | infos[method] | {"rounds": args.rounds}
                 rows.append(row)
                 print(
                     f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation {fmt_seconds(row['generation_phase_s'])}, "
@@ -313,7 +341,7 @@ def main() -> None:
             [
                 r["method"],
                 f"{r['generation_tokens']:.0f}",
-                f"{r['scoring_pass_tokens']:.0f} ({r['scoring_passes']:.1f} passes)",
+                f"{r['scoring_pass_tokens']:.0f} ({r['scoring_passes']:.1f} passes/step)",
                 f"{r['loss_pass_tokens']:.0f}",
                 f"{r['loss_pass_scored']:.0f}",
                 f"{r['lm_head_grad_positions']:.0f}",
@@ -381,6 +409,7 @@ def main() -> None:
         "methods": methods,
         "settings": {s: SETTINGS[s] for s in settings},
         "cycles": args.cycles,
+        "rounds": args.rounds,
         "sft_steps": args.sft_steps,
         "threads": args.threads,
         "batch": "8 prompts x 8 rollouts, max 24 completion tokens",
