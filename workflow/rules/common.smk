@@ -6,6 +6,7 @@ from pathlib import Path
 ENV = "../../environment.yml"
 
 RESULTS = f"results/{config['experiment']}"
+ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"  # accelerate configs of GPU training jobs
 METHODS = list(config["methods"])
 SEEDS = [int(s) for s in config["seeds"]]
 TRAINER = dict(config["train"]["trainer"])
@@ -37,6 +38,16 @@ def _check_config():
         raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {METHODS}")
     if config["base_model"]["kind"] == "path" and not config["base_model"].get("path"):
         raise ValueError("config base_model.kind is 'path' but base_model.path is not set")
+    from d3s.launch import check_workflow_config, job_gpus, resolved_trainer_configs
+
+    try:
+        check_workflow_config(config, ACCELERATE_DIR)
+        # GPU configurations: every method's trainer settings too (a few seconds of imports; the CPU
+        # default leaves this to its jobs, which fail as fast)
+        if job_gpus(config["train"].get("resources"), "train") > 0:
+            resolved_trainer_configs(config, ACCELERATE_DIR, TASK)
+    except ValueError as exc:
+        raise ValueError(f"config {exc}") from None
 
 
 _check_config()

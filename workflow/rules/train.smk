@@ -1,5 +1,6 @@
 # Stage 2: one RL run per (method, seed) with `d3s train` (metrics.jsonl, anatomy.jsonl, checkpoints,
-# resolved_config.yaml, final/). Jobs run in parallel with train.threads torch threads each.
+# resolved_config.yaml, final/). CPU jobs run in parallel with train.threads torch threads each; a job with
+# resources.gpu runs under `accelerate launch` on GPUs assigned to it (docs/gpu.md).
 
 
 rule train:

@@ -2,7 +2,8 @@
 
 Rule evaluate: every intermediate checkpoint with eval.checkpoint_samples, then the final model with
 eval.samples. Rule evaluate_base: the base model with eval.samples. Outputs: <out>/summary.json and
-samples.jsonl per model (the files of `d3s eval`).
+samples.jsonl per model (the files of `d3s eval`). A job with resources.gpu gets that many GPUs of its own
+(d3s.launch.assign_gpus) and generates with vLLM, tensor-parallel over them unless eval.tensor_parallel_size.
 """
 
 import contextlib
@@ -12,9 +13,11 @@ from pathlib import Path
 import torch
 
 from d3s.cli import main as d3s_main
+from d3s.launch import assign_gpus, job_gpus, signals_raise_system_exit
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 ev, task = smk.params.eval, smk.params.task
+gpus = job_gpus({"gpu": int(getattr(smk.resources, "gpu", 0) or 0)}, "eval")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(smk.threads))
 
@@ -47,6 +50,11 @@ def eval_args(model: str, out: Path, samples: int, ks, limit=None) -> list[str]:
     limit = limit or ev.get("limit")
     if limit:
         args += ["--limit", str(limit)]
+    if gpus:
+        args += ["--tensor-parallel-size", str(ev.get("tensor_parallel_size", gpus))]
+    for key in ("gpu_memory_utilization", "max_model_len", "dtype"):
+        if ev.get(key) is not None:
+            args += [f"--{key.replace('_', '-')}", str(ev[key])]
     return args
 
 
@@ -63,7 +71,16 @@ if hasattr(smk.input, "checkpoints"):
 else:
     jobs.append(eval_args(smk.params.model, Path(smk.output.summary).parent, int(ev["samples"]), ev["k"]))
 
-with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+with (
+    open(smk.log[0], "w") as log,
+    contextlib.redirect_stdout(log),
+    contextlib.redirect_stderr(log),
+    signals_raise_system_exit(),
+    assign_gpus(gpus, label=f"{smk.rule} {dict(smk.wildcards)}") as gpu_ids,
+):
+    if gpus:  # before vLLM or torch touch CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        print(f"GPU(s) {gpu_ids}", flush=True)
     for args in jobs:
         print("d3s", " ".join(args), flush=True)
         code = d3s_main(args)

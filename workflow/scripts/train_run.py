@@ -1,39 +1,69 @@
-"""Snakemake script of rule train: write the run's `d3s train` config (train.yaml) and run it."""
+"""Snakemake script of rule train: write the run's `d3s train` config (train.yaml) and run it.
+
+A job without GPUs trains in this process (the CPU default). A job with `resources.gpu` gets that many
+GPUs (d3s.launch.assign_gpus: exclusive on a shared machine, the allocation's own under Slurm) and runs
+`d3s train` under `accelerate launch`, one process per training GPU, with `trl vllm-serve` on the
+remaining GPUs in vLLM server mode.
+"""
 
 import contextlib
 import os
 from pathlib import Path
 
-import yaml
+from d3s.launch import (
+    assign_gpus,
+    build_run_config,
+    run_training_job,
+    signals_raise_system_exit,
+    train_launch,
+    write_yaml,
+)
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 method, seed = smk.wildcards.method, int(smk.wildcards.seed)
-train_cfg, task = smk.params.train, smk.params.task
+train_cfg = smk.params.train
 run_dir = Path(smk.output.config).parent
-trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
-dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
-if dataset["name"] == "synthetic":
-    dataset = task | dataset
-config = {
-    "method": method,
-    "model": smk.params.model,
-    "seed": seed,
-    "threads": int(smk.threads),
-    "output_dir": str(run_dir),
-    "dataset": dataset,
-    "template": train_cfg.get("template", "raw"),
-    "trainer": trainer,
-}
-if smk.params.data_dir:
-    config["data_dir"] = smk.params.data_dir
+# workflow/accelerate/ (Snakemake points __file__ at the script itself)
+accelerate_dir = Path(__file__).resolve().parents[1] / "accelerate"
+launch = train_launch(train_cfg, accelerate_dir, gpus=int(getattr(smk.resources, "gpu", 0) or 0))
+config = build_run_config(
+    method=method,
+    seed=seed,
+    model=smk.params.model,
+    train_cfg=train_cfg,
+    task=smk.params.task,
+    output_dir=run_dir,
+    threads=int(smk.threads),
+    processes=max(1, launch.train_gpus),
+)
 run_dir.mkdir(parents=True, exist_ok=True)
 for name in ("metrics.jsonl", "anatomy.jsonl"):  # a rerun starts a fresh log
     with contextlib.suppress(FileNotFoundError):
         (run_dir / name).unlink()
-Path(smk.output.config).write_text(yaml.safe_dump(config, sort_keys=False))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from d3s.train import train  # noqa: E402
+if launch.job_gpus == 0:
+    write_yaml(smk.output.config, config)
+    from d3s.train import train
 
-with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-    train(config)
+    with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        train(config)
+else:
+    Path(smk.log[0]).write_text("")  # the training processes append to the same log
+    label = f"{smk.rule} {method} seed{seed}"
+    with (
+        open(smk.log[0], "a") as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+        signals_raise_system_exit(),
+        assign_gpus(launch.job_gpus, label=label) as gpu_ids,
+    ):
+        print(f"{label}: GPU(s) {gpu_ids}", flush=True)
+        run_training_job(
+            config,
+            smk.output.config,
+            launch=launch,
+            gpu_ids=gpu_ids,
+            threads=int(smk.threads),
+            log_path=smk.log[0],
+        )
