@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -93,11 +94,53 @@ def hardware() -> dict[str, Any]:
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The file's SHA-256; remembered per (path, size, mtime) so a 15 GB checkpoint read by several
+    benchmarks of one evaluation is hashed once."""
+    stat = os.stat(path)
+    return _sha256_of(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# Files that define a saved model as it generates (weights, config, tokenizer); optimizer and trainer
+# state in a checkpoint folder do not change what the model computes, so they are not hashed.
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template.*",
+)
+
+
+def model_files(model: str | os.PathLike[str]) -> dict[str, Path]:
+    """``{"model/<file>": path}`` for the files of a local model folder; empty for a hub id."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return {}
+    files = {
+        path.name: path for pattern in MODEL_FILE_PATTERNS for path in folder.glob(pattern) if path.is_file()
+    }
+    return {f"model/{name}": files[name] for name in sorted(files)}
+
+
+def stable_hash(obj: Any, length: int = 12) -> str:
+    """A short SHA-256 of ``obj`` as canonical JSON (sorted keys): equal settings give equal hashes."""
+    text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:length]
 
 
 def now() -> str:

@@ -3,9 +3,11 @@
 Layout of an evaluation directory (one per model)::
 
     <out>/summary.json                      all benchmarks, Pass@k, their average
+    <out>/manifest.json                     provenance of the whole evaluation (merged from the benchmarks')
     <out>/<benchmark>/run.json              settings the samples were generated with (resume check)
     <out>/<benchmark>/samples.jsonl         one line per sample, appended one whole problem at a time
     <out>/<benchmark>/summary.json          Pass@k with bootstrap CI, counts, settings, provenance
+    <out>/<benchmark>/manifest.json         settings, versions, git, hardware, threads, start/end, checksums
 
 The JSONL is appended per completed problem (all its samples in one write, flushed and fsynced). On
 restart, complete problems are kept and skipped; a truncated last line or a partially written problem
@@ -14,6 +16,7 @@ is discarded and generated again, so no problem is duplicated or lost.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -33,6 +36,7 @@ from d3s.provenance import atomic_write_text
 from d3s.rewards import Grader, GradeResult
 
 SAMPLES_FILE, SUMMARY_FILE, RUN_FILE = "samples.jsonl", "summary.json", "run.json"
+MANIFEST_FILE = "manifest.json"
 
 
 class ResumeMismatchError(ValueError):
@@ -190,6 +194,10 @@ def evaluate_benchmark(
     samples_path = run.out_dir / SAMPLES_FILE
     completed = load_completed_samples(samples_path, run.settings.samples)
     todo = [p for p in run.problems if p.problem_id not in completed]
+    manifest = _start_manifest(run, resolved_template, grader, backend.name)
+    manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
+    manifest["problems_generated"] = len(todo)
+    provenance.write_manifest(run.out_dir / MANIFEST_FILE, manifest)
     started = time.perf_counter()
     with (
         samples_path.open("a", encoding="utf-8") as handle,
@@ -229,7 +237,108 @@ def evaluate_benchmark(
     summary = summarize_benchmark(run, completed, resolved_template, grader, backend.name)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
     atomic_write_json(run.out_dir / SUMMARY_FILE, summary)
+    manifest["finished"] = provenance.now()
+    provenance.write_manifest(run.out_dir / MANIFEST_FILE, manifest)
     return summary
+
+
+def problems_sha256(problems: Sequence[Problem]) -> str:
+    """Checksum of the problems as evaluated (ids, questions, gold answers): identifies the problem set
+    whatever its source (local file, hub, generated synthetic task) and any --limit."""
+    rows = [[p.problem_id, p.question, list(p.gold)] for p in problems]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def _eval_inputs(run: BenchmarkRun) -> dict[str, Path]:
+    """Checksummed inputs: the model's files, the benchmark file, and the manifest of the training run
+    the model came from (``<run>/final`` or ``<run>/checkpoint-N``), which names its method settings."""
+    inputs: dict[str, Path] = dict(provenance.model_files(run.model_path))
+    if run.data_source and Path(run.data_source).is_file():
+        inputs[f"benchmark/{run.benchmark}"] = Path(run.data_source)
+    run_manifest = Path(run.model_path).expanduser().parent / MANIFEST_FILE
+    if Path(run.model_path).expanduser().is_dir() and run_manifest.is_file():
+        inputs["model_run_manifest"] = run_manifest
+    return inputs
+
+
+def _start_manifest(
+    run: BenchmarkRun, resolved_template: str, grader: Grader, backend_name: str
+) -> dict[str, Any]:
+    """The manifest of one benchmark's evaluation, as it starts (``finished`` is set at the end)."""
+    import torch
+
+    config = {
+        "benchmark": run.benchmark,
+        "model_path": run.model_path,
+        "template_requested": run.template,
+        "template": resolved_template,
+        "generation": run.settings.to_dict(),
+        "answer_extraction": grader.answer_extraction,
+        "grading_time_limit_s": grader.time_limit,
+        "backend": backend_name,
+        "scoring": {
+            "ks": list(run.scoring.ks),
+            "bootstrap_resamples": run.scoring.bootstrap_resamples,
+            "confidence": run.scoring.confidence,
+            "bootstrap_seed": run.scoring.bootstrap_seed,
+        },
+        "data_source": run.data_source,
+        "n_problems": len(run.problems),
+        "problems_sha256": problems_sha256(run.problems),
+        **run.extra_provenance,
+    }
+    manifest = {"kind": "evaluation"} | provenance.build_manifest(
+        config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
+    )
+    manifest["versions"]["python"] = platform.python_version()
+    manifest["model_run"] = _model_run(manifest["inputs"])
+    return manifest
+
+
+def _model_run(inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """Method, seed and method settings of the training run the model came from (None for other models)."""
+    entry = inputs.get("model_run_manifest")
+    if entry is None:
+        return None
+    config = json.loads(Path(entry["path"]).read_text(encoding="utf-8")).get("config") or {}
+    keys = ("method", "seed", "method_settings")
+    return {"manifest": entry["path"]} | {key: config.get(key) for key in keys}
+
+
+def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any]:
+    """``<out>/manifest.json``: the benchmarks' manifests merged (one process wrote them all, so versions,
+    git state, hardware and threads are shared; settings are kept per benchmark)."""
+    parts = {name: json.loads((out_dir / name / MANIFEST_FILE).read_text(encoding="utf-8")) for name in names}
+    first = next(iter(parts.values()))
+    per_run = ("benchmark", "model_path")
+    inputs: dict[str, Any] = {}
+    for part in parts.values():
+        inputs |= part["inputs"]
+    manifest = {
+        "kind": "evaluation",
+        "config": {
+            "model_path": first["config"]["model_path"],
+            "benchmark_names": list(names),
+            "benchmarks": {
+                name: {k: v for k, v in part["config"].items() if k not in per_run}
+                for name, part in parts.items()
+            },
+        },
+        **{
+            key: first[key]
+            for key in ("seed", "torch_threads", "torch_interop_threads", "versions", "git", "hardware")
+        },
+        "inputs": inputs,
+        "started": min(part["started"] for part in parts.values()),
+        "finished": None
+        if any(part["finished"] is None for part in parts.values())
+        else max(part["finished"] for part in parts.values()),
+        "model_run": first.get("model_run"),
+        "problems_resumed": {name: part.get("problems_resumed") for name, part in parts.items()},
+        "parts": {name: f"{name}/{MANIFEST_FILE}" for name in names},
+    }
+    provenance.write_manifest(out_dir / MANIFEST_FILE, manifest)
+    return manifest
 
 
 def summarize_benchmark(
@@ -315,7 +424,9 @@ def write_overall_summary(
         },
         "average": average_over_benchmarks(per_benchmark),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "manifest": MANIFEST_FILE,
     }
+    write_overall_manifest(out_dir, list(summaries))
     atomic_write_json(out_dir / SUMMARY_FILE, overall)
     return overall
 
