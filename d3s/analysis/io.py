@@ -1,22 +1,22 @@
-"""Readers of the workflow's logged files (layout: docs/workflow.md)."""
+"""Readers of the workflow's logged files (layout: docs/workflow.md).
+
+Each loader first checks the manifests of what it reads (d3s.analysis.provenance): results made with
+settings that must agree but differ are refused with MixedSettingsError unless ``allow_mixed=True``. Rows
+carry a ``manifest`` column, the manifest of the run or evaluation they came from (relative path).
+"""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pandas as pd
 
-RUN_RE = re.compile(r"^seed(\d+)$")
+from d3s.analysis import layout
+from d3s.analysis.provenance import check_results
 
-
-def _runs(results: Path):
-    for method_dir in sorted((results / "runs").glob("*")):
-        for seed_dir in sorted(method_dir.glob("seed*")):
-            match = RUN_RE.match(seed_dir.name)
-            if match and seed_dir.is_dir():
-                yield method_dir.name, int(match.group(1)), seed_dir
+_runs = layout.runs
+RUN_RE = layout.RUN_RE
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -29,12 +29,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_metrics(results: str | Path) -> pd.DataFrame:
+def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     """Every training step of every run: method, seed, step and the trainer's logged metrics.
 
     Adds ``wall_clock`` (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``.
+    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.analysis.provenance).
     """
     results = Path(results)
+    check_results(results, allow_mixed, groups=("training",))
     frames = []
     for method, seed, run in _runs(results):
         path = run / "metrics.jsonl"
@@ -49,6 +51,7 @@ def load_metrics(results: str | Path) -> pd.DataFrame:
         df = df.sort_values("step").drop_duplicates("step", keep="last")
         df.insert(0, "seed", seed)
         df.insert(0, "method", method)
+        df["manifest"] = str((run / layout.MANIFEST).relative_to(results))
         if "step_time" in df:
             df["wall_clock"] = df["step_time"].fillna(0).cumsum()
         if "selection/update_tokens_cumulative" in df:
@@ -84,52 +87,62 @@ def _summary_rows(path: Path, **labels) -> list[dict]:
     return rows
 
 
-def load_evals(results: str | Path, include_base: bool = True) -> pd.DataFrame:
+def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool = False) -> pd.DataFrame:
     """Every evaluation: method, seed, step (0 = the shared base model), final flag, benchmark, k, value.
 
     Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
-    0 so learning curves start from it.
+    0 so learning curves start from it. Refuses evaluations with differing settings (final and base
+    models; checkpoints) unless ``allow_mixed`` (d3s.analysis.provenance).
     """
     results = Path(results)
+    check_results(results, allow_mixed, groups=("final", "checkpoints"))
     rows: list[dict] = []
     steps_of: dict[tuple[str, int], int] = {}
     for method, seed, run in _runs(results):
         summary = run / "train_summary.json"
         if summary.is_file():
             steps_of[(method, seed)] = int(json.loads(summary.read_text()).get("steps", 0))
-    eval_root = results / "eval"
-    for method_dir in sorted(p for p in eval_root.glob("*") if p.is_dir() and p.name != "base"):
-        for seed_dir in sorted(method_dir.glob("seed*")):
-            match = RUN_RE.match(seed_dir.name)
-            if not match:
-                continue
-            seed = int(match.group(1))
-            for point in sorted(seed_dir.glob("*/summary.json")):
-                name = point.parent.name
-                if name == "final":
-                    step, final = steps_of.get((method_dir.name, seed)), True
-                elif name.startswith("step"):
-                    step, final = int(name[4:]), False
-                else:
-                    continue
-                rows += _summary_rows(point, method=method_dir.name, seed=seed, step=step, final=final)
-    base = eval_root / "base" / "summary.json"
-    if include_base and base.is_file():
+    base = None
+    for point in layout.eval_points(results):
+        if point.method == "base":
+            base = point
+            continue
+        final = point.name == "final"
+        step = steps_of.get((point.method, point.seed)) if final else point.step
+        labels = {"method": point.method, "seed": point.seed, "step": step, "final": final}
+        rows += _summary_rows(point.summary, **labels, manifest=_rel(point.manifest, results))
+    if include_base and base is not None:
         pairs = sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]
         for method, seed in pairs:
-            rows += _summary_rows(base, method=method, seed=seed, step=0, final=False)
+            rows += _summary_rows(
+                base.summary,
+                method=method,
+                seed=seed,
+                step=0,
+                final=False,
+                manifest=_rel(base.manifest, results),
+            )
     df = pd.DataFrame(rows)
     if df.empty:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
     return df.sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
 
 
-def load_base_eval(results: str | Path) -> pd.DataFrame:
-    path = Path(results) / "eval" / "base" / "summary.json"
-    return pd.DataFrame(_summary_rows(path, method="base", seed=0, step=0, final=False))
+def _rel(path: Path, results: Path) -> str:
+    return str(path.relative_to(results))
 
 
-def load_train_summaries(results: str | Path) -> pd.DataFrame:
+def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
+    """The base model's evaluation, one row per benchmark and k (checked with the final evaluations)."""
+    results = Path(results)
+    check_results(results, allow_mixed, groups=("final",))
+    path = results / "eval" / "base" / "summary.json"
+    rows = _summary_rows(path, method="base", seed=0, step=0, final=False)
+    return pd.DataFrame([row | {"manifest": _rel(path.with_name(layout.MANIFEST), results)} for row in rows])
+
+
+def load_train_summaries(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
+    check_results(results, allow_mixed, groups=("training",))
     rows = []
     for method, seed, run in _runs(Path(results)):
         path = run / "train_summary.json"
@@ -138,7 +151,7 @@ def load_train_summaries(results: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
+def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:
     """Selection anatomy records (``anatomy.jsonl``, written when the trainer's anatomy_every > 0).
 
     Returns (groups, token_records): one row per (method, seed, step, group) with rewards, advantages,
@@ -146,8 +159,10 @@ def load_anatomy(results: str | Path) -> tuple[pd.DataFrame, list[dict]]:
     whole group ``var_all`` (1 up to TRL's epsilon: TRL standardises with the unbiased standard deviation)
     and their ratio ``var_ratio`` (Lemma 1: >= 1 for a max-variance subset; with population variances the
     bound fails for odd subset sizes, e.g. 5 of a group with 4 correct of 8 gives 0.96); and the token
-    records (method, seed, step, token_keep_ratio, examples).
+    records (method, seed, step, token_keep_ratio, examples). Refuses runs with differing training settings
+    unless ``allow_mixed``.
     """
+    check_results(results, allow_mixed, groups=("training",))
     groups, tokens = [], []
     for method, seed, run in _runs(Path(results)):
         path = run / "anatomy.jsonl"

@@ -1,6 +1,9 @@
-"""report.md: the paper's numbers (results/paper/) beside ours, the papers' claims checked, figures linked.
+"""report.md: the paper's numbers (results/paper/) beside ours, the papers' claims checked, figures linked,
+and the manifests every number came from.
 
-Reads only the workflow's tables (results/<experiment>/tables/*.csv, written by the notebooks) and logs.
+Reads only the workflow's tables (results/<experiment>/tables/*.csv, written by the notebooks), logs and
+manifests. Results whose settings must agree but differ are refused (d3s.analysis.provenance) unless
+``analysis.allow_mixed_settings`` is true; then a warning at the top of the report states the mix.
 """
 
 from __future__ import annotations
@@ -9,13 +12,15 @@ import json
 import math
 import os
 import platform
-import subprocess
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 
 from d3s.analysis.io import load_metrics
+from d3s.analysis.provenance import check_results
 from d3s.analysis.tables import mean_ci
+from d3s.provenance import git_state
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
@@ -73,12 +78,11 @@ def _verdict(diff: float, half: float, want_positive: bool = True) -> str:
 
 
 def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+    """The d3s checkout writing the report (the working directory may be a copy of the workflow)."""
+    state = git_state()
+    if not state["commit"]:
         return "unknown"
+    return state["commit"][:7] + (" with uncommitted changes" if state["dirty"] else "")
 
 
 def claims(
@@ -131,18 +135,25 @@ def claims(
 
 
 def write_report(results: Path, paper_dir: Path, config: dict) -> str:
+    """The report's Markdown; raises MixedSettingsError if the results mix settings that must agree and
+    ``analysis.allow_mixed_settings`` is not set."""
     tables = results / "tables"
-    reference = (config.get("analysis") or {}).get("reference", "grpo")
-    fraction = (config.get("analysis") or {}).get("target_fraction", 0.99)
+    analysis = config.get("analysis") or {}
+    reference = analysis.get("reference", "grpo")
+    fraction = analysis.get("target_fraction", 0.99)
+    allow_mixed = bool(analysis.get("allow_mixed_settings", False))
+    provenance = check_results(results, allow_mixed=allow_mixed)
     methods = list(config["methods"])
     seeds = list(config["seeds"])
-    metrics = load_metrics(results)
+    metrics = load_metrics(results, allow_mixed=allow_mixed)
     long = pd.read_csv(tables / "pass_at_k.csv")
     efficiency = pd.read_csv(tables / "efficiency.csv")
     curves = pd.read_csv(tables / "learning_curves.csv")
     trainer = config["train"]["trainer"]
     ev = config["eval"]
     out = [f"# Reproduction report: {config['experiment']}", ""]
+    if provenance.mixed:  # stated before anything else
+        out += [provenance.banner(), ""]
     base_summary = results / "base_model" / "base_summary.json"
     base = json.loads(base_summary.read_text()) if base_summary.is_file() else None
     model_line = (
@@ -162,8 +173,10 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         f"(temperature {ev.get('temperature')}, top-p {ev.get('top_p')}); checkpoints every "
         f"{trainer.get('save_steps', trainer['max_steps'])} steps with {ev.get('checkpoint_samples')} samples.",
         "- Intervals: mean across seeds ± half-width of the 95 % Student-t interval across seeds (none for one seed).",
-        f"- Machine: {platform.machine()}, {os.cpu_count()} CPU(s), {platform.system()}, Python "
-        f"{platform.python_version()}; git {_git_commit()}.",
+        f"- Report written on {platform.machine()}, {os.cpu_count()} CPU(s), {platform.system()}, Python "
+        f"{platform.python_version()}, at git {_git_commit()}; the runs' own commits, hardware and settings "
+        "are under [Provenance](#provenance).",
+        "- Sources (manifests checked):\n" + textwrap.indent(provenance.summary(), "  "),
         "",
         "## Main table: ours",
         "",
@@ -282,8 +295,12 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
     for stem, caption in FIGURES:
         if (results / "figures" / f"{stem}.png").is_file():
             out += [f"### {caption}", "", f"![{caption}](figures/{stem}.png) ([PDF](figures/{stem}.pdf))", ""]
+    out += ["## Provenance", "", provenance.markdown(), ""]
     out += ["## Tables and notebooks", ""]
-    out += [f"- [tables/{p.name}](tables/{p.name})" for p in sorted(tables.glob("*.csv"))]
+    for path in sorted(tables.glob("*.csv")):
+        sidecar = path.with_name(f"{path.stem}.provenance.json")
+        manifests = f" (manifests: [{sidecar.name}](tables/{sidecar.name}))" if sidecar.is_file() else ""
+        out.append(f"- [tables/{path.name}](tables/{path.name}){manifests}")
     out += [
         f"- [notebooks/{p.name}](notebooks/{p.name})" for p in sorted((results / "notebooks").glob("*.ipynb"))
     ]

@@ -1,11 +1,19 @@
-"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups."""
+"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups.
+
+:func:`write_table` writes a table with a ``<name>.provenance.json`` sidecar naming the manifests (runs and
+evaluations) it came from, their git commits and settings hashes, and any mix of settings allowed.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pandas as pd
+
+from d3s.analysis.provenance import Provenance
+from d3s.provenance import atomic_write_text
 
 # Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency).
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -21,6 +29,17 @@ def mean_ci(values) -> tuple[float, float, int]:
         return float(arr[0]), float("nan"), 1
     t = _T95.get(n - 1, 1.96 if n > 30 else 2.0)
     return float(arr.mean()), float(t * arr.std(ddof=1) / math.sqrt(n)), n
+
+
+def write_table(
+    table: pd.DataFrame, path: str | os.PathLike[str], provenance: Provenance, index: bool = False
+) -> None:
+    """Write ``table`` as CSV (atomically) and its provenance sidecar ``<name>.provenance.json``.
+
+    ``provenance`` is the check of what the table was made from (``Provenance.select("training", ...)``).
+    """
+    atomic_write_text(path, table.to_csv(index=index))
+    provenance.write_sidecar(path)
 
 
 def final_evals(evals: pd.DataFrame) -> pd.DataFrame:
