@@ -65,28 +65,72 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def _grading_worker_pids() -> list[int]:
+    """Process ids of the default grader's worker subprocesses (the training reward runs there)."""
+    import d3s.rewards as rewards
+
+    grader = rewards._default_grader
+    if grader is None or grader._owner_pid != os.getpid():
+        return []
+    return [worker.process.pid for worker in grader._workers if worker.process.poll() is None]
+
+
+def _child_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of running processes, from /proc (0 where unavailable)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
+
+
+def cpu_clock() -> float:
+    """CPU seconds used so far by this process and the grading worker subprocesses.
+
+    On a shared machine CPU time, unlike wall time, does not grow when other jobs take the cores, so
+    ratios of CPU times are the steadier measure of work (single-threaded code: equal to wall time on an
+    idle machine). Worker time has the kernel's tick resolution (10 ms): meaningful summed over steps.
+    """
+    return time.process_time() + _child_cpu_seconds(_grading_worker_pids())
+
+
 def timed(
     fn: Callable[[], Any], repeats: int = 5, warmup: int = 1, min_seconds: float = 0.0
 ) -> dict[str, Any]:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
+    """Median wall and CPU seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
 
-    ``min_seconds``: keep repeating past ``repeats`` until this much time was measured, so very short
-    calls still get enough samples for a stable median. Returns median, min, max and every sample.
+    ``min_seconds``: keep repeating past ``repeats`` until this much wall time was measured, so very
+    short calls still get enough samples for a stable median. Returns medians, min, max and samples.
     """
     for _ in range(warmup):
         fn()
     samples: list[float] = []
+    cpu_samples: list[float] = []
     while len(samples) < repeats or sum(samples) < min_seconds:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         samples.append(time.perf_counter() - start)
+        cpu_samples.append(time.process_time() - cpu_start)
     return {
         "median_s": statistics.median(samples),
+        "cpu_median_s": statistics.median(cpu_samples),
         "min_s": min(samples),
         "max_s": max(samples),
         "repeats": len(samples),
         "samples_s": samples,
+        "cpu_samples_s": cpu_samples,
     }
+
+
+def once(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """(result, wall seconds, CPU seconds of this process) of one call of ``fn()``."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -223,19 +267,22 @@ def build_tiny_trainer(
 
 
 def step_timer() -> Any:
-    """A TrainerCallback recording the wall seconds of every optimizer step (``.seconds``), from
-    on_step_begin to on_step_end: generation, scoring, selection, forward, backward, optimizer."""
+    """A TrainerCallback recording the wall and CPU seconds of every optimizer step (``.seconds``,
+    ``.cpu_seconds``), from on_step_begin to on_step_end: generation, scoring, selection, forward,
+    backward, optimizer."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
-            self._start = 0.0
+            self.cpu_seconds: list[float] = []  # this process and the grading worker (cpu_clock)
+            self._start = self._cpu_start = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
+            self._start, self._cpu_start = time.perf_counter(), cpu_clock()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self._start)
+            self.cpu_seconds.append(cpu_clock() - self._cpu_start)
 
     return StepTimer()

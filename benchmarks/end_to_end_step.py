@@ -29,7 +29,9 @@ not changed), so the benchmark measures whatever the trainer currently does:
 Each method runs ``--rounds`` times (method order reversed every other round, after one discarded
 warm-up run) so drifts in machine load do not favour the methods run first or last. Times are means over
 the steps after each run's first generation cycle (start-up effects), so the phases add up to the step;
-ratios to grpo in the same run are the numbers to compare.
+ratios to grpo in the same run are the numbers to compare, by wall time and by CPU time (this process
+plus the grading worker; steadier than wall time on a shared machine, since waiting for a core is not
+counted).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 from _common import (
     base_parser,
     build_tiny_trainer,
+    cpu_clock,
     fmt_seconds,
     markdown_table,
     prepare_tiny_model,
@@ -65,6 +68,10 @@ SETTINGS = {
 }
 
 
+# Timers that also record CPU seconds (cpu_clock reads /proc for the grading worker: not for tiny timers).
+CPU_TIMED = {"generation_phase_s", "compute_loss_s"}
+
+
 class StepRecorder(TrainerCallback):
     """Per-step totals of the timers and counters; the current step's go in ``self.now``."""
 
@@ -76,22 +83,27 @@ class StepRecorder(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.now = defaultdict(float)
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), cpu_clock()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.now["step_s"] = time.perf_counter() - self._start
+        self.now["step_cpu_s"] = cpu_clock() - self._cpu_start
         self.steps.append(dict(self.now))
 
     @contextmanager
     def timing(self, key: str, phase: str | None = None) -> Iterator[None]:
+        """Wall seconds under ``key``; for the phase timers also CPU seconds under ``key_cpu``."""
         previous = self.phase
         if phase is not None:
             self.phase = phase
-        start = time.perf_counter()
+        cpu = key in CPU_TIMED
+        start, cpu_start = time.perf_counter(), cpu_clock() if cpu else 0.0
         try:
             yield
         finally:
             self.now[key] += time.perf_counter() - start
+            if cpu:
+                self.now[key.replace("_s", "_cpu_s")] += cpu_clock() - cpu_start
             self.phase = previous
 
 
@@ -200,6 +212,7 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
             forward[f"{phase}_{grad}_{kind}"] += value
     step_s = mean["step_s"]
     generation = mean.get("generation_phase_s", 0.0)
+    step_cpu, generation_cpu = mean.get("step_cpu_s", 0.0), mean.get("generation_phase_cpu_s", 0.0)
     return {
         "method": method,
         "setting": setting,
@@ -214,6 +227,10 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
         ),
         "select_samples_s": mean.get("select_samples_s", 0.0),
         "update_phase_s": step_s - generation,
+        "step_cpu_s": step_cpu,
+        "generation_phase_cpu_s": generation_cpu,
+        "update_phase_cpu_s": step_cpu - generation_cpu,
+        "compute_loss_cpu_s": mean.get("compute_loss_cpu_s", 0.0),
         "compute_loss_s": mean.get("compute_loss_s", 0.0),
         "backward_optimizer_s": step_s - generation - mean.get("compute_loss_s", 0.0),
         "token_mask_s": mean.get("token_mask_s", 0.0),
@@ -318,13 +335,15 @@ def main() -> None:
         for r in subset:
             r["step_vs_grpo"] = r["step_s"] / base["step_s"]
             r["update_vs_grpo"] = r["update_phase_s"] / base["update_phase_s"]
+            r["step_cpu_vs_grpo"] = r["step_cpu_s"] / base["step_cpu_s"]
+            r["update_cpu_vs_grpo"] = r["update_phase_cpu_s"] / base["update_phase_cpu_s"]
             r["backprop_tokens_vs_grpo"] = r["backprop_tokens"] / max(base["backprop_tokens"], 1.0)
             r["forward_tokens_vs_grpo"] = r["forward_tokens_total"] / max(base["forward_tokens_total"], 1.0)
         time_rows = [
             [
                 r["method"],
                 fmt_seconds(r["step_s"]),
-                f"{r['step_vs_grpo']:.2f}",
+                f"{r['step_vs_grpo']:.2f} / {r['step_cpu_vs_grpo']:.2f}",
                 f"{100 * r['generation_phase_s'] / r['step_s']:.0f} %",
                 f"{100 * r['generate_s'] / r['step_s']:.0f} %",
                 f"{100 * r['reward_s'] / r['step_s']:.0f} %",
@@ -333,7 +352,8 @@ def main() -> None:
                 f"{100 * r['update_phase_s'] / r['step_s']:.0f} %",
                 f"{100 * r['compute_loss_s'] / r['step_s']:.0f} %",
                 f"{100 * r['backward_optimizer_s'] / r['step_s']:.0f} %",
-                f"{r['update_vs_grpo']:.2f}",
+                f"{100 * r['update_phase_cpu_s'] / r['step_cpu_s']:.0f} %",
+                f"{r['update_vs_grpo']:.2f} / {r['update_cpu_vs_grpo']:.2f}",
             ]
             for r in subset
         ]
@@ -355,13 +375,14 @@ def main() -> None:
         tables += [
             f"## {setting}: beta={overrides['beta']}, num_iterations={overrides['num_iterations']}",
             "",
-            "Time per step (mean), split into the generation phase and the update phase, as % of the step:",
+            "Time per step (mean), split into the generation phase and the update phase, as % of the step's "
+            "wall time (and the update phase as % of its CPU time); ratios to grpo by wall and by CPU time:",
             "",
             markdown_table(
                 [
                     "method",
-                    "step",
-                    "step / grpo",
+                    "step (wall)",
+                    "step / grpo (wall / CPU)",
                     "generation phase",
                     "of which generate",
                     "rewards",
@@ -370,7 +391,8 @@ def main() -> None:
                     "update phase",
                     "of which loss forward",
                     "backward + optimizer",
-                    "update / grpo",
+                    "update phase (% of step CPU)",
+                    "update / grpo (wall / CPU)",
                 ],
                 time_rows,
             ),
@@ -401,6 +423,9 @@ def main() -> None:
         "step reuses the rollouts (no generation), so the mean is per optimizer step.",
         "Tokens backpropagated: the trainer's selection/update_tokens (completion tokens with nonzero loss "
         "weight); 'LM-head positions with gradient' counts the positions the LM head projects with gradient.",
+        "CPU time: this process plus the grading worker subprocess (the reward), from process_time and "
+        "/proc. Everything runs on 1 thread, so on this shared machine the CPU ratios are the steadier ones; "
+        "wall time also counts waiting for the cores.",
         "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
     ]
     markdown = "\n".join(tables)
