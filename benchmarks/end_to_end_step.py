@@ -428,6 +428,16 @@ def main() -> None:
         "wall time also counts waiting for the cores.",
         "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
     ]
+    for setting in settings:  # gspo trains on exactly grpo's tokens here: its ratio shows the noise
+        same_work = [r for r in rows if r["setting"] == setting and r["method"] == "gspo"]
+        if same_work and any(r["method"] == "grpo" for r in rows if r["setting"] == setting):
+            r = same_work[0]
+            notes.append(
+                f"Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
+                f"({r['forward_tokens_vs_grpo']:.2f}x, {r['backprop_tokens_vs_grpo']:.2f}x), yet measures "
+                f"{r['step_vs_grpo']:.2f}x (wall) / {r['step_cpu_vs_grpo']:.2f}x (CPU) of its step time: "
+                "differences of that size between methods are noise."
+            )
     markdown = "\n".join(tables)
     print(markdown)
     run_settings = {
