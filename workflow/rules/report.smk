@@ -1,5 +1,6 @@
 # Stage 5: report.md, the paper's numbers (results/paper/) and ours side by side, the claims checked,
-# every figure linked. `snakemake --report report.html` builds Snakemake's HTML report as well.
+# every figure linked, and the manifests everything came from (refused if settings are mixed, unless
+# analysis.allow_mixed_settings). `snakemake --report report.html` builds Snakemake's HTML report as well.
 
 
 report: "../report/workflow.rst"
@@ -11,6 +12,7 @@ rule report:
         efficiency=rules.efficiency.output,
         dynamics=rules.training_dynamics.output,
         anatomy=rules.selection_anatomy.output,
+        provenance=rules.provenance.output.json,
         base=f"{RESULTS}/base_model/base_summary.json" if config["base_model"]["kind"] == "tiny" else [],
     output:
         report_md=f"{RESULTS}/report.md",

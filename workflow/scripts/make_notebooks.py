@@ -21,21 +21,32 @@ paper_dir = "../results/paper"
 reference = "grpo"
 target_fraction = 0.99
 headline = ["grpo", "pods", "d3s"]
-ablation = ["grpo", "d1s", "d1s_cross", "d2s", "d3s"]"""
+ablation = ["grpo", "d1s", "d1s_cross", "d2s", "d3s"]
+allow_mixed = False  # analysis.allow_mixed_settings: combine results made with different settings, stating it"""
 
+# The manifests each notebook's tables come from (d3s.analysis.provenance groups); __SCOPE__ is filled in.
 SETUP = """from pathlib import Path
 
 import pandas as pd
 from IPython.display import Markdown, display
 
-from d3s.analysis import figures, io, tables
+from d3s.analysis import figures, io, provenance, tables
 
 results, out = Path(results_dir), Path(out_dir)
 (out / "tables").mkdir(parents=True, exist_ok=True)
 (out / "figures").mkdir(parents=True, exist_ok=True)
-metrics = io.load_metrics(results)
+# Refuses results made with different settings unless allow_mixed; the tables' sidecars name the manifests.
+prov = provenance.check_results(results, allow_mixed=allow_mixed, groups=__SCOPE__)
+display(Markdown("**Provenance** (details: tables/*.provenance.json)\\n\\n" + prov.summary() + "\\n\\n" + prov.banner()))
+metrics = io.load_metrics(results, allow_mixed=allow_mixed)
 methods = list(dict.fromkeys([m for m in [reference, *headline, *ablation] if m in set(metrics["method"])] + sorted(metrics["method"].unique())))
 print(f"{len(metrics)} logged steps; methods: {methods}; seeds: {sorted(metrics['seed'].unique())}")"""
+
+
+def setup(scope: tuple[str, ...]) -> str:
+    """The setup cell of a notebook whose tables come from the manifests of ``scope``."""
+    return SETUP.replace("__SCOPE__", repr(scope))
+
 
 NOTEBOOKS = {
     "training_dynamics": [
@@ -43,7 +54,7 @@ NOTEBOOKS = {
         "reward, advantage variance before and after sample selection, fractions of samples and tokens kept, and "
         "the tokens that enter each update. Mean across seeds (line) and +- one standard deviation (band), "
         "smoothed over 5 steps. Everything comes from each run's `metrics.jsonl`.",
-        SETUP,
+        setup(("training",)),
         """fig = figures.training_dynamics(metrics, methods)
 figures.save(fig, out / "figures" / "training_dynamics")
 fig""",
@@ -54,33 +65,33 @@ fig""",
            "selection/adv_var_after", "selection/sample_keep_fraction", "selection/token_keep_fraction",
            "selection/update_tokens"]
 dynamics = tables.summarise_dynamics(metrics, columns)
-dynamics.to_csv(out / "tables" / "dynamics.csv", index=False)
+tables.write_table(dynamics, out / "tables" / "dynamics.csv", prov)
 display(dynamics.round(3))""",
     ],
     "pass_at_k": [
         "# Pass@k\n\nFinal models on the held-out benchmarks, several samples per problem; mean across seeds and "
         "the half-width of the 95 % t-interval across seeds (blank with one seed). The layouts follow the "
         "paper's Table 1 (headline methods, benchmarks as columns, Pass@1 / Pass@k) and Table 2 (ablation).",
-        SETUP,
-        """evals = io.load_evals(results)
+        setup(("training", "final")),
+        """evals = io.load_evals(results, allow_mixed=allow_mixed)
 final = evals[evals["final"]]
 ks = sorted(final["k"].unique())
 kmax = max(ks)
 long = tables.pass_at_k_table(evals, methods)
-long.to_csv(out / "tables" / "pass_at_k.csv", index=False)
-base = io.load_base_eval(results) if (results / "eval" / "base" / "summary.json").exists() else pd.DataFrame()
+tables.write_table(long, out / "tables" / "pass_at_k.csv", prov)
+base = io.load_base_eval(results, allow_mixed=allow_mixed) if (results / "eval" / "base" / "summary.json").exists() else pd.DataFrame()
 if not base.empty:
     base = base.assign(mean=100 * base["value"], ci95=float("nan"), seeds=1, method="base")[long.columns]
 display(long.round(2))""",
         """rows = [m for m in ["base", *headline] if m == "base" or m in methods]
 table1 = tables.paper_layout(pd.concat([base, long]) if not base.empty else long, ks=(1, kmax))
 table1 = table1.loc[[m for m in rows if m in table1.index]]
-table1.to_csv(out / "tables" / "table1_layout.csv")
+tables.write_table(table1, out / "tables" / "table1_layout.csv", prov, index=True)
 display(Markdown(f"**Table 1 layout** (Pass@1 / Pass@{kmax}, %)"))
 display(table1)""",
         """table2 = tables.paper_layout(long[long["method"].isin(ablation)], ks=(1, kmax))
 table2 = table2.loc[[m for m in ablation if m in table2.index]]
-table2.to_csv(out / "tables" / "table2_layout.csv")
+tables.write_table(table2, out / "tables" / "table2_layout.csv", prov, index=True)
 display(Markdown(f"**Table 2 layout** (ablation; Pass@1 / Pass@{kmax}, %)"))
 display(table2)""",
         """fig = figures.pass_at_k_figure(long, methods)
@@ -93,16 +104,16 @@ fig""",
         "time the reference needs to first reach `target_fraction` of its best seed-mean accuracy, divided by "
         "the time the method needs; NaN when a method never reaches it. Table 3 layout: gain in final Pass@1 "
         "over the reference and speedup.",
-        SETUP,
-        """evals = io.load_evals(results)
+        setup(("training", "final", "checkpoints")),
+        """evals = io.load_evals(results, allow_mixed=allow_mixed)
 curves = tables.learning_curves(evals, metrics, k=1)
-curves.to_csv(out / "tables" / "learning_curves.csv", index=False)
+tables.write_table(curves, out / "tables" / "learning_curves.csv", prov)
 fig = figures.learning_curve_figure(curves, methods)
 figures.save(fig, out / "figures" / "learning_curves")
 fig""",
         """eff = tables.efficiency_table(curves, metrics, reference, target_fraction)
 eff = eff.set_index("method").loc[[m for m in methods if m in set(eff["method"])]].reset_index()
-eff.to_csv(out / "tables" / "efficiency.csv", index=False)
+tables.write_table(eff, out / "tables" / "efficiency.csv", prov)
 display(eff.round(3))""",
         """table3 = pd.DataFrame({
     "comparison": [f"{m} vs {reference}" for m in eff["method"] if m != reference],
@@ -110,7 +121,7 @@ display(eff.round(3))""",
     "speedup (time)": [s for m, s in zip(eff["method"], eff["speedup_time"]) if m != reference],
     "speedup (steps)": [s for m, s in zip(eff["method"], eff["speedup_steps"]) if m != reference],
 })
-table3.to_csv(out / "tables" / "table3_layout.csv", index=False)
+tables.write_table(table3, out / "tables" / "table3_layout.csv", prov)
 display(Markdown("**Table 3 layout**"))
 display(table3.round(2))""",
     ],
@@ -124,15 +135,15 @@ display(table3.round(2))""",
         "Max-variance selection within a group (pods, d1s, d3s_i) should sit at or above the red line; "
         "cross-group selection (d1s_cross, d2s, d3s) picks rollouts across prompts, so a single group's "
         "ratio is not bound by the lemma; keeping everything (grpo) gives exactly 1.",
-        SETUP,
-        """groups, token_records = io.load_anatomy(results)
+        setup(("training",)),
+        """groups, token_records = io.load_anatomy(results, allow_mixed=allow_mixed)
 if groups.empty:
     print("no anatomy.jsonl found: set trainer.anatomy_every > 0")
 else:
     eligible = groups[(groups["n_kept"] >= 2) & (groups["reward_std"] > 0)]
     lemma = eligible.groupby("method")["var_ratio"].describe()[["count", "min", "25%", "50%", "mean"]]
     lemma["fraction >= 1"] = eligible.assign(ok=eligible["var_ratio"] >= 1 - 1e-6).groupby("method")["ok"].mean()
-    lemma.to_csv(out / "tables" / "var_after_selection.csv")
+    tables.write_table(lemma, out / "tables" / "var_after_selection.csv", prov, index=True)
     display(lemma.round(3))
     fig = figures.var_after_figure(groups, methods)
     figures.save(fig, out / "figures" / "var_after_selection")
