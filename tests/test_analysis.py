@@ -10,7 +10,11 @@ import pandas as pd
 import pytest
 
 from d3s.analysis import figures, io, tables
-from d3s.analysis.report import claims
+from d3s.analysis.provenance import MixedSettingsError
+from d3s.analysis.report import claims, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _summary(path: Path, p1: float, p4: float) -> None:
@@ -18,6 +22,40 @@ def _summary(path: Path, p1: float, p4: float) -> None:
     bench = {"pass_at_k": {"1": p1, "4": p4}, "ci": {"1": [p1 - 0.05, p1 + 0.05], "4": [p4 - 0.05, p4 + 0.05]},
              "n_problems": 50, "unparsable_gold": 0, "timeouts": 0}  # fmt: skip
     path.write_text(json.dumps({"benchmarks": {"synthetic": bench}, "average": {"1": p1, "4": p4}}))
+    _write_manifest(path.with_name("manifest.json"), _eval_manifest(str(path.parent)))
+
+
+def _shared(seed: int) -> dict:
+    """What d3s.provenance.build_manifest records besides the config (fixed values for the test)."""
+    return {"seed": seed, "torch_threads": 1, "versions": {"torch": "2.13.0", "trl": "1.16.0"},
+            "git": {"commit": COMMIT, "dirty": False}, "hardware": {"cpu": "test CPU", "gpu_count": 0},
+            "started": "2026-01-01T00:00:00+00:00", "finished": "2026-01-01T00:01:00+00:00"}  # fmt: skip
+
+
+def _train_manifest(method: str, seed: int, learning_rate: float = 3e-4) -> dict:
+    trainer = {"method": method, "seed": seed, "learning_rate": learning_rate, "num_generations": 4, "max_steps": 4,
+               "sample_rule": "none" if method == "grpo" else "max_variance"}  # fmt: skip
+    config = {
+        "method": method,
+        "seed": seed,
+        "resolved_trainer": trainer,
+        "method_settings": {"name": method},
+    }
+    return {
+        "config": config,
+        "inputs": {"model_config": {"path": "base/config.json", "sha256": "ab" * 32}},
+    } | _shared(seed)
+
+
+def _eval_manifest(model_path: str, temperature: float = 0.6) -> dict:
+    generation = {"samples": 4, "temperature": temperature, "top_p": 0.95, "max_new_tokens": 24, "seed": 0}
+    config = {"model_path": model_path, "benchmark_names": ["synthetic"],
+              "benchmarks": {"synthetic": {"generation": generation, "template": "raw", "problems_sha256": "cd" * 32}}}  # fmt: skip
+    return {"kind": "evaluation", "config": config, "inputs": {}} | _shared(0)
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    path.write_text(json.dumps(manifest))
 
 
 @pytest.fixture()
@@ -39,6 +77,7 @@ def results(tmp_path) -> Path:
             (run / "train_summary.json").write_text(
                 json.dumps({"steps": 4, "train_seconds": 2.0, "threads": 1})
             )
+            _write_manifest(run / "manifest.json", _train_manifest(method, seed))
             gain = 0.1 * m_index
             _summary(tmp_path / "eval" / method / f"seed{seed}" / "step2" / "summary.json", 0.2 + gain, 0.4)
             _summary(
@@ -151,3 +190,66 @@ def test_paper_numbers_carry_citations():
     for name in ("d3s_table2", "d3s_table3", "pods_single_gpu", "pods_ablations", "pods_multi_gpu"):
         df = pd.read_csv(paper / f"{name}.csv")
         assert df["citation"].notna().all() and df["source_tag"].notna().all()
+
+
+def _write_tables(results: Path) -> None:
+    """The tables report.md reads, as the notebooks write them."""
+    metrics, evals = io.load_metrics(results), io.load_evals(results)
+    curves = tables.learning_curves(evals, metrics)
+    (results / "tables").mkdir(exist_ok=True)
+    tables.pass_at_k_table(evals).to_csv(results / "tables" / "pass_at_k.csv", index=False)
+    tables.efficiency_table(curves, metrics).to_csv(results / "tables" / "efficiency.csv", index=False)
+    curves.to_csv(results / "tables" / "learning_curves.csv", index=False)
+
+
+def _report_config(**analysis) -> dict:
+    return {
+        "experiment": "test",
+        "base_model": {"kind": "path", "path": "base"},
+        "methods": ["grpo", "d3s"],
+        "seeds": [0, 1],
+        "train": {"trainer": {"max_steps": 4, "per_device_train_batch_size": 8, "num_generations": 4}},
+        "eval": {"benchmarks": ["synthetic"], "samples": 4, "temperature": 0.6, "top_p": 0.95},
+        "analysis": {"reference": "grpo"} | analysis,
+    }
+
+
+def test_loaders_name_the_manifest_of_every_row(results):
+    metrics, evals = io.load_metrics(results), io.load_evals(results)
+    assert set(metrics["manifest"]) == {
+        f"runs/{m}/seed{s}/manifest.json" for m in ("grpo", "d3s") for s in (0, 1)
+    }
+    assert (results / metrics["manifest"].iloc[0]).is_file()
+    base = evals[evals["step"] == 0]
+    assert set(base["manifest"]) == {"eval/base/manifest.json"}
+    assert "eval/d3s/seed1/step2/manifest.json" in set(evals["manifest"])
+
+
+def test_report_names_the_manifests_it_came_from(results):
+    _write_tables(results)
+    report = write_report(results, REPO / "results" / "paper", _report_config())
+    assert "## Provenance" in report and "Warning: mixed settings" not in report
+    for method in ("grpo", "d3s"):
+        for seed in (0, 1):
+            path = f"runs/{method}/seed{seed}/manifest.json"
+            assert f"| [{path}]({path}) | {method} seed {seed} | `{COMMIT[:12]}` | no |" in report
+            path = f"eval/{method}/seed{seed}/final/manifest.json"
+            assert f"[{path}]({path})" in report
+    assert "| training runs | 4 | `" in report and "| consistent |" in report
+    assert "- Sources (manifests checked):\n  - training runs: 4 manifest(s), settings `" in report
+
+
+def test_report_refuses_mixed_settings_unless_allowed(results):
+    _write_tables(results)
+    _write_manifest(results / "runs" / "d3s" / "seed1" / "manifest.json", _train_manifest("d3s", 1, 1e-3))
+    with pytest.raises(MixedSettingsError) as error:
+        write_report(results, REPO / "results" / "paper", _report_config())
+    message = str(error.value)
+    assert "config.resolved_trainer.learning_rate" in message
+    assert "      0.0003: d3s seed 0, grpo seed 0, grpo seed 1\n      0.001: d3s seed 1\n" in message
+    assert "analysis.allow_mixed_settings: true" in message
+    report = write_report(results, REPO / "results" / "paper", _report_config(allow_mixed_settings=True))
+    head = report.split("## Main table")[0]
+    assert "> **Warning: mixed settings.** `analysis.allow_mixed_settings` is true" in head
+    assert "`config.resolved_trainer.learning_rate`: 0.0003 (" in head and "0.001 (d3s seed 1)" in head
+    assert "**MIXED**: `config.resolved_trainer.learning_rate`" in report
