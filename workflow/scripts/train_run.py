@@ -13,6 +13,7 @@ from pathlib import Path
 from d3s.launch import (
     assign_gpus,
     build_run_config,
+    job_gpus,
     run_training_job,
     signals_raise_system_exit,
     train_launch,
@@ -25,7 +26,15 @@ train_cfg = smk.params.train
 run_dir = Path(smk.output.config).parent
 # workflow/accelerate/ (Snakemake points __file__ at the script itself)
 accelerate_dir = Path(__file__).resolve().parents[1] / "accelerate"
-launch = train_launch(train_cfg, accelerate_dir, gpus=int(getattr(smk.resources, "gpu", 0) or 0))
+# Snakemake scales a job's gpu down to --resources gpu=N (the default profile: the GPUs it sees).
+granted = int(getattr(smk.resources, "gpu", 0) or 0)
+declared = job_gpus(train_cfg.get("resources"), "train")
+if declared and not granted:
+    raise SystemExit(
+        f"train.resources.gpu = {declared}, but Snakemake gave this job no GPU (none visible to the profile, or "
+        "--resources gpu=0): run on a GPU machine (docs/gpu.md)"
+    )
+launch = train_launch(train_cfg, accelerate_dir, gpus=granted)
 config = build_run_config(
     method=method,
     seed=seed,
