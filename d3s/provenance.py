@@ -23,6 +23,7 @@ PACKAGES = (
     "datasets",
     "math-verify",
     "latex2sympy2_extended",
+    "vllm",  # generation backend on GPUs (None where not installed)
 )
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
