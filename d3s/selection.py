@@ -138,15 +138,16 @@ def select_samples(
         return kept.sort().values
 
     offsets = (torch.arange(num_prompts, device=device) * num_generations).unsqueeze(1)
-    if rule == "max_variance":
+    if rule == "max_variance":  # already ascending within each group
         local = max_variance_subset(advantages.view(num_prompts, num_generations), keep_per_prompt)
     elif rule == "max_reward":
         grouped = rewards.view(num_prompts, num_generations)
         local = torch.sort(grouped, dim=1, descending=True, stable=True).indices[:, :keep_per_prompt]
+        local = local.sort(dim=1).values
     else:
         noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
-        local = noise.argsort(dim=1)[:, :keep_per_prompt]
-    return (local + offsets).flatten().sort().values
+        local = noise.argsort(dim=1)[:, :keep_per_prompt].sort(dim=1).values
+    return (local + offsets).flatten()  # groups in order, each ascending: sorted without a global sort
 
 
 def renormalize_advantages(
