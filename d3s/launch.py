@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import os
 import signal
 import socket
@@ -43,6 +42,8 @@ DEFAULT_ACCELERATE_CONFIG = "ddp"
 # Resource names of the Snakemake Slurm executor plugin (``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu).
 GPU_RESOURCE = "gpu"
 LOCALHOST = "127.0.0.1"
+# The `trl` console script, run by the given interpreter (no PATH lookup; `-m trl.cli.main` warns).
+TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
 # Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
@@ -314,7 +315,7 @@ def vllm_serve_command(
     model: str, *, host: str, port: int, settings: VllmServerSettings, python: str = sys.executable
 ) -> list[str]:
     """``trl vllm-serve`` (TRL 1.16's flags) for ``model`` on ``host:port``."""
-    command = [python, "-m", "trl.cli.main", "vllm-serve", "--model", str(model)]
+    command = [python, "-c", TRL_CLI, "vllm-serve", "--model", str(model)]
     command += ["--host", host, "--port", str(port)]
     command += ["--tensor_parallel_size", str(settings.tensor_parallel_size)]
     command += ["--data_parallel_size", str(settings.data_parallel_size)]
@@ -398,8 +399,10 @@ def stop_process_group(process: subprocess.Popen, *, grace_s: float = 30.0) -> i
 
 
 @contextlib.contextmanager
-def signals_raise_system_exit(signums: Sequence[int] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+def signals_raise_system_exit(signums: Sequence[int] | None = None) -> Iterator[None]:
     """Turn SIGTERM/SIGHUP (Snakemake or Slurm stopping the job) into SystemExit so ``finally`` blocks run."""
+    if signums is None:
+        signums = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
 
     def handler(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -553,6 +556,8 @@ class GpuLease:
         self.ids, self._fds = ids, fds
 
     def release(self) -> None:
+        import fcntl  # POSIX only; imported here so the workflow still parses elsewhere
+
         fds, self._fds = self._fds, []
         for fd in fds:
             with contextlib.suppress(OSError):
@@ -579,6 +584,8 @@ class GpuSlots:
 
     def try_acquire(self, count: int, *, label: str = "") -> GpuLease | None:
         """``count`` free GPUs now, or None (taking none) if fewer are free."""
+        import fcntl  # POSIX only; imported here so the workflow still parses elsewhere
+
         if count > len(self.gpu_ids):
             raise ValueError(
                 f"the job needs {count} GPU(s) but only {len(self.gpu_ids)} are visible "

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from d3s.launch import (
+    TRL_CLI,
     GpuSlots,
     TrainLaunch,
     VllmServer,
@@ -282,7 +283,7 @@ def test_vllm_serve_command_uses_trl_flags():
         extra_args=("--enforce_eager",),
     )
     command = vllm_serve_command("Qwen/Qwen2.5-Math-7B", host="127.0.0.1", port=8123, settings=settings)
-    assert command[:4] == [PY, "-m", "trl.cli.main", "vllm-serve"]
+    assert command[:4] == [PY, "-c", TRL_CLI, "vllm-serve"]
     flags = command[4:]
     assert flags == [
         "--model", "Qwen/Qwen2.5-Math-7B", "--host", "127.0.0.1", "--port", "8123",
@@ -505,12 +506,12 @@ def test_server_dies_with_a_cancelled_job(tmp_path, fake_server, signum):
 FAKE_PYTHON = textwrap.dedent(
     """
     #!{python}
-    # "python" of a training job: `-m trl.cli.main vllm-serve ...` runs the fake server, anything else is
+    # "python" of a training job: `-c <trl cli> vllm-serve ...` runs the fake server, anything else is
     # `-m accelerate.commands.launch ...`, which checks the server answers and records how it was called.
     import json, os, subprocess, sys, urllib.request, yaml
 
     args = sys.argv[1:]
-    if args[:2] == ["-m", "trl.cli.main"]:
+    if args[0] == "-c" and args[2] == "vllm-serve":
         port = args[args.index("--port") + 1]
         record = {{"argv": args, "gpus": os.environ["CUDA_VISIBLE_DEVICES"]}}
         open("{out}/server.json", "w").write(json.dumps(record))
