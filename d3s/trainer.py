@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -739,6 +740,11 @@ class D3STrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:  # our running counters, restored on resume like TRL's entropy controller
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            # The logs up to this step travel with the checkpoint: a resumed run restores them even when a
+            # workflow deleted the run's outputs before re-running the job.
+            for name in (self.args.metrics_log, "anatomy.jsonl"):
+                if name and os.path.isfile(os.path.join(self.args.output_dir, name)):
+                    shutil.copyfile(os.path.join(self.args.output_dir, name), os.path.join(folder, name))
             with open(os.path.join(folder, D3S_STATE_FILE), "w", encoding="utf-8") as fh:
                 json.dump({"update_tokens_total": self.update_tokens_total}, fh)
 
