@@ -8,7 +8,8 @@
     dataset: {name: synthetic, count: 2000, max_ops: 1, max_operand: 9}
     template: raw                 # raw | plain | qwen_math_cot | auto (d3s.data.templates)
     tiny: {sft_steps: 150}        # only for model: tiny
-    resume: auto                  # auto: continue from the newest complete checkpoint in output_dir; never
+    resume: auto                  # auto: continue from the newest complete checkpoint made by this same config;
+                                  # never: start over (removes the checkpoints in output_dir)
     trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
 
 Everything is validated (method, trainer fields, batch geometry) before a model is loaded.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import yaml
 
+from d3s import provenance
 from d3s.methods import get_method
 from d3s.provenance import atomic_write_text, build_manifest, now, write_manifest
 from d3s.trainer import D3S_STATE_FILE
@@ -203,6 +205,30 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     return max(complete, key=lambda path: int(path.name.split("-")[-1]), default=None)
 
 
+def checkpoint_config_changes(output_dir: str | os.PathLike[str], config: dict[str, Any]) -> list[str]:
+    """Config keys whose values differ from those of the run that wrote ``output_dir`` (its resolved_config.yaml).
+
+    A checkpoint is only resumed by the configuration that made it; empty when there is nothing to compare.
+    """
+    path = Path(output_dir) / "resolved_config.yaml"
+    if not path.is_file():
+        return []
+    previous = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    current = {**config, "threads": int(config.get("threads", 1))}
+    keys = (set(current) | (set(previous) & TOP_LEVEL_KEYS) | {"threads"}) - {"resume"}
+    return sorted(key for key in keys if _plain(previous.get(key)) != _plain(current.get(key)))
+
+
+def _restore_logs(checkpoint: Path, output_dir: Path, metrics_log: str, last_step: int) -> None:
+    """Put back the logs as they were at the checkpoint (saved with it), or cut the run's own back to it."""
+    for name in (metrics_log, "anatomy.jsonl"):
+        saved = checkpoint / name
+        if saved.is_file():
+            atomic_write_text(output_dir / name, saved.read_text(encoding="utf-8"))
+        else:
+            _truncate_metrics(output_dir / name, last_step)
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop log lines written after the checkpoint we resume from (they will be written again)."""
     if not path.is_file():
@@ -232,6 +258,14 @@ def train(config: dict[str, Any]) -> Path:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = latest_checkpoint(output_dir) if config.get("resume", "auto") == "auto" else None
+    if resume_from is not None:
+        changed = checkpoint_config_changes(output_dir, config)
+        if changed:
+            raise ValueError(
+                f"{output_dir} holds checkpoints of a run with a different configuration (changed: "
+                f"{', '.join(changed)}); resuming would mix the two. Use another output_dir, or resume: never to "
+                "start over (it deletes the old checkpoints)"
+            )
 
     from datasets import Dataset
 
@@ -253,10 +287,14 @@ def train(config: dict[str, Any]) -> Path:
         write_manifest(output_dir / "manifest.json", manifest)
         if resume_from is not None:
             step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
-            _truncate_metrics(output_dir / (args.metrics_log or "metrics.jsonl"), step)
-            print(f"resuming from {resume_from} (step {step})")
-        elif args.metrics_log:
-            (output_dir / args.metrics_log).unlink(missing_ok=True)  # a fresh run starts a fresh log
+            _restore_logs(resume_from, output_dir, args.metrics_log or "metrics.jsonl", step)
+            print(f"resuming from {resume_from} (step {step})", flush=True)
+        else:  # a fresh run starts fresh logs and never meets an older run's checkpoints
+            for name in (args.metrics_log, "anatomy.jsonl"):
+                if name:
+                    (output_dir / name).unlink(missing_ok=True)
+            for stale in output_dir.glob("checkpoint-*"):
+                shutil.rmtree(stale, ignore_errors=True)
     trainer = D3STrainer(
         model=model,
         args=args,
@@ -300,9 +338,7 @@ def _input_files(config: dict[str, Any]) -> dict[str, Path]:
         root = resolve_data_dir(config.get("data_dir"))
         if root is not None and (root / get_benchmark(name).local_path).is_file():
             files["dataset"] = root / get_benchmark(name).local_path
-    model = Path(str(config.get("model", "tiny")))
-    if (model / "config.json").is_file():
-        files["model_config"] = model / "config.json"
+    files |= provenance.model_files(str(config.get("model", "tiny")))  # weights, config, tokenizer
     return files
 
 

@@ -5,7 +5,7 @@
 rule evaluate:
     input:
         final=f"{RESULTS}/runs/{{method}}/seed{{seed}}/final",
-        checkpoints=[f"{RESULTS}/runs/{{method}}/seed{{seed}}/checkpoint-{s}" for s in CKPT_STEPS],
+        summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",  # the run's checkpoints exist
     output:
         final=f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json",
         steps=[f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{s}/summary.json" for s in CKPT_STEPS],
@@ -13,6 +13,7 @@ rule evaluate:
         eval=config["eval"],
         task=TASK,
         steps=CKPT_STEPS,
+        checkpoints=lambda wc: [f"{RESULTS}/runs/{wc.method}/seed{wc.seed}/checkpoint-{s}" for s in CKPT_STEPS],
     threads: config["eval"].get("threads", 1)
     resources:
         **config["eval"].get("resources", {}),

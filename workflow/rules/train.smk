@@ -11,10 +11,9 @@ rule train:
         metrics=f"{RESULTS}/runs/{{method}}/seed{{seed}}/metrics.jsonl",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
         final=directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/final"),
-        checkpoints=[
-            directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/checkpoint-{s}")
-            for s in CKPT_STEPS
-        ],
+    # Checkpoints are not declared outputs: Snakemake deletes a job's outputs before re-running it, and a
+    # killed job re-run with --rerun-incomplete resumes from them (`d3s train`, resume: auto). A job whose
+    # configuration changed starts over and removes them (workflow/scripts/train_run.py).
     params:
         model=model_param,
         train=config["train"],

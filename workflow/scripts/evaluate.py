@@ -59,8 +59,13 @@ def eval_args(model: str, out: Path, samples: int, ks, limit=None) -> list[str]:
 
 
 jobs = []
-if hasattr(smk.input, "checkpoints"):
-    for _step, ckpt, out in zip(smk.params.steps, smk.input.checkpoints, smk.output.steps, strict=True):
+missing = [ckpt for ckpt in smk.params.checkpoints if not (Path(ckpt) / "config.json").is_file()]
+if missing:
+    raise SystemExit(
+        f"checkpoints {missing} are missing: re-run training for this run (delete its train_summary.json)"
+    )
+if smk.params.checkpoints:
+    for _step, ckpt, out in zip(smk.params.steps, smk.params.checkpoints, smk.output.steps, strict=True):
         samples = int(ev.get("checkpoint_samples", 4))
         jobs.append(
             eval_args(

@@ -19,6 +19,7 @@ from d3s.launch import (
     train_launch,
     write_yaml,
 )
+from d3s.train import checkpoint_config_changes, latest_checkpoint
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 method, seed = smk.wildcards.method, int(smk.wildcards.seed)
@@ -46,9 +47,14 @@ config = build_run_config(
     processes=max(1, launch.train_gpus),
 )
 run_dir.mkdir(parents=True, exist_ok=True)
-for name in ("metrics.jsonl", "anatomy.jsonl"):  # a rerun starts a fresh log
-    with contextlib.suppress(FileNotFoundError):
-        (run_dir / name).unlink()
+# A job killed midway resumes from its last checkpoint (d3s train, resume: auto, which also restores the logs);
+# a job re-run because its configuration changed starts over, removing the old run's checkpoints.
+restart_reason = None
+if latest_checkpoint(run_dir) is not None:
+    changed = checkpoint_config_changes(run_dir, config)
+    if changed:
+        restart_reason = f"configuration changed ({', '.join(changed)}): starting over"
+        config["resume"] = "never"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 if launch.job_gpus == 0:
@@ -56,6 +62,8 @@ if launch.job_gpus == 0:
     from d3s.train import train
 
     with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        if restart_reason:
+            print(restart_reason, flush=True)
         train(config)
 else:
     Path(smk.log[0]).write_text("")  # the training processes append to the same log
@@ -68,6 +76,8 @@ else:
         assign_gpus(launch.job_gpus, label=label) as gpu_ids,
     ):
         print(f"{label}: GPU(s) {gpu_ids}", flush=True)
+        if restart_reason:
+            print(restart_reason, flush=True)
         run_training_job(
             config,
             smk.output.config,
