@@ -141,7 +141,8 @@ def test_training_manifest_records_every_listed_field(real_results, tiny_sft_mod
     assert manifest["seed"] == 0 and manifest["torch_threads"] == 1
     assert {"cpu", "cpu_count", "gpus", "gpu_count"} <= set(manifest["hardware"])
     assert manifest["finished"] and manifest["started"] <= manifest["finished"]
-    assert manifest["inputs"]["model_config"]["sha256"] == sha256(tiny_sft_model / "config.json")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # the base model's files, weights too
+        assert manifest["inputs"][f"model/{name}"]["sha256"] == sha256(tiny_sft_model / name)
 
 
 @pytest.mark.slow

@@ -59,13 +59,14 @@ def eval_args(model: str, out: Path, samples: int, ks, limit=None) -> list[str]:
 
 
 jobs = []
-missing = [ckpt for ckpt in smk.params.checkpoints if not (Path(ckpt) / "config.json").is_file()]
+checkpoints = list(getattr(smk.params, "checkpoints", []))  # rule evaluate_base has none
+missing = [ckpt for ckpt in checkpoints if not (Path(ckpt) / "config.json").is_file()]
 if missing:
     raise SystemExit(
         f"checkpoints {missing} are missing: re-run training for this run (delete its train_summary.json)"
     )
-if smk.params.checkpoints:
-    for _step, ckpt, out in zip(smk.params.steps, smk.params.checkpoints, smk.output.steps, strict=True):
+if checkpoints:
+    for _step, ckpt, out in zip(smk.params.steps, checkpoints, smk.output.steps, strict=True):
         samples = int(ev.get("checkpoint_samples", 4))
         jobs.append(
             eval_args(
