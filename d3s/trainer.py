@@ -368,7 +368,9 @@ class D3STrainer(GRPOTrainer):
         if not self.model.training:
             return output
         # TRL filled these from placeholders (see _get_per_token_logps_and_entropies); they are computed below
-        pending = [key for key in _DEFERRED_KEYS if deferred and output.pop(key, None) is not None]
+        pending = [key for key in _DEFERRED_KEYS if deferred and key in output]
+        for key in pending:
+            del output[key]
         metrics = self._metrics["train"]
         metrics["schedule/keep_per_prompt"].append(float(keep))
         metrics["schedule/token_keep_ratio"].append(self.selection_schedule.token_keep_ratio(progress))
@@ -509,19 +511,16 @@ class D3STrainer(GRPOTrainer):
         delta = delta[~torch.isnan(delta)]
         flat_ratio = ratio.flatten() if sequence_level else ratio[valid]
         zero = torch.tensor(0.0, device=ratio.device)
-        gather = self.accelerator.gather
+
+        def gathered(values: torch.Tensor, reduce) -> torch.Tensor:  # 0 for an empty rank, as TRL does
+            return self.accelerator.gather(reduce(values) if values.numel() else zero)
+
         stats = {
-            "sampling/sampling_logp_difference/mean": gather(delta.mean() if delta.numel() else zero).mean(),
-            "sampling/sampling_logp_difference/max": gather(delta.max() if delta.numel() else zero).max(),
-            "sampling/importance_sampling_ratio/min": nanmin(
-                gather(flat_ratio.min() if flat_ratio.numel() else zero)
-            ),
-            "sampling/importance_sampling_ratio/mean": gather(
-                flat_ratio.mean() if flat_ratio.numel() else zero
-            ).nanmean(),
-            "sampling/importance_sampling_ratio/max": nanmax(
-                gather(flat_ratio.max() if flat_ratio.numel() else zero)
-            ),
+            "sampling/sampling_logp_difference/mean": gathered(delta, torch.mean).mean(),
+            "sampling/sampling_logp_difference/max": gathered(delta, torch.max).max(),
+            "sampling/importance_sampling_ratio/min": nanmin(gathered(flat_ratio, torch.min)),
+            "sampling/importance_sampling_ratio/mean": gathered(flat_ratio, torch.mean).nanmean(),
+            "sampling/importance_sampling_ratio/max": nanmax(gathered(flat_ratio, torch.max)),
         }
         for name, value in stats.items():
             self._metrics["train"][name][-1] = value.item()
