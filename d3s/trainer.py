@@ -220,6 +220,9 @@ class D3SConfig(GRPOConfig):
                     f"{name} must be an integer between 1 and num_generations = {G} at every point of the "
                     f"schedule; got {value!r}. Lower it or raise num_generations."
                 )
+        for name in ("defer_logprob_passes", "kept_token_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
         if self.anatomy_every < 0 or self.anatomy_examples < 0:
             raise ValueError("anatomy_every and anatomy_examples must be >= 0 (0 turns the anatomy log off)")
         for name in ("token_keep_ratio", "token_keep_ratio_final"):

@@ -106,6 +106,8 @@ def test_method_defaults_resolve_against_num_generations(tmp_path):
             r"keep_per_prompt = 3 \(reached by the schedule\)",
         ),
         ("pods", {"multi_objective_aggregation": "normalize_then_sum"}, "renormalize=True"),
+        ("d3s", {"kept_token_logprobs": "yes"}, "kept_token_logprobs must be true or false"),
+        ("d3s", {"defer_logprob_passes": 1}, "defer_logprob_passes must be true or false"),
     ],
 )
 def test_config_rejects_bad_values_with_a_fix(tmp_path, method, overrides, message):
