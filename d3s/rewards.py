@@ -14,6 +14,15 @@ How an answer is graded:
   boxed answer math-verify falls back to "answer is ..." anchors and the last LaTeX or plain expression
   (``answer_extraction="boxed_first"``, the Qwen2.5-Math evaluation convention), or finds nothing
   (``"boxed_only"``).
+* **Which boxed answer counts** (the *answer policy*). ``math_verify`` (the default) gives the whole
+  completion to math-verify, which reads *every* ``\\boxed{}`` it finds together as one set answer:
+  ``\\boxed{18} ... wait, actually \\boxed{20}`` is the answer {18, 20} and does not match the gold 20.
+  ``last_boxed`` takes only the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; ``\\boxed 5``
+  without braces is the token after it), as the Qwen2.5-Math evaluation toolkit does, and verifies that
+  single answer with the same math-verify settings, so only the choice of box differs. A last box
+  whose braces never close (a cut-off completion) or that is empty is no answer (wrong). Without any
+  box both policies read the completion the same way (``answer_extraction`` decides the fallback), so
+  they can only disagree on completions that contain a box.
 * ``verify(gold, pred)`` is called gold first: the comparison is not symmetric.
 * **Time limit.** math-verify's own timeouts use ``signal.alarm``, which fails off the main thread and
   cannot stop everything, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``)
@@ -29,6 +38,7 @@ import atexit
 import contextlib
 import os
 import pickle
+import re
 import select
 import struct
 import subprocess
@@ -41,6 +51,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 AnswerExtraction = Literal["boxed_first", "boxed_only"]
+AnswerPolicy = Literal["math_verify", "last_boxed"]
+ANSWER_POLICIES: tuple[AnswerPolicy, ...] = ("math_verify", "last_boxed")
+DEFAULT_ANSWER_POLICY: AnswerPolicy = "math_verify"
 Gold = str | int | float | Sequence[str | int | float]
 
 DEFAULT_TIME_LIMIT_S = 5.0  # per answer, parsing both sides plus verification
@@ -107,6 +120,66 @@ def gold_candidates(gold: str) -> list[str]:
     return list(dict.fromkeys(f for f in forms if f.strip("$ ")))
 
 
+def check_answer_policy(policy: str) -> AnswerPolicy:
+    """``policy`` itself when it is a known answer policy; otherwise a ValueError naming the choices."""
+    if policy not in ANSWER_POLICIES:
+        raise ValueError(f"answer policy must be one of {', '.join(ANSWER_POLICIES)}; got {policy!r}")
+    return policy  # type: ignore[return-value]
+
+
+_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_NO_BOX = object()  # sentinel: the completion has no box at all
+
+
+def _box_content(text: str, start: int) -> str | None:
+    """The argument of a box command ending at ``start``: ``{...}`` with balanced braces (escaped
+    ``\\{`` ``\\}`` skipped), or without braces the token up to the next space or ``$`` (without
+    trailing punctuation); None when
+    the braces never close."""
+    i = start
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    if i == len(text) or text[i] != "{":
+        return re.split(r"[\s$]", text[i:], maxsplit=1)[0].rstrip(".,;:")  # a sentence's punctuation
+    depth, i, begin = 0, i, i + 1
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2  # an escaped brace (or any command's first letter) never opens or closes a group
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:i]
+        i += 1
+    return None
+
+
+def last_boxed_answer(completion: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in ``completion``, or None when it has
+    no box, or its last box is empty or never closes (use :func:`count_boxes` to tell these apart)."""
+    found = _last_box(completion)
+    return None if found is _NO_BOX else found  # type: ignore[return-value]
+
+
+def _last_box(completion: str) -> str | None | object:
+    last = None
+    for match in _BOX_COMMAND.finditer(completion):
+        last = match
+    if last is None:
+        return _NO_BOX
+    content = _box_content(completion, last.end())
+    return content if content and content.strip() else None
+
+
+def count_boxes(completion: str) -> int:
+    """How many ``\\boxed`` / ``\\fbox`` commands ``completion`` holds (the policies can only disagree
+    when there is at least one)."""
+    return sum(1 for _ in _BOX_COMMAND.finditer(completion))
+
+
 class _MathVerifyGrader:
     """Parses and verifies with math-verify; caches parsed gold. Not time-limited by itself."""
 
@@ -150,7 +223,7 @@ class _MathVerifyGrader:
         return parsed_golds
 
     def grade(
-        self, completion: str, golds: tuple[str, ...]
+        self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
     ) -> tuple[bool, str | None, bool, str | None, bool]:
         """(correct, extracted, gold parsed, error, gold as text): a plain tuple, so it pickles across modules."""
         gold_as_text = False
@@ -159,7 +232,16 @@ class _MathVerifyGrader:
             if not parsed_golds:
                 return False, None, False, None, False
             gold_as_text = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
-            pred = self._parse(completion, self._pred_config, parsing_timeout=None)
+            answer_text = completion
+            if policy == "last_boxed":
+                last = _last_box(completion)
+                if last is None:  # the last box is empty or cut off: no answer
+                    return False, None, True, None, gold_as_text
+                if last is not _NO_BOX:  # without any box, the completion is read as math_verify reads it
+                    answer_text = f"\\boxed{{{last}}}"
+            elif policy != "math_verify":
+                raise ValueError(f"unknown answer policy {policy!r}")
+            pred = self._parse(answer_text, self._pred_config, parsing_timeout=None)
             extracted = None
             if pred:
                 # parse() returns [sympy_object, matched_string]; the string is what the model wrote.
@@ -204,16 +286,16 @@ def _read_message(fd: int) -> Any:
 
 
 def _worker_main(read_fd: int, write_fd: int, answer_extraction: AnswerExtraction) -> None:
-    """Loop of the grading subprocess: read (completion, golds), write the grade tuple."""
+    """Loop of the grading subprocess: read (completion, golds, policy), write the grade tuple."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))  # deeply nested LaTeX
     grader = _MathVerifyGrader(answer_extraction)
     _write_message(write_fd, "ready")
     while True:
         try:
-            completion, golds = _read_message(read_fd)
+            completion, golds, policy = _read_message(read_fd)
         except EOFError:  # the parent closed the pipe or exited
             return
-        _write_message(write_fd, grader.grade(completion, golds))
+        _write_message(write_fd, grader.grade(completion, golds, policy))
 
 
 # Loads this file by path, so the worker imports neither d3s/__init__ nor anything heavy.
@@ -266,8 +348,8 @@ class _WorkerProcess:
             raise RuntimeError(f"grading worker sent {message!r} instead of 'ready'")
         self.ready = True
 
-    def send(self, completion: str, golds: tuple[str, ...]) -> None:
-        _write_message(self._to_child, (completion, golds))
+    def send(self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy) -> None:
+        _write_message(self._to_child, (completion, golds, policy))
 
     def receive(self) -> tuple[bool, str | None, bool, str | None, bool]:
         return _read_message(self._from_child)
@@ -315,20 +397,37 @@ class Grader:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def grade(self, completion: str, gold: Gold) -> GradeResult:
-        return self.grade_many([completion], [gold])[0]
+    def grade(self, completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY) -> GradeResult:
+        return self.grade_many([completion], [gold], policy)[0]
 
-    def grade_many(self, completions: Sequence[str], golds: Sequence[Gold]) -> list[GradeResult]:
-        """Grade ``completions[i]`` against ``golds[i]``, spreading answers over the workers."""
+    def grade_many(
+        self,
+        completions: Sequence[str],
+        golds: Sequence[Gold],
+        policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+    ) -> list[GradeResult]:
+        """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spreading answers over the workers."""
+        return self.grade_many_by_policy(completions, golds, (policy,))[policy]
+
+    def grade_many_by_policy(
+        self,
+        completions: Sequence[str],
+        golds: Sequence[Gold],
+        policies: Sequence[AnswerPolicy] = ANSWER_POLICIES,
+    ) -> dict[AnswerPolicy, list[GradeResult]]:
+        """Grade every answer under each of ``policies`` in one pass over the workers (each grading is a
+        job of its own, under its own time limit): ``{policy: [result per completion]}``."""
         if len(completions) != len(golds):
             raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
-        jobs = [(str(c), normalize_gold(g)) for c, g in zip(completions, golds, strict=True)]
+        policies = tuple(dict.fromkeys(check_answer_policy(p) for p in policies))
+        pairs = [(str(c), normalize_gold(g)) for c, g in zip(completions, golds, strict=True)]
+        jobs = [(c, g, policy) for policy in policies for c, g in pairs]
         with self._lock:
             if os.getpid() != self._owner_pid:
                 raise RuntimeError("Grader used in a forked child: create a new Grader in this process")
-            if self.time_limit is None:
-                return self._grade_inline(jobs)
-            return self._grade_in_workers(jobs)
+            results = self._grade_inline(jobs) if self.time_limit is None else self._grade_in_workers(jobs)
+        n = len(pairs)
+        return {policy: results[i * n : (i + 1) * n] for i, policy in enumerate(policies)}
 
     def close(self) -> None:
         with self._lock:
@@ -352,24 +451,24 @@ class Grader:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _grade_inline(self, jobs: list[tuple[str, tuple[str, ...]]]) -> list[GradeResult]:
+    def _grade_inline(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
         if self._inline is None:
             self._inline = _MathVerifyGrader(self.answer_extraction)
         results = []
-        for completion, golds in jobs:
+        for completion, golds, policy in jobs:
             start = time.perf_counter()
             if not golds:
                 results.append(GradeResult(False, None, False, False, 0.0))
                 continue
-            correct, extracted, gold_parsed, error, as_text = self._inline.grade(completion, golds)
+            correct, extracted, gold_parsed, error, as_text = self._inline.grade(completion, golds, policy)
             seconds = time.perf_counter() - start
             results.append(GradeResult(correct, extracted, gold_parsed, False, seconds, error, as_text))
         return results
 
-    def _grade_in_workers(self, jobs: list[tuple[str, tuple[str, ...]]]) -> list[GradeResult]:
+    def _grade_in_workers(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
         assert self.time_limit is not None
         results: list[GradeResult | None] = [None] * len(jobs)
-        for index, (_, golds) in enumerate(jobs):  # empty gold is unparsable by definition
+        for index, (_, golds, _) in enumerate(jobs):  # empty gold is unparsable by definition
             if not golds:
                 results[index] = GradeResult(False, None, False, False, 0.0)
         pending = [i for i in range(len(jobs)) if results[i] is None][::-1]  # popped from the end
@@ -457,21 +556,41 @@ def _close_default_grader() -> None:
         _default_grader.close()
 
 
-def grade_detailed(completion: str, gold: Gold, *, grader: Grader | None = None) -> GradeResult:
+def grade_detailed(
+    completion: str,
+    gold: Gold,
+    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+    *,
+    grader: Grader | None = None,
+) -> GradeResult:
     """Grade one completion; the full :class:`GradeResult` (extracted answer, timeout, gold status)."""
-    return (grader or default_grader()).grade(completion, gold)
+    return (grader or default_grader()).grade(completion, gold, check_answer_policy(policy))
 
 
-def grade(completion: str, gold: Gold, *, grader: Grader | None = None) -> bool:
-    """True when the completion's final answer equals the gold answer (math-verify, gold first)."""
-    return grade_detailed(completion, gold, grader=grader).correct
+def grade(
+    completion: str,
+    gold: Gold,
+    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+    *,
+    grader: Grader | None = None,
+) -> bool:
+    """True when the completion's final answer equals the gold answer (math-verify, gold first).
+
+    ``policy``: ``"math_verify"`` reads all boxed answers together as one set answer (math-verify's
+    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention).
+    """
+    return grade_detailed(completion, gold, policy, grader=grader).correct
 
 
 def grade_many(
-    completions: Sequence[str], golds: Sequence[Gold], *, grader: Grader | None = None
+    completions: Sequence[str],
+    golds: Sequence[Gold],
+    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+    *,
+    grader: Grader | None = None,
 ) -> list[GradeResult]:
     """Grade many answers at once (uses all of the grader's workers)."""
-    return (grader or default_grader()).grade_many(completions, golds)
+    return (grader or default_grader()).grade_many(completions, golds, check_answer_policy(policy))
 
 
 def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
@@ -493,28 +612,52 @@ def accuracy_reward(
 
     TRL passes ``prompts``, ``completion_ids``, ``trainer_state`` and every dataset column as keyword
     arguments; only ``completions`` and the ``answer`` column are used. ``None`` makes TRL ignore the
-    sample for this reward instead of punishing the model for a bad gold answer.
+    sample for this reward instead of punishing the model for a bad gold answer. Graded under the
+    ``math_verify`` answer policy; :func:`make_accuracy_reward` binds another one.
     """
-    return _rewards_from(default_grader(), completions, answer)
+    return _rewards_from(default_grader(), completions, answer, DEFAULT_ANSWER_POLICY)
 
 
 def _rewards_from(
-    grader: Grader, completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold]
+    grader: Grader,
+    completions: Sequence[str | Sequence[dict[str, Any]]],
+    answer: Sequence[Gold],
+    policy: AnswerPolicy,
 ) -> list[float | None]:
-    results = grader.grade_many([completion_text(c) for c in completions], list(answer))
+    results = grader.grade_many([completion_text(c) for c in completions], list(answer), policy)
     return [None if not r.gold_parsed else (1.0 if r.correct else 0.0) for r in results]
 
 
-def make_accuracy_reward(grader: Grader) -> Callable[..., list[float | None]]:
-    """:func:`accuracy_reward` bound to ``grader`` (e.g. more workers or another time limit).
+def make_accuracy_reward(
+    grader: Grader | None = None, *, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
+) -> Callable[..., list[float | None]]:
+    """:func:`accuracy_reward` bound to ``grader`` (e.g. more workers or another time limit; None: the
+    process's default grader, looked up at each call so it survives a fork) and to an answer ``policy``.
 
     The returned function keeps the name ``accuracy_reward``, so TRL logs it under the same key.
     """
+    check_answer_policy(policy)
 
     def accuracy_reward(
         completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
     ) -> list[float | None]:
-        return _rewards_from(grader, completions, answer)
+        return _rewards_from(grader or default_grader(), completions, answer, policy)
 
     accuracy_reward.__doc__ = globals()["accuracy_reward"].__doc__
+    accuracy_reward.answer_policy = policy  # type: ignore[attr-defined]
     return accuracy_reward
+
+
+def bind_answer_policy(reward_funcs: Any, policy: AnswerPolicy) -> Any:
+    """``reward_funcs`` (one function or a list, as TRL takes them) with every :func:`accuracy_reward`
+    replaced by one graded under ``policy``; other reward functions are left as they are."""
+    check_answer_policy(policy)
+    if policy == DEFAULT_ANSWER_POLICY:
+        return reward_funcs
+
+    def bind(func: Any) -> Any:
+        return make_accuracy_reward(policy=policy) if func is accuracy_reward else func
+
+    if isinstance(reward_funcs, (list, tuple)):
+        return type(reward_funcs)(bind(f) for f in reward_funcs)
+    return bind(reward_funcs)

@@ -31,6 +31,7 @@ from trl.trainer.utils import nanmax, nanmin, use_adapter
 
 from d3s.kept_head import add_kept_token_head, kept_token_head_unsupported
 from d3s.methods import get_method
+from d3s.rewards import ANSWER_POLICIES, bind_answer_policy
 from d3s.selection import (
     SAMPLE_RULES,
     SAMPLE_SCOPES,
@@ -155,6 +156,15 @@ class D3SConfig(GRPOConfig):
             "the losses and gradients are the same."
         },
     )
+    answer_policy: str = field(
+        default="math_verify",
+        metadata={
+            "help": "Which boxed answer the accuracy reward grades (d3s.rewards.accuracy_reward, replaced by the "
+            "trainer): 'math_verify' reads every \\boxed{} of a completion as one set answer (math-verify's "
+            "behaviour, the default), 'last_boxed' only the last box (the Qwen2.5-Math evaluation toolkit's "
+            "convention). Evaluation reports both."
+        },
+    )
     logging_steps: float = field(
         default=1,
         metadata={"help": "Log every step (TRL's default is 10); the analysis reads per-step metrics."},
@@ -209,6 +219,7 @@ class D3SConfig(GRPOConfig):
             ("token_rule", self.token_rule, TOKEN_RULES),
             ("token_scope", self.token_scope, TOKEN_SCOPES),
             ("schedule", self.schedule, SCHEDULES),
+            ("answer_policy", self.answer_policy, ANSWER_POLICIES),
         ]:
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -321,6 +332,13 @@ class D3STrainer(GRPOTrainer):
     """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # GRPOTrainer(model, reward_funcs, args, ...): d3s's accuracy_reward is graded under args.answer_policy.
+        config = kwargs["args"] if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        if isinstance(config, D3SConfig):
+            if "reward_funcs" in kwargs:
+                kwargs["reward_funcs"] = bind_answer_policy(kwargs["reward_funcs"], config.answer_policy)
+            elif len(args) > 1:
+                args = (args[0], bind_answer_policy(args[1], config.answer_policy), *args[2:])
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, D3SConfig):
             raise TypeError(f"D3STrainer needs a D3SConfig, got {type(self.args).__name__}")

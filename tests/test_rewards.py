@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from eval_fixtures import shared_data_dir
@@ -320,3 +321,130 @@ def test_accuracy_reward_fast_path() -> None:
 def test_grade_detailed_default_grader() -> None:
     result = grade_detailed(r"\boxed{12}", "12")
     assert result.correct and result.gold_parsed and not result.timed_out and result.seconds >= 0
+
+
+# ------------------------------------------------------------------------------- answer policies
+
+ISSUE_EXAMPLE = r"\boxed{18} ... wait, actually \boxed{20}"  # the issue's example
+
+POLICY_CASES = [
+    # (completion, gold, math_verify correct, last_boxed correct)
+    (ISSUE_EXAMPLE, "20", False, True),  # math-verify reads {18, 20}; the last box is 20
+    # Inside $...$ math-verify reads one box (here the last): its set reading depends on the layout.
+    (r"So $x = \boxed{18}$... wait, actually $x = \boxed{20}$.", "20", True, True),
+    (r"\boxed{20} ... hmm, no: \boxed{18}", "20", False, False),  # first right, last wrong: both wrong
+    (r"\boxed{18} and \boxed{20}", "18, 20", True, False),  # a set answer spread over boxes
+    (r"\boxed{3} then \boxed{\frac{1}{2}}", "0.5", False, True),  # nested braces in the last box
+    (r"first \boxed{\{1, 2\}} then \boxed{\left\{ 3 \right.}", "3", True, True),  # escaped braces skipped
+    (r"\boxed 5", "5", True, True),  # no braces: the token after the command
+    (r"\boxed{7} or \boxed 5", "5", False, True),
+    (r"\boxed{7}, then \boxed 5.", "5", False, True),  # the sentence's period is not part of the answer
+    (r"\fbox{7}", "7", False, True),  # \fbox counts as a box for last_boxed only
+    (r"\boxed{18} wait \boxed{20}", r"\boxed{20}", False, True),  # a box inside the gold
+    ("I don't know", "5", False, False),  # no box, no answer: both wrong
+    ("The answer is 68", "68", True, True),  # no box: both fall back the same way (boxed_first)
+    (r"\boxed{3} wait, it is \boxed{12", "3", True, False),  # the last box never closes: no answer
+    (
+        r"\boxed{7} and finally \boxed{}",
+        "7",
+        False,
+        False,
+    ),  # an empty last box: no answer (and "7," for math-verify)
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "by_math_verify", "by_last_boxed"), POLICY_CASES)
+def test_answer_policies(
+    completion: str, gold: str, by_math_verify: bool, by_last_boxed: bool, grader: Grader
+) -> None:
+    results = grader.grade_many_by_policy([completion], [gold])
+    assert results["math_verify"][0].correct is by_math_verify
+    assert results["last_boxed"][0].correct is by_last_boxed
+    for policy in rewards.ANSWER_POLICIES:
+        assert results[policy][0].gold_parsed and not results[policy][0].timed_out
+        assert grader.grade(completion, gold, policy).correct is results[policy][0].correct
+
+
+def test_last_boxed_answer_extraction() -> None:
+    assert rewards.last_boxed_answer(ISSUE_EXAMPLE) == "20"
+    assert rewards.last_boxed_answer(r"\boxed{\frac{a}{b^{2}}} text") == r"\frac{a}{b^{2}}"
+    assert rewards.last_boxed_answer(r"\boxed  42 is it") == "42"
+    assert rewards.last_boxed_answer(r"\boxedx{3}") is None  # another command, not a box
+    assert rewards.last_boxed_answer("no box") is None
+    assert rewards.count_boxes(r"\boxed{1} \fbox{2} \boxed 3 \boxedfoo") == 3
+
+
+def test_module_grade_takes_a_policy() -> None:
+    assert not grade(ISSUE_EXAMPLE, "20")  # the default policy is math_verify
+    assert grade(ISSUE_EXAMPLE, "20", "last_boxed")
+    assert grade(ISSUE_EXAMPLE, "20", policy="last_boxed")
+    assert grade_detailed(ISSUE_EXAMPLE, "20", "last_boxed").extracted == "20"
+    assert [r.correct for r in rewards.grade_many([ISSUE_EXAMPLE] * 2, ["20", "18"], "last_boxed")] == [
+        True,
+        False,
+    ]
+    with pytest.raises(ValueError, match="math_verify, last_boxed"):
+        grade(ISSUE_EXAMPLE, "20", "first_boxed")  # type: ignore[arg-type]
+
+
+def test_both_policies_under_the_time_limit_and_inline(grader: Grader) -> None:
+    completions = [r"\boxed{1} wait " + HANGING[1], r"\boxed{9} no \boxed{5}"]  # the last box hangs
+    results = grader.grade_many_by_policy(completions, ["5"] * 2)
+    assert [r.timed_out for r in results["math_verify"]] == [True, False]
+    assert [r.timed_out for r in results["last_boxed"]] == [True, False]
+    assert [r.correct for r in results["last_boxed"]] == [False, True]
+    assert grader.grade(r"\boxed{5}", "5", "last_boxed").correct  # healthy after the kills
+    inline = Grader(time_limit=None)  # no worker: the same policies in-process
+    verdicts = {
+        p: [r.correct for r in v] for p, v in inline.grade_many_by_policy([ISSUE_EXAMPLE], ["20"]).items()
+    }
+    assert verdicts == {"math_verify": [False], "last_boxed": [True]}
+
+
+def test_accuracy_reward_under_each_policy() -> None:
+    completions = [ISSUE_EXAMPLE, [{"role": "assistant", "content": r"\boxed{20} no \boxed{18}"}]]
+    assert accuracy_reward(completions, ["20", "20"]) == [0.0, 0.0]
+    last = rewards.make_accuracy_reward(policy="last_boxed")
+    assert last.__name__ == "accuracy_reward" and last.answer_policy == "last_boxed"  # type: ignore[attr-defined]
+    assert last(completions=completions, answer=["20", "20"], prompts=None) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="answer policy"):
+        rewards.make_accuracy_reward(policy="first_boxed")  # type: ignore[arg-type]
+
+
+def test_bind_answer_policy_replaces_only_accuracy_reward() -> None:
+    def other(completions: list[str], **kwargs: object) -> list[float]:
+        return [0.5] * len(completions)
+
+    funcs = [accuracy_reward, other]
+    assert rewards.bind_answer_policy(funcs, "math_verify") is funcs  # the default: untouched
+    bound = rewards.bind_answer_policy(funcs, "last_boxed")
+    assert bound[1] is other and bound[0] is not accuracy_reward
+    assert bound[0]([ISSUE_EXAMPLE], ["20"]) == [1.0]
+    assert rewards.bind_answer_policy(accuracy_reward, "last_boxed")([ISSUE_EXAMPLE], ["20"]) == [1.0]
+
+
+def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
+    """D3SConfig.answer_policy reaches the accuracy reward the trainer calls."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from d3s.toy import save_tiny
+    from d3s.trainer import D3SConfig, D3STrainer
+
+    model_path = save_tiny(tmp_path / "tiny")
+    settings = dict(per_device_train_batch_size=4, num_generations=4, max_steps=1, bf16=False, use_cpu=True)
+    with pytest.raises(ValueError, match="answer_policy must be one of math_verify, last_boxed"):
+        D3SConfig(output_dir=str(tmp_path / "bad"), answer_policy="first_box", **settings)
+    assert D3SConfig(output_dir=str(tmp_path / "default"), **settings).answer_policy == "math_verify"
+    trainer = D3STrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        args=D3SConfig(
+            output_dir=str(tmp_path / "run"), answer_policy="last_boxed", metrics_log=None, **settings
+        ),
+        reward_funcs=[accuracy_reward],
+        train_dataset=Dataset.from_list([{"prompt": "Q: 1+1=\nA:", "answer": "2"}] * 4),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+    reward = trainer.reward_funcs[0]
+    assert reward.__name__ == "accuracy_reward" and trainer.reward_func_names == ["accuracy_reward"]
+    assert reward(completions=[ISSUE_EXAMPLE], answer=["20"]) == [1.0]
