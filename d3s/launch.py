@@ -45,6 +45,8 @@ LOCALHOST = "127.0.0.1"
 # The `trl` console script, run by the given interpreter (no PATH lookup; `-m trl.cli.main` warns).
 TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
 # Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
+# They differ between attempts of one run, so a resumed job never counts them as a configuration change
+# (d3s.train.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
@@ -253,7 +255,11 @@ def build_run_config(
     threads: int,
     processes: int = 1,
 ) -> dict[str, Any]:
-    """The ``d3s train`` config of one run of the workflow (written to runs/<method>/seed<seed>/train.yaml)."""
+    """The ``d3s train`` config of one run of the workflow (written to runs/<method>/seed<seed>/train.yaml).
+
+    ``threads`` is the job's; the config gets each training process's share (per_process_threads), the count
+    `d3s train` runs with and records in resolved_config.yaml, so a rerun compares like with like.
+    """
     trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
     trainer = batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
     dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
@@ -263,7 +269,7 @@ def build_run_config(
         "method": method,
         "model": model,
         "seed": int(seed),
-        "threads": int(threads),
+        "threads": per_process_threads(threads, processes),
         "output_dir": str(output_dir),
         "dataset": dataset,
         "template": train_cfg.get("template", "raw"),
@@ -272,6 +278,11 @@ def build_run_config(
     if train_cfg.get("data_dir"):
         config["data_dir"] = train_cfg["data_dir"]
     return config
+
+
+def per_process_threads(threads: int, processes: int) -> int:
+    """Each training process's share of a job's CPU threads (at least one)."""
+    return max(1, int(threads) // max(1, int(processes)))
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
@@ -712,7 +723,7 @@ def prepare_training_job(
         raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
     processes = launch.train_gpus
     config = dict(run_config)
-    config["threads"] = max(1, threads // processes)
+    config["threads"] = per_process_threads(threads, processes)
     trainer = dict(config["trainer"])
     server_command = None
     if launch.server is not None:

@@ -9,7 +9,8 @@
     template: raw                 # raw | plain | qwen_math_cot | auto (d3s.data.templates)
     tiny: {sft_steps: 150}        # only for model: tiny
     resume: auto                  # auto: continue from the newest complete checkpoint made by this same config;
-                                  # never: start over (removes the checkpoints in output_dir)
+                                  # never: start over (the old run's checkpoints and logs are moved aside to
+                                  # output_dir/superseded-<UTC time>-resume-never/, never deleted)
     trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
 
 Everything is validated (method, trainer fields, batch geometry) before a model is loaded.
@@ -31,7 +32,7 @@ import yaml
 from d3s import provenance
 from d3s.methods import get_method
 from d3s.provenance import atomic_write_text, build_manifest, now, write_manifest
-from d3s.trainer import D3S_STATE_FILE
+from d3s.trainer import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
 
 TOP_LEVEL_KEYS = {
     "method",
@@ -193,30 +194,111 @@ def _load_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str
     return model, tokenizer
 
 
+# Values that legitimately differ between attempts of one run, so they never count as a configuration change:
+# the resume policy, where the run directory is, and the vLLM server's host and ports, which the workflow picks
+# afresh for each attempt (d3s.launch.prepare_training_job; accelerate's main_process_port is a command-line
+# argument, never in the config). `threads` is compared, per training process, as `d3s train` runs it.
+PER_ATTEMPT_KEYS = frozenset({"resume", "output_dir"})
+PER_ATTEMPT_TRAINER_KEYS = frozenset(
+    {"output_dir", "vllm_server_host", "vllm_server_port", "vllm_group_port"}
+)
+
+# What a fresh start moves aside with the checkpoints, so it never mixes with or overwrites an older run: the
+# run's work (its logs, summary and final model) and, when there is work, the files that describe it.
+_RUN_WORK = ("train_summary.json", "anatomy.jsonl", "final")
+_RUN_DESCRIPTION = ("resolved_config.yaml", "manifest.json")
+
+
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest checkpoint that was written completely (Trainer's state and ours both present)."""
-    complete = [
+    """The newest checkpoint a run can resume from: written completely (Trainer's state and ours both present,
+    ours written after every rank finished) and holding the training state (optimizer, or DeepSpeed's
+    global_step* folder). Checkpoints cut to their weights (full_state_checkpoints: latest) are never picked.
+    """
+    resumable = [
         path
         for path in Path(output_dir).glob("checkpoint-*")
         if path.name.split("-")[-1].isdigit()
         and (path / "trainer_state.json").is_file()
         and (path / D3S_STATE_FILE).is_file()
+        and not (path / WEIGHTS_ONLY_FILE).exists()
+        and has_training_state(path)
     ]
-    return max(complete, key=lambda path: int(path.name.split("-")[-1]), default=None)
+    return max(resumable, key=lambda path: int(path.name.split("-")[-1]), default=None)
 
 
-def checkpoint_config_changes(output_dir: str | os.PathLike[str], config: dict[str, Any]) -> list[str]:
-    """Config keys whose values differ from those of the run that wrote ``output_dir`` (its resolved_config.yaml).
+def config_differences(
+    output_dir: str | os.PathLike[str], config: dict[str, Any]
+) -> dict[str, tuple[Any, Any]]:
+    """``{key: (previous, current)}`` for every setting that differs from the run that wrote ``output_dir``
+    (its resolved_config.yaml), per-attempt values left out. Trainer fields are named ``trainer.<field>``.
 
-    A checkpoint is only resumed by the configuration that made it; empty when there is nothing to compare.
+    Both sides are `d3s train` configs as run, so ``threads`` is the per-process count on both.
     """
     path = Path(output_dir) / "resolved_config.yaml"
     if not path.is_file():
-        return []
+        return {}
     previous = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     current = {**config, "threads": int(config.get("threads", 1))}
-    keys = (set(current) | (set(previous) & TOP_LEVEL_KEYS) | {"threads"}) - {"resume"}
-    return sorted(key for key in keys if _plain(previous.get(key)) != _plain(current.get(key)))
+    keys = (set(current) | (set(previous) & TOP_LEVEL_KEYS) | {"threads"}) - PER_ATTEMPT_KEYS - {"trainer"}
+    changes = {
+        key: (_plain(previous.get(key)), _plain(current.get(key)))
+        for key in keys
+        if _plain(previous.get(key)) != _plain(current.get(key))
+    }
+    old_trainer, new_trainer = dict(previous.get("trainer") or {}), dict(current.get("trainer") or {})
+    for key in (set(old_trainer) | set(new_trainer)) - PER_ATTEMPT_TRAINER_KEYS:
+        if _plain(old_trainer.get(key)) != _plain(new_trainer.get(key)):
+            changes[f"trainer.{key}"] = (_plain(old_trainer.get(key)), _plain(new_trainer.get(key)))
+    return dict(sorted(changes.items()))
+
+
+def checkpoint_config_changes(output_dir: str | os.PathLike[str], config: dict[str, Any]) -> list[str]:
+    """The settings (``trainer.<field>`` for trainer fields) whose values differ from those of the run that wrote
+    ``output_dir``, per-attempt values (PER_ATTEMPT_KEYS, PER_ATTEMPT_TRAINER_KEYS) left out.
+
+    A checkpoint is only resumed by the configuration that made it; empty when there is nothing to compare.
+    """
+    return list(config_differences(output_dir, config))
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    """One line per change: ``key: old -> new``."""
+    return "\n".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
+
+
+def supersede_run(
+    output_dir: str | os.PathLike[str], reason: str, *, label: str, metrics_log: str | None = "metrics.jsonl"
+) -> Path | None:
+    """Move a previous run's checkpoints, logs, resolved config, manifest and final model out of the way, into
+    ``output_dir/superseded-<UTC time>-<label>/`` with a README.txt giving ``reason``; nothing is deleted.
+
+    Returns the new folder, or None when there was no previous work to keep (no checkpoint, log or final model).
+    """
+    output_dir = Path(output_dir)
+    checkpoints = sorted(path for path in output_dir.glob("checkpoint-*") if path.is_dir())
+    work = checkpoints + [output_dir / name for name in (metrics_log, *_RUN_WORK) if name]
+    if not any(path.exists() for path in work):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = output_dir / f"superseded-{stamp}-{label}"
+    suffix = 1
+    while folder.exists():  # two restarts within a second
+        suffix += 1
+        folder = output_dir / f"superseded-{stamp}-{label}-{suffix}"
+    folder.mkdir(parents=True)
+    moved = []
+    for path in work + [output_dir / name for name in _RUN_DESCRIPTION]:
+        if path.exists():
+            os.replace(path, folder / path.name)  # same file system: a rename, nothing copied
+            moved.append(path.name)
+    readme = (
+        f"Superseded at {now()} (UTC): {reason}\n\n"
+        f"A new run started in {output_dir}; these files of the previous run were moved here, not deleted:\n"
+        + "".join(f"  {name}\n" for name in moved)
+        + "Delete this folder yourself when it is no longer needed.\n"
+    )
+    atomic_write_text(folder / "README.txt", readme)
+    return folder
 
 
 def _restore_logs(checkpoint: Path, output_dir: Path, metrics_log: str, last_step: int) -> None:
@@ -264,7 +346,7 @@ def train(config: dict[str, Any]) -> Path:
             raise ValueError(
                 f"{output_dir} holds checkpoints of a run with a different configuration (changed: "
                 f"{', '.join(changed)}); resuming would mix the two. Use another output_dir, or resume: never to "
-                "start over (it deletes the old checkpoints)"
+                "start over (the old run's checkpoints and logs are moved aside, not deleted)"
             )
 
     from datasets import Dataset
@@ -283,18 +365,19 @@ def train(config: dict[str, Any]) -> Path:
     manifest = build_manifest(resolved, seed=args.seed, threads=threads, inputs=_input_files(config))
     manifest["resumed_from"] = str(resume_from) if resume_from else None
     if is_main:
+        if resume_from is None:  # a fresh run never meets, mixes with or deletes an older run's files
+            never = config.get("resume", "auto") == "never"
+            reason = "resume: never" if never else "no complete checkpoint with training state to resume from"
+            label = "resume-never" if never else "not-resumable"
+            moved = supersede_run(output_dir, reason, label=label, metrics_log=args.metrics_log)
+            if moved is not None:
+                print(f"starting over ({reason}): the previous run's files are in {moved}", flush=True)
         atomic_write_text(output_dir / "resolved_config.yaml", yaml.safe_dump(resolved, sort_keys=False))
         write_manifest(output_dir / "manifest.json", manifest)
         if resume_from is not None:
             step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
             _restore_logs(resume_from, output_dir, args.metrics_log or "metrics.jsonl", step)
             print(f"resuming from {resume_from} (step {step})", flush=True)
-        else:  # a fresh run starts fresh logs and never meets an older run's checkpoints
-            for name in (args.metrics_log, "anatomy.jsonl"):
-                if name:
-                    (output_dir / name).unlink(missing_ok=True)
-            for stale in output_dir.glob("checkpoint-*"):
-                shutil.rmtree(stale, ignore_errors=True)
     trainer = D3STrainer(
         model=model,
         args=args,

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from trl.trainer.utils import nanmax, nanmin, use_adapter
 
 from d3s.kept_head import add_kept_token_head, kept_token_head_unsupported
 from d3s.methods import get_method
+from d3s.provenance import atomic_write_text
 from d3s.rewards import ANSWER_POLICIES, bind_answer_policy
 from d3s.selection import (
     SAMPLE_RULES,
@@ -169,6 +171,15 @@ class D3SConfig(GRPOConfig):
         default=1,
         metadata={"help": "Log every step (TRL's default is 10); the analysis reads per-step metrics."},
     )
+    full_state_checkpoints: str = field(
+        default="all",
+        metadata={
+            "help": "'all': every checkpoint keeps the optimizer, scheduler, RNG and DeepSpeed state (Trainer's "
+            "way). 'latest': only the newest one does; an older one is cut to its weights, tokenizer, trainer "
+            "state and logs (what learning curves need) once a newer one is completely written, so a run "
+            "resumes exactly for the disk of one full state. Needs save_only_model false."
+        },
+    )
 
     @classmethod
     def for_method(cls, method: str, **overrides: Any) -> D3SConfig:
@@ -234,6 +245,16 @@ class D3SConfig(GRPOConfig):
         for name in ("defer_logprob_passes", "kept_token_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if self.full_state_checkpoints not in FULL_STATE_CHECKPOINTS:
+            raise ValueError(
+                f"full_state_checkpoints must be one of {', '.join(FULL_STATE_CHECKPOINTS)}; "
+                f"got {self.full_state_checkpoints!r}"
+            )
+        if self.full_state_checkpoints == "latest" and self.save_only_model:
+            raise ValueError(
+                "full_state_checkpoints: latest keeps the training state in the newest checkpoint, but "
+                "save_only_model: true saves none (such a run cannot resume): set save_only_model: false"
+            )
         if self.anatomy_every < 0 or self.anatomy_examples < 0:
             raise ValueError("anatomy_every and anatomy_examples must be >= 0 (0 turns the anatomy log off)")
         for name in ("token_keep_ratio", "token_keep_ratio_final"):
@@ -317,6 +338,63 @@ def _jsonable(value: Any) -> Any:
 
 
 D3S_STATE_FILE = "d3s_state.json"
+# Marks a checkpoint cut to its weights (full_state_checkpoints: latest); written before anything is removed.
+WEIGHTS_ONLY_FILE = "d3s_weights_only.txt"
+FULL_STATE_CHECKPOINTS = ("all", "latest")
+# What a checkpoint holds only for resuming, beside the weights (transformers 5.17 Trainer._save_checkpoint:
+# optimizer, scheduler, grad scaler, RNG per rank; DeepSpeed's engine.save_checkpoint: global_step<N>/ with the
+# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py).
+RESUME_STATE_PATTERNS = (
+    "optimizer.pt",
+    "optimizer.bin",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "global_step*",
+    "latest",
+    "zero_to_fp32.py",
+)
+# Weight files of a checkpoint (save_model); without one, the weights live only in DeepSpeed's global_step*/.
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+)
+
+
+def has_training_state(checkpoint: str | os.PathLike[str]) -> bool:
+    """True when the checkpoint holds optimizer state: optimizer.pt/.bin (an ``optimizer*`` folder under FSDP),
+    or DeepSpeed's global_step* folder. save_only_model: true writes neither, so such a checkpoint cannot resume.
+    """
+    return any(path.name.startswith(("optimizer", "global_step")) for path in Path(checkpoint).iterdir())
+
+
+def strip_to_weights(checkpoint: str | os.PathLike[str], reason: str) -> list[str]:
+    """Remove what ``checkpoint`` holds only for resuming (RESUME_STATE_PATTERNS), keeping its weights, tokenizer,
+    trainer state and logs; returns the names removed. A checkpoint without weight files keeps everything (its
+    weights exist only inside DeepSpeed's global_step*: ZeRO-3 without zero3_save_16bit_model).
+
+    WEIGHTS_ONLY_FILE is written first, so a crash midway never leaves a checkpoint that looks resumable.
+    """
+    checkpoint = Path(checkpoint)
+    if not any((checkpoint / name).is_file() for name in _WEIGHT_FILES):
+        return []
+    state = sorted({path for pattern in RESUME_STATE_PATTERNS for path in checkpoint.glob(pattern)})
+    if not state:
+        return []
+    atomic_write_text(
+        checkpoint / WEIGHTS_ONLY_FILE,
+        f"Weights only: {reason}. Removed (needed only to resume): {', '.join(p.name for p in state)}\n",
+    )
+    for path in state:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return [path.name for path in state]
+
 
 # Generation outputs that TRL computes with log-prob passes; deferred until after selection.
 _DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
@@ -758,15 +836,30 @@ class D3STrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        # Every rank has written its part (DeepSpeed shards, rng_state_<rank>.pth) before the checkpoint is
+        # marked complete: d3s.train.latest_checkpoint resumes only from checkpoints with D3S_STATE_FILE.
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:  # our running counters, restored on resume like TRL's entropy controller
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            run_dir = self._get_output_dir(trial=trial)
+            folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
             # The logs up to this step travel with the checkpoint: a resumed run restores them even when a
             # workflow deleted the run's outputs before re-running the job.
             for name in (self.args.metrics_log, "anatomy.jsonl"):
                 if name and os.path.isfile(os.path.join(self.args.output_dir, name)):
                     shutil.copyfile(os.path.join(self.args.output_dir, name), os.path.join(folder, name))
-            with open(os.path.join(folder, D3S_STATE_FILE), "w", encoding="utf-8") as fh:
-                json.dump({"update_tokens_total": self.update_tokens_total}, fh)
+            state = json.dumps({"update_tokens_total": self.update_tokens_total})
+            atomic_write_text(os.path.join(folder, D3S_STATE_FILE), state)
+            if self.args.full_state_checkpoints == "latest":
+                self._strip_older_checkpoints(Path(run_dir), self.state.global_step)
+
+    def _strip_older_checkpoints(self, run_dir: Path, step: int) -> None:
+        """Cut every checkpoint older than the complete checkpoint-<step> to its weights."""
+        for path in run_dir.glob("checkpoint-*"):
+            number = path.name.split("-")[-1]
+            if number.isdigit() and int(number) < step and not (path / WEIGHTS_ONLY_FILE).exists():
+                removed = strip_to_weights(path, f"checkpoint-{step} holds the full state")
+                if removed:
+                    print(f"{path.name} cut to its weights (removed {', '.join(removed)})", flush=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

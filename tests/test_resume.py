@@ -1,4 +1,5 @@
-"""Reliability of `d3s train`: a killed run resumes to the same end, NaN stops cleanly, manifests exist."""
+"""Reliability of `d3s train`: a killed run resumes to the same end, a restart moves the old run aside (never
+deletes it), only resumable checkpoints are resumed, NaN stops cleanly, manifests exist."""
 
 from __future__ import annotations
 
@@ -16,7 +17,23 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from d3s.train import latest_checkpoint
+from d3s.launch import (
+    SERVER_FIELDS_SET_BY_WORKFLOW,
+    TrainLaunch,
+    VllmServerSettings,
+    build_run_config,
+    prepare_training_job,
+)
+from d3s.train import (
+    PER_ATTEMPT_TRAINER_KEYS,
+    checkpoint_config_changes,
+    config_differences,
+    latest_checkpoint,
+    supersede_run,
+)
+from d3s.trainer import WEIGHTS_ONLY_FILE, D3SConfig, strip_to_weights
+
+REPO = Path(__file__).resolve().parents[1]
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
@@ -61,11 +78,14 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path):
+    """The interrupted run keeps the full training state in its newest checkpoint only (the paper configs'
+    setting): the older ones are cut to their weights, and the resumed run still ends bitwise where an
+    uninterrupted run that keeps every full state ends."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = run_config(tmp_path, "reference")
     subprocess.run(train_command(reference), env=env, check=True, capture_output=True, timeout=600)
 
-    interrupted = run_config(tmp_path, "interrupted")
+    interrupted = run_config(tmp_path, "interrupted", full_state_checkpoints="latest")
     run = tmp_path / "interrupted"
     proc = subprocess.Popen(
         train_command(interrupted), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -95,11 +115,21 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path):
     summary = json.loads((run / "train_summary.json").read_text())
     reference_summary = json.loads((tmp_path / "reference" / "train_summary.json").read_text())
     assert summary["update_tokens_total"] == reference_summary["update_tokens_total"] > 0
+    # full state in the newest checkpoint only; the older ones keep the weights the learning curves evaluate
+    assert (run / "checkpoint-6" / "optimizer.pt").is_file() and latest_checkpoint(run).name == "checkpoint-6"
+    for step in (2, 4):
+        older = run / f"checkpoint-{step}"
+        assert (older / WEIGHTS_ONLY_FILE).is_file() and not (older / "optimizer.pt").exists()
+        assert not list(older.glob("rng_state*")) and not (older / "scheduler.pt").exists()
+        ours = load_file(str(older / "model.safetensors"))
+        theirs = load_file(str(tmp_path / "reference" / f"checkpoint-{step}" / "model.safetensors"))
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert (tmp_path / "reference" / "checkpoint-2" / "optimizer.pt").is_file()  # the default keeps them all
 
 
 @pytest.mark.slow
-def test_manifest_records_provenance(tmp_path):
-    config = run_config(tmp_path, "run", max_steps=1, save_strategy="no")
+def test_manifest_records_provenance_and_a_restart_moves_the_old_run_aside(tmp_path, capsys):
+    config = run_config(tmp_path, "run", max_steps=1, save_steps=1)
     from d3s.cli import main
 
     assert main(["train", "--config", str(config)]) == 0
@@ -109,6 +139,27 @@ def test_manifest_records_provenance(tmp_path):
     assert manifest["config"]["resolved_trainer"]["method"] == "d3s"
     assert set(manifest["git"]) == {"commit", "dirty"}
     assert manifest["hardware"]["cpu_count"] >= 1 and manifest["started"] <= manifest["finished"]
+
+    first = final_weights(tmp_path / "run")
+    config.write_text(yaml.safe_dump(yaml.safe_load(config.read_text()) | {"resume": "never"}))
+    assert main(["train", "--config", str(config)]) == 0
+    (aside,) = (tmp_path / "run").glob("superseded-*-resume-never")
+    assert (
+        f"starting over (resume: never): the previous run's files are in {aside}" in capsys.readouterr().out
+    )
+    assert "resume: never" in (aside / "README.txt").read_text()
+    kept = {
+        "checkpoint-1",
+        "metrics.jsonl",
+        "final",
+        "train_summary.json",
+        "resolved_config.yaml",
+        "manifest.json",
+    }
+    assert kept <= {p.name for p in aside.iterdir()}
+    assert (aside / "checkpoint-1" / "optimizer.pt").is_file()  # the old checkpoint whole, not deleted
+    assert all(torch.equal(first[k], v) for k, v in final_weights(aside).items())
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["resumed_from"] is None
 
 
 @pytest.mark.slow
@@ -217,3 +268,146 @@ def test_killed_evaluation_resumes_without_duplicates_or_gaps(tmp_path, tiny_sft
     assert sorted(resumed) == sorted(reference)  # and the same samples as an uninterrupted run
     summary = json.loads((out / "synthetic" / "summary.json").read_text())
     assert summary["n_problems"] == 16 and summary["n_samples"] == 64
+
+
+# ---- what counts as a configuration change ----------------------------------------------------------------
+
+
+def _job_config(tmp_path: Path, train_cfg: dict, *, threads: int, processes: int) -> dict:
+    return build_run_config(
+        method="d3s", seed=0, model="some/model", train_cfg=train_cfg, task={}, output_dir=str(tmp_path),
+        threads=threads, processes=processes,
+    )  # fmt: skip
+
+
+def _as_run_by_d3s_train(output_dir: Path, config: dict) -> None:
+    """resolved_config.yaml as `d3s train` writes it: the config it ran with, plus resolved fields."""
+    resolved = {**config, "threads": int(config["threads"]), "resolved_trainer": {"seed": 0}}
+    (output_dir / "resolved_config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+
+def test_a_second_server_mode_attempt_with_new_ports_is_the_same_configuration(tmp_path):
+    """Each attempt of a server-mode job gets free ports (and a 64-thread job runs 8 threads per process):
+    neither counts as a change, so the job resumes; a real change still does."""
+    train_cfg = {
+        "trainer": {"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 8, "num_generations": 8},
+    }  # fmt: skip
+    launch = TrainLaunch(9, REPO / "workflow" / "accelerate" / "zero3.yaml", VllmServerSettings())
+    gpus = [str(i) for i in range(9)]
+    run = _job_config(tmp_path, train_cfg, threads=64, processes=launch.train_gpus)
+    assert run["threads"] == 8  # the workflow compares the per-process count, as d3s train records it
+    _, first, _ = prepare_training_job(run, tmp_path / "train.yaml", launch=launch, gpu_ids=gpus, threads=64)
+    _as_run_by_d3s_train(tmp_path, first)
+    _, second, _ = prepare_training_job(run, tmp_path / "train.yaml", launch=launch, gpu_ids=gpus, threads=64)
+    assert set(SERVER_FIELDS_SET_BY_WORKFLOW) <= PER_ATTEMPT_TRAINER_KEYS
+    assert checkpoint_config_changes(tmp_path, second) == []  # the job itself, ports set for this attempt ...
+    assert checkpoint_config_changes(tmp_path, run) == []  # ... and the workflow's view of it, before
+    elsewhere = {"vllm_server_host": "10.0.0.2", "vllm_server_port": 1, "vllm_group_port": 2}  # another node
+    assert checkpoint_config_changes(tmp_path, second | {"trainer": second["trainer"] | elsewhere}) == []
+    assert checkpoint_config_changes(tmp_path, second | {"resume": "never"}) == []
+
+    changed = second | {"trainer": second["trainer"] | {"learning_rate": 1e-3}, "seed": 1}
+    assert checkpoint_config_changes(tmp_path, changed) == ["seed", "trainer.learning_rate"]
+    assert config_differences(tmp_path, changed)["seed"] == (0, 1)
+
+
+def test_threads_are_compared_per_process(tmp_path):
+    train_cfg = {"trainer": {"per_device_train_batch_size": 16, "num_generations": 8}}
+    run = _job_config(tmp_path, train_cfg, threads=4, processes=2)
+    launch = TrainLaunch(2, REPO / "workflow" / "accelerate" / "ddp.yaml")
+    _, job, _ = prepare_training_job(
+        run, tmp_path / "train.yaml", launch=launch, gpu_ids=["0", "1"], threads=4
+    )
+    assert run["threads"] == job["threads"] == 2
+    _as_run_by_d3s_train(tmp_path, job)
+    assert checkpoint_config_changes(tmp_path, run) == []
+    # the same job given 8 threads runs 4 per process: a real change (CPU results depend on it)
+    more = _job_config(tmp_path, train_cfg, threads=8, processes=2)
+    assert config_differences(tmp_path, more) == {"threads": (2, 4)}
+
+
+# ---- checkpoints are moved aside, never deleted; only resumable ones are resumed -------------------------------
+
+
+def _fake_checkpoint(run: Path, step: int, *, optimizer: bool = True) -> Path:
+    folder = run / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    for name in (
+        "model.safetensors",
+        "trainer_state.json",
+        "d3s_state.json",
+        "rng_state.pth",
+        "scheduler.pt",
+    ):
+        (folder / name).write_text(name)
+    if optimizer:
+        (folder / "optimizer.pt").write_text("adam")
+    return folder
+
+
+def test_a_changed_configuration_moves_the_old_run_aside_with_the_reason(tmp_path):
+    run = tmp_path / "run"
+    _fake_checkpoint(run, 2)
+    _fake_checkpoint(run, 4)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "resolved_config.yaml").write_text(yaml.safe_dump({"seed": 0, "threads": 1, "trainer": {}}))
+    (run / "sft_losses.json").write_text("[]")
+    changes = config_differences(run, {"seed": 1, "threads": 1, "trainer": {}})
+    moved = supersede_run(run, "configuration changed: seed 0 -> 1", label="config-changed")
+    assert changes == {"seed": (0, 1)}
+    assert (
+        moved.parent == run
+        and moved.name.startswith("superseded-")
+        and moved.name.endswith("-config-changed")
+    )
+    assert sorted(p.name for p in moved.iterdir()) == [
+        "README.txt", "checkpoint-2", "checkpoint-4", "metrics.jsonl", "resolved_config.yaml",
+    ]  # fmt: skip
+    assert (moved / "checkpoint-4" / "optimizer.pt").read_text() == "adam"  # moved whole, not copied or cut
+    assert "configuration changed: seed 0 -> 1" in (moved / "README.txt").read_text()
+    assert latest_checkpoint(run) is None and (run / "sft_losses.json").is_file()
+    assert supersede_run(run, "again", label="resume-never") is None  # nothing left that is work
+    _fake_checkpoint(run, 2)
+    again = supersede_run(run, "resume: never", label="resume-never")
+    assert again != moved and (again / "checkpoint-2").is_dir() and (moved / "checkpoint-2").is_dir()
+
+
+def test_latest_checkpoint_skips_checkpoints_that_cannot_resume(tmp_path):
+    _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 6, optimizer=False)  # save_only_model: true - weights only
+    incomplete = _fake_checkpoint(tmp_path, 8)
+    (incomplete / "d3s_state.json").unlink()  # killed while saving
+    assert latest_checkpoint(tmp_path).name == "checkpoint-4"
+    removed = strip_to_weights(tmp_path / "checkpoint-4", "checkpoint-6 holds the full state")
+    assert removed == ["optimizer.pt", "rng_state.pth", "scheduler.pt"]
+    assert (tmp_path / "checkpoint-4" / WEIGHTS_ONLY_FILE).is_file()
+    assert (tmp_path / "checkpoint-4" / "model.safetensors").is_file()
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+def test_strip_to_weights_keeps_deepspeed_state_that_holds_the_only_weights(tmp_path):
+    """ZeRO-3 without zero3_save_16bit_model writes no weight file: its global_step folder is the model."""
+    folder = tmp_path / "checkpoint-2"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_text("shard")
+    for name in ("latest", "zero_to_fp32.py", "trainer_state.json", "d3s_state.json"):
+        (folder / name).write_text(name)
+    assert strip_to_weights(folder, "newer") == [] and (folder / "global_step2").is_dir()
+    assert latest_checkpoint(tmp_path) == folder  # DeepSpeed's state counts as training state
+    (folder / "model.safetensors").write_text("16-bit weights")  # zero3_save_16bit_model: true
+    assert strip_to_weights(folder, "newer") == ["global_step2", "latest", "zero_to_fp32.py"]
+    kept = {WEIGHTS_ONLY_FILE, "d3s_state.json", "model.safetensors", "trainer_state.json"}
+    assert {p.name for p in folder.iterdir()} == kept
+
+
+def test_full_state_checkpoints_is_checked():
+    common = {"output_dir": "o", "use_cpu": True, "report_to": "none", "per_device_train_batch_size": 8}
+    with pytest.raises(ValueError, match="full_state_checkpoints must be one of all, latest"):
+        D3SConfig.for_method("grpo", full_state_checkpoints="newest", **common)
+    with pytest.raises(ValueError, match="set save_only_model: false"):
+        D3SConfig.for_method("grpo", full_state_checkpoints="latest", save_only_model=True, **common)
+    assert (
+        D3SConfig.for_method("grpo", full_state_checkpoints="latest", **common).full_state_checkpoints
+        == "latest"
+    )

@@ -19,7 +19,7 @@ from d3s.launch import (
     train_launch,
     write_yaml,
 )
-from d3s.train import checkpoint_config_changes, latest_checkpoint
+from d3s.train import config_differences, describe_changes, supersede_run
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 method, seed = smk.wildcards.method, int(smk.wildcards.seed)
@@ -47,14 +47,19 @@ config = build_run_config(
     processes=max(1, launch.train_gpus),
 )
 run_dir.mkdir(parents=True, exist_ok=True)
-# A job killed midway resumes from its last checkpoint (d3s train, resume: auto, which also restores the logs);
-# a job re-run because its configuration changed starts over, removing the old run's checkpoints.
+# A job cut off midway resumes from its last checkpoint (d3s train, resume: auto, which also restores the logs).
+# A job rerun because its configuration really changed starts over: the old run's checkpoints and logs are moved
+# aside with the reason, never deleted. `config` holds the per-process thread count, as resolved_config.yaml
+# does, and the per-attempt values (ports, hosts) never count (d3s.train.PER_ATTEMPT_KEYS).
 restart_reason = None
-if latest_checkpoint(run_dir) is not None:
-    changed = checkpoint_config_changes(run_dir, config)
-    if changed:
-        restart_reason = f"configuration changed ({', '.join(changed)}): starting over"
-        config["resume"] = "never"
+changes = config_differences(run_dir, config)
+if changes:
+    metrics_log = config["trainer"].get("metrics_log", "metrics.jsonl")
+    reason = "configuration changed:\n" + describe_changes(changes)
+    moved = supersede_run(run_dir, reason, label="config-changed", metrics_log=metrics_log)
+    restart_reason = f"configuration changed ({', '.join(changes)}): starting over" + (
+        f"; the previous run's files are in {moved}" if moved else ""
+    )
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 if launch.job_gpus == 0:
