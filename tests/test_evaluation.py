@@ -4,6 +4,8 @@ model on every benchmark, resume after interruption, and the grader audit."""
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import sys
 import types
@@ -16,7 +18,14 @@ from eval_fixtures import shared_data_dir
 
 from d3s.data.benchmarks import EVAL_BENCHMARKS, load_benchmark
 from d3s.evaluation import backends, pass_at_k
-from d3s.evaluation.backends import GenerationSettings, TransformersBackend, VLLMBackend, choose_backend
+from d3s.evaluation.audit import samples_disagreement
+from d3s.evaluation.backends import (
+    GenerationSettings,
+    Sample,
+    TransformersBackend,
+    VLLMBackend,
+    choose_backend,
+)
 from d3s.evaluation.cli import add_eval_arguments, run_eval
 from d3s.evaluation.runner import (
     BenchmarkRun,
@@ -71,6 +80,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         (["--model", "m", "--out", "o", "--backend", "vllm"], "vllm is not installed"),
         (["--model", "m", "--out", "o", "--top-p", "0"], "top_p"),
         (["--model", "m", "--out", "o", "--grading-time-limit", "0"], "--grading-time-limit"),
+        (["--model", "m", "--out", "o", "--audit-samples", "o"], "add --audit"),
+        (["--audit", "--audit-samples", "/no/such/eval"], "no samples.jsonl there"),
     ],
 )
 def test_cli_rejects_bad_arguments_before_loading(
@@ -99,6 +110,7 @@ def test_argparse_type_errors() -> None:
         ["--k", "0"],
         ["--backend", "tgi"],
         ["--template", "chat"],
+        ["--answer-policy", "first_boxed"],
     ):
         with pytest.raises(SystemExit):
             parse(argv)
@@ -261,6 +273,22 @@ def test_end_to_end_every_benchmark(tiny_model: Path, tmp_path: Path) -> None:
             low, high = summary["ci"][str(k)]
             assert low <= summary["pass_at_k"][str(k)] <= high
         assert summary["template"] == ("raw" if name == "synthetic" else "plain")
+        # both answer policies, per sample and in the summary (math_verify is the primary by default)
+        assert summary["answer_policy"] == "math_verify"
+        assert summary["by_policy"]["math_verify"]["pass_at_k"] == summary["pass_at_k"]
+        assert set(summary["by_policy"]) == {"math_verify", "last_boxed"}
+        for record in records:
+            assert set(record["by_policy"]) == {"math_verify", "last_boxed"}
+            assert record["correct"] == record["by_policy"]["math_verify"]["correct"]
+        disagreeing = sum(
+            r["by_policy"]["math_verify"]["correct"] != r["by_policy"]["last_boxed"]["correct"]
+            for r in records
+        )
+        assert summary["policy_disagreement"]["disagree"] == disagreeing
+        assert (
+            overall["benchmarks"][name]["by_policy"]["last_boxed"]["pass_at_k"]
+            == (summary["by_policy"]["last_boxed"]["pass_at_k"])
+        )
     # Running again finds everything done and changes nothing.
     before = {n: (out / n / "samples.jsonl").read_bytes() for n in names}
     assert run_eval(parse(argv)) == 0
@@ -403,3 +431,111 @@ def test_audit_on_real_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     assert all(r["gold_unparsable"] == "0" for r in row.values())
     assert (tmp_path / "grader_audit.md").read_text().startswith("| benchmark |")
+    # answer policies on the reference solutions (AIME24's hold several boxes each) and on given samples
+    policy_rows = {
+        (r["source"], r["benchmark"]): r
+        for r in csv.DictReader(io.StringIO((tmp_path / "policy_disagreement.csv").read_text()))
+    }
+    aime = policy_rows[("reference solutions", "aime24")]
+    assert (aime["completions"], aime["with_box"]) == ("30", "29") and int(aime["with_2plus_boxes"]) >= 20
+    assert policy_rows[("reference solutions", "minerva_math")]["with_2plus_boxes"] == "0"
+    assert ("reference solutions", "aime25") not in policy_rows  # no reference solutions
+    assert "answer policies" in printed
+
+
+# --------------------------------------------------------------------------------- answer policies
+
+
+class ScriptedBackend:
+    """Generation replaced by fixed completions (what is tested is the grading and the files): per problem,
+    a late correction, a plain right answer, a right answer taken back, and no answer."""
+
+    name = "scripted"
+    tokenizer = None
+
+    def __init__(self, gold_of: dict[str, str]) -> None:
+        self.gold_of = gold_of
+        self.calls = 0
+
+    def generate(
+        self, prompts: list[str], settings: GenerationSettings, seeds: list[int], add_special_tokens: bool
+    ) -> list[list[Sample]]:
+        self.calls += 1
+        out = []
+        for prompt in prompts:
+            gold = int(self.gold_of[prompt])
+            texts = [
+                rf"\boxed{{{gold + 1}}} ... wait, actually \boxed{{{gold}}}",  # last_boxed only
+                rf"so \boxed{{{gold}}}",  # both
+                rf"\boxed{{{gold}}}, no: \boxed{{{gold + 1}}}",  # neither
+                "no idea",  # neither
+            ]
+            out.append([Sample(t, 8, "stop") for t in texts[: settings.samples]])
+        return out
+
+
+class NoGeneration(ScriptedBackend):
+    def generate(self, *args: Any, **kwargs: Any) -> list[list[Sample]]:
+        raise AssertionError("a resumed evaluation generated again")
+
+
+def test_both_policies_reported_and_switching_the_primary_does_not_regenerate(
+    grader: Grader, tmp_path: Path
+) -> None:
+    problems = load_benchmark("synthetic", synthetic={"count": 3})
+    backend = ScriptedBackend({p.question: p.gold[0] for p in problems})
+    run = make_run(tmp_path, problems, template="raw")
+    summary = evaluate_benchmark(backend, grader, run, batch_size=2, progress=False)
+    samples_path = tmp_path / "samples.jsonl"
+    records = read_jsonl(samples_path)
+    assert [r["by_policy"]["math_verify"]["correct"] for r in records] == [False, True, False, False] * 3
+    assert [r["by_policy"]["last_boxed"]["correct"] for r in records] == [True, True, False, False] * 3
+    assert [r["num_boxes"] for r in records] == [2, 1, 2, 0] * 3
+    assert all(r["answer_policy"] == "math_verify" for r in records)
+    assert [r["correct"] for r in records] == [r["by_policy"]["math_verify"]["correct"] for r in records]
+    assert summary["answer_policy"] == "math_verify"
+    assert summary["pass_at_k"]["1"] == pytest.approx(0.25)
+    assert summary["by_policy"]["math_verify"]["pass_at_k"]["1"] == pytest.approx(0.25)
+    assert summary["by_policy"]["last_boxed"]["pass_at_k"]["1"] == pytest.approx(0.5)
+    assert summary["by_policy"]["last_boxed"]["pass_at_k"]["2"] == pytest.approx(1 - 1 / 6)  # 2 of 4 right
+    assert summary["policy_disagreement"] == {
+        "samples": 12,
+        "disagree": 3,
+        "rate": 0.25,
+        "math_verify_only_correct": 0,
+        "last_boxed_only_correct": 3,
+        "samples_with_2plus_boxes": 6,
+    }
+    assert json.loads((tmp_path / "manifest.json").read_text())["config"]["answer_policy"] == "math_verify"
+
+    # Another primary policy on the same directory: nothing is generated, the samples are relabelled.
+    relabelled_run = make_run(
+        tmp_path, problems, template="raw", scoring=ScoringOptions(ks=(1, 2), answer_policy="last_boxed")
+    )
+    resumed = evaluate_benchmark(NoGeneration({}), grader, relabelled_run, progress=False)
+    relabelled = read_jsonl(samples_path)
+    assert [r["correct"] for r in relabelled] == [True, True, False, False] * 3
+    assert [r["by_policy"] for r in relabelled] == [r["by_policy"] for r in records]
+    assert resumed["answer_policy"] == "last_boxed"
+    assert resumed["pass_at_k"] == summary["by_policy"]["last_boxed"]["pass_at_k"]
+    assert resumed["by_policy"] == summary["by_policy"]
+
+    # Samples written before both policies were recorded are graded again, not generated again.
+    for record in relabelled:
+        for key in ("by_policy", "answer_policy", "num_boxes"):
+            del record[key]
+    samples_path.write_text("".join(json.dumps(r) + "\n" for r in relabelled))
+    regraded = evaluate_benchmark(NoGeneration({}), grader, run, progress=False)
+    assert regraded["by_policy"] == summary["by_policy"]
+    assert [r["by_policy"] for r in read_jsonl(samples_path)] == [r["by_policy"] for r in records]
+
+    # The audit reads the same file and finds the same disagreement.
+    (row,) = samples_disagreement([tmp_path / "samples.jsonl"], grader)
+    assert (row.completions, row.with_box, row.with_2plus_boxes, row.disagree) == (12, 9, 6, 3)
+    assert (row.math_verify_only_correct, row.last_boxed_only_correct) == (0, 3)
+    assert row.benchmark == tmp_path.name and len(row.examples) == 3
+
+
+def test_scoring_options_reject_an_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="math_verify, last_boxed"):
+        ScoringOptions(answer_policy="first_boxed")  # type: ignore[arg-type]

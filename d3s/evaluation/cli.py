@@ -23,7 +23,7 @@ from d3s.data.benchmarks import (
 )
 from d3s.data.templates import TEMPLATES
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
-from d3s.rewards import DEFAULT_TIME_LIMIT_S
+from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
 
@@ -106,6 +106,22 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="boxed_first: prefer \\boxed{}, else fall back to the last answer-like expression (default)",
     )
     parser.add_argument(
+        "--answer-policy",
+        choices=ANSWER_POLICIES,
+        default=DEFAULT_ANSWER_POLICY,
+        help="which boxed answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set "
+        "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit); both are always reported",
+    )
+    parser.add_argument(
+        "--audit-samples",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="with --audit: also measure how often the answer policies disagree on the completions of this "
+        "samples.jsonl or evaluation directory (repeatable)",
+    )
+    parser.add_argument(
         "--grading-workers",
         type=_positive_int,
         default=max(1, min(4, (os.cpu_count() or 2) // 2)),
@@ -145,6 +161,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationSettings, str]:
     """Check everything that can be checked without the model; raise ValueError saying what to change."""
     names = parse_benchmark_list(args.benchmarks)
+    audit_samples = getattr(args, "audit_samples", [])
+    if audit_samples and not args.audit:
+        raise ValueError("--audit-samples is read by the grader audit only: add --audit, or drop it")
+    for path in audit_samples:
+        if not (path.is_file() or (path / "samples.jsonl").is_file() or any(path.glob("*/samples.jsonl"))):
+            raise ValueError(
+                f"--audit-samples {path}: no samples.jsonl there (give the file, or an evaluation directory)"
+            )
     if args.audit:
         return names, GenerationSettings(), ""
     if not args.model:
@@ -201,18 +225,25 @@ def _load_all(
 
 
 def _run_audit(args: argparse.Namespace, names: list[str] | None) -> int:
-    from d3s.evaluation.audit import audit_details, audit_markdown, run_audit, write_audit
+    from d3s.evaluation import audit
     from d3s.rewards import Grader
 
     data_dir = resolve_data_dir(args.data_dir)
     with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
-        rows = run_audit(data_dir, names, grader)
-    print(audit_markdown(rows))
-    details = audit_details(rows)
+        rows = audit.run_audit(data_dir, names, grader)
+        policy_rows = audit.reference_disagreement(data_dir, [row.benchmark for row in rows], grader)
+        policy_rows += audit.samples_disagreement(args.audit_samples, grader)
+    print(audit.audit_markdown(rows))
+    details = audit.audit_details(rows)
+    if details:
+        print("\n" + details)
+    print("\nanswer policies (math_verify: every box as one set answer; last_boxed: the last box only):\n")
+    print(audit.disagreement_markdown(policy_rows))
+    details = audit.disagreement_details(policy_rows)
     if details:
         print("\n" + details)
     if args.out is not None:
-        for path in write_audit(rows, args.out):
+        for path in audit.write_audit(rows, args.out) + audit.write_disagreement(policy_rows, args.out):
             print(f"wrote {path}")
     return 0
 
@@ -287,7 +318,12 @@ def _evaluate(
         backend = TransformersBackend(
             args.model, dtype=args.dtype, batch_size=batch_size, tokenizer=tokenizer
         )
-    scoring = ScoringOptions(ks=tuple(args.k), bootstrap_resamples=args.bootstrap, bootstrap_seed=args.seed)
+    scoring = ScoringOptions(
+        ks=tuple(args.k),
+        bootstrap_resamples=args.bootstrap,
+        bootstrap_seed=args.seed,
+        answer_policy=args.answer_policy,
+    )
     summaries = {}
     with Grader(
         num_workers=args.grading_workers,

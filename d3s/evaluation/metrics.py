@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -77,3 +78,20 @@ def average_over_benchmarks(per_benchmark: Mapping[str, Mapping[str, float]]) ->
     """Unweighted mean of each Pass@k over benchmarks (the "Avg." column of the paper's tables)."""
     keys = set.intersection(*(set(v) for v in per_benchmark.values())) if per_benchmark else set()
     return {k: sum(v[k] for v in per_benchmark.values()) / len(per_benchmark) for k in sorted(keys, key=int)}
+
+
+def policy_disagreement(
+    verdicts: Sequence[tuple[bool, bool]], names: tuple[str, str] = ("math_verify", "last_boxed")
+) -> dict[str, Any]:
+    """How often two grading policies disagree on the same samples: ``verdicts`` holds one (first
+    policy correct, second policy correct) pair per sample. ``rate`` is None without samples."""
+    first_only = sum(1 for a, b in verdicts if a and not b)
+    second_only = sum(1 for a, b in verdicts if b and not a)
+    disagree = first_only + second_only
+    return {
+        "samples": len(verdicts),
+        "disagree": disagree,
+        "rate": disagree / len(verdicts) if verdicts else None,
+        f"{names[0]}_only_correct": first_only,
+        f"{names[1]}_only_correct": second_only,
+    }

@@ -12,6 +12,11 @@ Layout of an evaluation directory (one per model)::
 The JSONL is appended per completed problem (all its samples in one write, flushed and fsynced). On
 restart, complete problems are kept and skipped; a truncated last line or a partially written problem
 is discarded and generated again, so no problem is duplicated or lost.
+
+Every sample is graded under both answer policies (``d3s.rewards.ANSWER_POLICIES``: which boxed answer
+counts); ``ScoringOptions.answer_policy`` only chooses the primary one (``correct``, ``pass_at_k``). The
+policy is therefore not part of the resume identity: resuming with another primary policy relabels the
+kept samples (and grades samples written before both policies were recorded) without generating again.
 """
 
 from __future__ import annotations
@@ -31,9 +36,17 @@ from d3s import provenance
 from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, Sample, problem_seed
-from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table
+from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
 from d3s.provenance import atomic_write_text
-from d3s.rewards import Grader, GradeResult
+from d3s.rewards import (
+    ANSWER_POLICIES,
+    DEFAULT_ANSWER_POLICY,
+    AnswerPolicy,
+    Grader,
+    GradeResult,
+    check_answer_policy,
+    count_boxes,
+)
 
 SAMPLES_FILE, SUMMARY_FILE, RUN_FILE = "samples.jsonl", "summary.json", "run.json"
 MANIFEST_FILE = "manifest.json"
@@ -49,6 +62,10 @@ class ScoringOptions:
     bootstrap_resamples: int = 1000
     confidence: float = 0.95
     bootstrap_seed: int = 0
+    answer_policy: AnswerPolicy = DEFAULT_ANSWER_POLICY  # primary policy; both are always reported
+
+    def __post_init__(self) -> None:
+        check_answer_policy(self.answer_policy)
 
 
 @dataclass
@@ -148,25 +165,84 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     atomic_write_json(run_file, identity)
 
 
+_PER_POLICY_FIELDS = ("correct", "extracted", "timed_out", "grading_error")
+
+
+def _policy_fields(grade: GradeResult) -> dict[str, Any]:
+    return {
+        "correct": grade.correct,
+        "extracted": grade.extracted,
+        "timed_out": grade.timed_out,
+        "grading_error": grade.error,
+    }
+
+
+def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
+    """Copy the primary policy's verdict to the record's top-level fields."""
+    record["answer_policy"] = policy
+    record.update(record["by_policy"][policy])
+
+
 def _sample_records(
-    problem: Problem, samples: Sequence[Sample], grades: Sequence[GradeResult]
+    problem: Problem,
+    samples: Sequence[Sample],
+    grades: dict[AnswerPolicy, Sequence[GradeResult]],
+    primary: AnswerPolicy,
 ) -> list[dict[str, Any]]:
-    return [
-        {
+    records = []
+    for index, sample in enumerate(samples):
+        by_policy = {policy: _policy_fields(grades[policy][index]) for policy in ANSWER_POLICIES}
+        record = {
             "problem_id": problem.problem_id,
             "sample_index": index,
             "completion": sample.text,
-            "extracted": grade.extracted,
-            "correct": grade.correct,
-            "timed_out": grade.timed_out,
-            "gold_parsed": grade.gold_parsed,
-            "grading_error": grade.error,
+            "answer_policy": primary,
+            **by_policy[primary],
+            "gold_parsed": grades[primary][index].gold_parsed,
+            "by_policy": by_policy,
+            "num_boxes": count_boxes(sample.text),
             "num_tokens": sample.num_tokens,
             "finish_reason": sample.finish_reason,
             "gold": list(problem.gold),
         }
-        for index, (sample, grade) in enumerate(zip(samples, grades, strict=True))
+        records.append(record)
+    return records
+
+
+def regrade_records(
+    completed: dict[str, list[dict[str, Any]]],
+    problems: Sequence[Problem],
+    grader: Grader,
+    primary: AnswerPolicy,
+) -> bool:
+    """Bring kept samples up to date in place: grade under every policy those written without one (older
+    files), and make ``primary`` the top-level verdict. Returns whether any record changed."""
+    gold_of = {p.problem_id: p.gold for p in problems}
+    stale = [
+        record
+        for records in completed.values()
+        for record in records
+        if set(record.get("by_policy") or {}) != set(ANSWER_POLICIES)
     ]
+    if stale:
+        grades = grader.grade_many_by_policy(
+            [r["completion"] for r in stale], [gold_of[str(r["problem_id"])] for r in stale]
+        )
+        for index, record in enumerate(stale):
+            record["by_policy"] = {
+                policy: _policy_fields(grades[policy][index]) for policy in ANSWER_POLICIES
+            }
+            record["gold_parsed"] = grades[primary][index].gold_parsed
+            record["num_boxes"] = count_boxes(record["completion"])
+    relabel = [r for records in completed.values() for r in records if r.get("answer_policy") != primary]
+    for record in relabel:
+        _set_primary(record, primary)
+    return bool(stale or relabel)
+
+
+def _rewrite_samples(path: Path, completed: dict[str, list[dict[str, Any]]]) -> None:
+    lines = [json.dumps(r, ensure_ascii=False) + "\n" for records in completed.values() for r in records]
+    _atomic_write_lines(path, lines)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -193,6 +269,11 @@ def evaluate_benchmark(
     _check_resume(run.out_dir, _run_identity(run, resolved_template, grader))
     samples_path = run.out_dir / SAMPLES_FILE
     completed = load_completed_samples(samples_path, run.settings.samples)
+    primary = run.scoring.answer_policy
+    known = {p.problem_id for p in run.problems}
+    kept = {pid: records for pid, records in completed.items() if pid in known}
+    if regrade_records(kept, run.problems, grader, primary):  # grading is cheap; generation is not
+        _rewrite_samples(samples_path, completed)
     todo = [p for p in run.problems if p.problem_id not in completed]
     manifest = _start_manifest(run, resolved_template, grader, backend.name)
     manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
@@ -216,7 +297,7 @@ def evaluate_benchmark(
             generated = backend.generate(prompts, run.settings, seeds, add_special_tokens)
             completions = [s.text for samples in generated for s in samples]
             golds = [p.gold for p, samples in zip(batch, generated, strict=True) for _ in samples]
-            grades = grader.grade_many(completions, golds)
+            grades = grader.grade_many_by_policy(completions, golds)
             offset = 0
             for problem, samples in zip(batch, generated, strict=True):
                 if len(samples) != run.settings.samples:
@@ -224,7 +305,12 @@ def evaluate_benchmark(
                         f"backend returned {len(samples)} samples for problem {problem.problem_id}, "
                         f"expected {run.settings.samples}"
                     )
-                records = _sample_records(problem, samples, grades[offset : offset + len(samples)])
+                records = _sample_records(
+                    problem,
+                    samples,
+                    {policy: grades[policy][offset : offset + len(samples)] for policy in ANSWER_POLICIES},
+                    primary,
+                )
                 offset += len(samples)
                 # One write per problem, flushed and fsynced: a crash loses at most this problem.
                 handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -274,6 +360,7 @@ def _start_manifest(
         "template": resolved_template,
         "generation": run.settings.to_dict(),
         "answer_extraction": grader.answer_extraction,
+        "answer_policy": run.scoring.answer_policy,
         "grading_time_limit_s": grader.time_limit,
         "backend": backend_name,
         "scoring": {
@@ -341,31 +428,10 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
     return manifest
 
 
-def summarize_benchmark(
-    run: BenchmarkRun,
-    completed: dict[str, list[dict[str, Any]]],
-    resolved_template: str,
-    grader: Grader,
-    backend_name: str,
+def _policy_scores(
+    counts: Sequence[tuple[int, int]], correct_samples: int, total_samples: int, scoring: ScoringOptions
 ) -> dict[str, Any]:
-    """Pass@k over the problems of ``run`` (problems with unparsable gold are excluded and counted)."""
-    counts: list[tuple[int, int]] = []
-    unparsable: list[str] = []
-    timeouts = grading_errors = truncated = 0
-    correct_samples = total_samples = 0
-    for problem in run.problems:
-        records = completed[problem.problem_id]
-        timeouts += sum(bool(r["timed_out"]) for r in records)
-        grading_errors += sum(r.get("grading_error") is not None for r in records)
-        truncated += sum(r.get("finish_reason") == "length" for r in records)
-        if not all(r["gold_parsed"] for r in records):
-            unparsable.append(problem.problem_id)  # reported, never scored as wrong
-            continue
-        correct = sum(bool(r["correct"]) for r in records)
-        counts.append((len(records), correct))
-        correct_samples += correct
-        total_samples += len(records)
-    scoring = run.scoring
+    """Pass@k with its CI and the mean accuracy for one policy's (samples, correct) counts per problem."""
     table = (
         pass_at_k_table(
             counts,
@@ -378,21 +444,75 @@ def summarize_benchmark(
         else {}
     )
     return {
+        "pass_at_k": {k: v["value"] for k, v in table.items()},
+        "ci": {k: v["ci"] for k, v in table.items()},
+        "mean_accuracy": correct_samples / total_samples if total_samples else None,
+    }
+
+
+def summarize_benchmark(
+    run: BenchmarkRun,
+    completed: dict[str, list[dict[str, Any]]],
+    resolved_template: str,
+    grader: Grader,
+    backend_name: str,
+) -> dict[str, Any]:
+    """Pass@k under every answer policy over the problems of ``run`` (the primary policy's at the top
+    level), and how often the policies disagree; problems with unparsable gold are excluded and counted."""
+    primary = run.scoring.answer_policy
+    counts: dict[str, list[tuple[int, int]]] = {policy: [] for policy in ANSWER_POLICIES}
+    correct_samples = dict.fromkeys(ANSWER_POLICIES, 0)
+    timeouts = dict.fromkeys(ANSWER_POLICIES, 0)
+    grading_errors = dict.fromkeys(ANSWER_POLICIES, 0)
+    unparsable: list[str] = []
+    verdicts: list[tuple[bool, bool]] = []
+    multi_box = truncated = total_samples = 0
+    for problem in run.problems:
+        records = completed[problem.problem_id]
+        truncated += sum(r.get("finish_reason") == "length" for r in records)
+        for policy in ANSWER_POLICIES:
+            timeouts[policy] += sum(bool(r["by_policy"][policy]["timed_out"]) for r in records)
+            grading_errors[policy] += sum(
+                r["by_policy"][policy]["grading_error"] is not None for r in records
+            )
+        if not all(r["gold_parsed"] for r in records):
+            unparsable.append(problem.problem_id)  # reported, never scored as wrong
+            continue
+        for policy in ANSWER_POLICIES:
+            correct = sum(bool(r["by_policy"][policy]["correct"]) for r in records)
+            counts[policy].append((len(records), correct))
+            correct_samples[policy] += correct
+        verdicts += [tuple(bool(r["by_policy"][p]["correct"]) for p in ANSWER_POLICIES) for r in records]
+        multi_box += sum(r.get("num_boxes", 0) >= 2 for r in records)
+        total_samples += len(records)
+    scoring = run.scoring
+    by_policy = {
+        policy: _policy_scores(counts[policy], correct_samples[policy], total_samples, scoring)
+        | {"timeouts": timeouts[policy], "grading_errors": grading_errors[policy]}
+        for policy in ANSWER_POLICIES
+    }
+    disagreement = policy_disagreement(verdicts, names=ANSWER_POLICIES) | {
+        "samples_with_2plus_boxes": multi_box
+    }
+    return {
         "benchmark": run.benchmark,
         "model_path": run.model_path,
         "n_problems": len(run.problems),
-        "n_problems_scored": len(counts),
+        "n_problems_scored": len(counts[primary]),
         "samples_per_problem": run.settings.samples,
         "n_samples": len(run.problems) * run.settings.samples,
-        "pass_at_k": {k: v["value"] for k, v in table.items()},
-        "ci": {k: v["ci"] for k, v in table.items()},
+        "answer_policy": primary,
+        "pass_at_k": by_policy[primary]["pass_at_k"],
+        "ci": by_policy[primary]["ci"],
         "ci_confidence": scoring.confidence,
         "bootstrap_resamples": scoring.bootstrap_resamples,
-        "mean_accuracy": correct_samples / total_samples if total_samples else None,
+        "mean_accuracy": by_policy[primary]["mean_accuracy"],
+        "by_policy": by_policy,
+        "policy_disagreement": disagreement,
         "unparsable_gold": len(unparsable),
         "unparsable_gold_ids": unparsable,
-        "timeouts": timeouts,
-        "grading_errors": grading_errors,
+        "timeouts": timeouts[primary],
+        "grading_errors": grading_errors[primary],
         "truncated_samples": truncated,
         "generation": run.settings.to_dict(),
         "backend": backend_name,
@@ -414,15 +534,28 @@ def summarize_benchmark(
 def write_overall_summary(
     out_dir: Path, model_path: str, summaries: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
-    """``<out>/summary.json``: every benchmark's Pass@k and the unweighted average over benchmarks."""
+    """``<out>/summary.json``: every benchmark's Pass@k and the unweighted average over benchmarks, under
+    the primary answer policy and, in ``by_policy`` / ``average_by_policy``, under each policy."""
     per_benchmark = {name: s["pass_at_k"] for name, s in summaries.items() if s["pass_at_k"]}
+    keys = ("answer_policy", "pass_at_k", "ci", "n_problems", "unparsable_gold", "timeouts")
     overall = {
         "model_path": model_path,
+        "answer_policy": next((s["answer_policy"] for s in summaries.values()), DEFAULT_ANSWER_POLICY),
         "benchmarks": {
-            name: {key: s[key] for key in ("pass_at_k", "ci", "n_problems", "unparsable_gold", "timeouts")}
+            name: {key: s[key] for key in keys}
+            | {
+                "by_policy": {p: {"pass_at_k": v["pass_at_k"]} for p, v in s["by_policy"].items()},
+                "policy_disagreement": s["policy_disagreement"],
+            }
             for name, s in summaries.items()
         },
         "average": average_over_benchmarks(per_benchmark),
+        "average_by_policy": {
+            policy: average_over_benchmarks(
+                {n: s["by_policy"][policy]["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]}
+            )
+            for policy in ANSWER_POLICIES
+        },
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "manifest": MANIFEST_FILE,
     }
@@ -432,9 +565,18 @@ def write_overall_summary(
 
 
 def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
-    """A Markdown table: one row per benchmark plus the average, Pass@k in percent with the CI."""
-    header = "| benchmark | problems | " + " | ".join(f"Pass@{k} (95% CI)" for k in ks) + " | timeouts |"
-    lines = [header, "|" + "---|" * (len(ks) + 3)]
+    """A Markdown table: one row per benchmark plus the average, Pass@k in percent with the CI under the
+    primary answer policy, Pass@(first k) under the other policy, and how often the two policies disagree."""
+    primary = next((s["answer_policy"] for s in summaries.values()), DEFAULT_ANSWER_POLICY)
+    others = [p for p in ANSWER_POLICIES if p != primary]
+    first_k = str(ks[0])
+    header = (
+        "| benchmark | problems | "
+        + " | ".join(f"Pass@{k} (95% CI)" for k in ks)
+        + "".join(f" | Pass@{first_k} {p}" for p in others)
+        + " | policies disagree | timeouts |"
+    )
+    lines = [f"answer policy: {primary}", "", header, "|" + "---|" * (len(ks) + len(others) + 4)]
     for name, s in summaries.items():
         cells = []
         for k in ks:
@@ -442,9 +584,19 @@ def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]
             cells.append(
                 "n/a" if value is None else f"{100 * value:.1f} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
             )
+        for policy in others:
+            value = s["by_policy"][policy]["pass_at_k"].get(first_k)
+            cells.append("n/a" if value is None else f"{100 * value:.1f}")
+        rate = s["policy_disagreement"]["rate"]
+        cells.append("n/a" if rate is None else f"{100 * rate:.1f}% of {s['policy_disagreement']['samples']}")
         lines.append(f"| {name} | {s['n_problems']} | " + " | ".join(cells) + f" | {s['timeouts']} |")
     average = average_over_benchmarks({n: s["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]})
     if len(summaries) > 1 and average:
         cells = [f"{100 * average[str(k)]:.1f}" if str(k) in average else "n/a" for k in ks]
-        lines.append("| average | | " + " | ".join(cells) + " | |")
+        for policy in others:
+            other = average_over_benchmarks(
+                {n: s["by_policy"][policy]["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]}
+            )
+            cells.append(f"{100 * other[first_k]:.1f}" if first_k in other else "n/a")
+        lines.append("| average | | " + " | ".join(cells) + " | | |")
     return "\n".join(lines)
