@@ -862,7 +862,17 @@ class D3STrainer(GRPOTrainer):
                     print(f"{path.name} cut to its weights (removed {', '.join(removed)})", flush=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = os.path.join(checkpoint or "", "optimizer.pt")
+        scheduler = os.path.join(checkpoint or "", "scheduler.pt")
+        cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu"
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        if cpu_ranks and plain and os.path.isfile(optimizer) and os.path.isfile(scheduler):
+            # transformers 5.17 maps the optimizer state to args.device when world_size > 1, which on CPU
+            # processes is "cpu:<rank>", a location torch.load cannot restore; CPU is where it belongs anyway.
+            self.optimizer.load_state_dict(torch.load(optimizer, map_location="cpu", weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and os.path.exists(os.path.join(checkpoint, D3S_STATE_FILE)):
             with open(os.path.join(checkpoint, D3S_STATE_FILE), encoding="utf-8") as fh:
                 self.update_tokens_total = json.load(fh)["update_tokens_total"]

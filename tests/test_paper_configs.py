@@ -223,9 +223,26 @@ def test_resolved_trainer_settings(config_path, resolved):
         )
         assert args.use_vllm and args.vllm_mode == "colocate", where
         assert args.vllm_max_model_length >= args.max_completion_length + 512, where
-        # learning curves: a checkpoint every save_steps, weights only
-        assert args.save_strategy.value == "steps" and args.save_only_model, where
+        # learning curves: a checkpoint every save_steps (resumable: test_checkpoints_resume)
+        assert args.save_strategy.value == "steps", where
         assert args.max_steps % args.save_steps == 0 and args.max_steps // args.save_steps >= 4, where
+
+
+@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda p: p.stem)
+def test_checkpoints_resume(config_path, resolved):
+    """A cut-off paper run resumes exactly: its newest checkpoint keeps the training state (optimizer, scheduler,
+    RNG, DeepSpeed's global_step folder), which save_only_model: true would drop; the older ones are cut to
+    16-bit weights, which ZeRO-3 writes only with zero3_save_16bit_model; and Trainer deletes none of them."""
+    cfg, configs = resolved[config_path.name]
+    for method, args in configs.items():
+        where = f"{config_path.name} {method}"
+        assert not args.save_only_model and args.full_state_checkpoints == "latest", where
+        assert args.save_total_limit is None, where  # every checkpoint is evaluated for the learning curves
+    accelerate = cfg["train"].get("launch", {}).get("accelerate_config", "ddp")
+    launcher = yaml.safe_load((ACCELERATE_DIR / f"{accelerate}.yaml").read_text())
+    deepspeed = launcher.get("deepspeed_config", {})
+    if deepspeed.get("zero_stage") == 3:
+        assert deepspeed.get("zero3_save_16bit_model") is True, accelerate
 
 
 def test_a_bad_paper_config_fails_at_parse_time(tmp_path, shared_data_dir):
