@@ -13,7 +13,7 @@ rule train:
         final=directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/final"),
     # Checkpoints are not declared outputs: Snakemake deletes a job's outputs before re-running it, and a
     # killed job re-run with --rerun-incomplete resumes from them (`d3s train`, resume: auto). A job whose
-    # configuration changed starts over and removes them (workflow/scripts/train_run.py).
+    # configuration changed starts over and moves them aside, never deletes them (workflow/scripts/train_run.py).
     params:
         model=model_param,
         train=config["train"],
