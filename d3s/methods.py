@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from d3s.selection import round_half_up
+
 
 @dataclass(frozen=True)
 class Method:
@@ -30,9 +32,11 @@ class Method:
     trl_settings: dict[str, Any] = field(default_factory=dict)
 
     def keep_per_prompt(self, num_generations: int) -> tuple[int, int]:
-        """(N_init, N_final) for G = ``num_generations``; at least 1."""
+        """(N_init, N_final) for G = ``num_generations``: fraction x G rounded as the schedule rounds (halves
+        up, so G = 10 at 25 % keeps 3), at least 1."""
         return tuple(
-            max(1, round(f * num_generations)) for f in (self.keep_fraction_init, self.keep_fraction_final)
+            max(1, round_half_up(f * num_generations))
+            for f in (self.keep_fraction_init, self.keep_fraction_final)
         )
 
 

@@ -11,6 +11,23 @@ Token level (which tokens of the kept rollouts train):
 
 Schedule:
     Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
+    round_half_up         the one rounding rule for keep counts (the schedule's and the method registry's)
+
+Ties in max_variance_subset (which rollouts train when several subsets are equally good), for a row of n
+values and k kept:
+    1. the values are sorted descending by a stable sort, so among equal values the top picks take the
+       earliest indices and the bottom picks the latest (the picks depend on the order of the input only
+       through this);
+    2. split i (the i largest plus the k - i smallest, i = 0..k) is optimal when its population variance is
+       within variance_tie_tolerance = 16 (u + k 2^-53) R M of the best split's (R the row's range, M its
+       largest magnitude, u = 2^-24 for float32 and narrower inputs, 2^-53 for float64 and integers);
+    3. the largest optimal i wins.
+The tolerance is wider than any rounding of our float64 sums, so float rounding never decides a tie: CPU and
+CUDA pick the same rows, and float32 or float64 advantages of the same discrete rewards pick what the rule
+gives in exact arithmetic on the rewards. It is narrower than the gap between distinct variances of integer
+rewards in [0, m] (at least 1 / k^2 against at most 1e-6 m^2 for float32 inputs) while k < 1000 / m, so it
+never merges those; with continuous values it merges splits whose variances differ by less than the input's
+own rounding could move them, and float32 and float64 inputs can then pick differently.
 """
 
 from __future__ import annotations
@@ -56,10 +73,13 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (..., k) of a size-k subset of ``values`` (..., n) with the largest population variance.
 
     Some optimal subset is the i largest plus the k - i smallest values for some i in 0..k (PODS, Lemma 3.1),
-    so we sort once and score all k + 1 splits from prefix sums. Ties are broken deterministically: the sort
-    is stable, so among equal values the top picks take the earliest indices and the bottom picks the
-    latest, and the largest optimal i wins (a constant row keeps its first k). The indices come back in
-    ascending order. Work is O(n log n) per row with no Python loop over rows.
+    so we sort once and score all k + 1 splits from prefix sums of the k largest and the k smallest. The
+    indices come back in ascending order. Work is O(n log n) per row with no Python loop over rows.
+
+    The tie rule (the module docstring states it in full): the sort is stable, so among equal values the
+    top picks take the earliest indices and the bottom picks the latest; every split whose variance is
+    within ``variance_tie_tolerance`` of the best counts as optimal, and the largest such i wins (a
+    constant row keeps its first k).
     """
     if values.dim() == 0:
         raise ValueError("values must have at least one dimension (..., n)")
@@ -67,22 +87,45 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= n:
         raise ValueError(f"k must satisfy 1 <= k <= n = {n}; got k = {k}")
     _check_finite("values", values)
-    # Centre and accumulate in float64: sum-of-squares variance loses precision otherwise.
     x = values.to(torch.float64)
-    x = x - x.mean(dim=-1, keepdim=True)
     sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    zeros = sorted_x.new_zeros((*sorted_x.shape[:-1], 1))
-    prefix = torch.cat([zeros, sorted_x.cumsum(-1)], dim=-1)  # prefix[j] = sum of the j largest
-    prefix_sq = torch.cat([zeros, (sorted_x * sorted_x).cumsum(-1)], dim=-1)
-    top = torch.arange(k + 1, device=values.device)  # i = number taken from the top
-    bottom_start = n - k + top  # the k - i smallest occupy sorted positions [n - k + i, n)
-    total = prefix[..., top] + prefix[..., n : n + 1] - prefix[..., bottom_start]
-    total_sq = prefix_sq[..., top] + prefix_sq[..., n : n + 1] - prefix_sq[..., bottom_start]
-    variance = total_sq / k - (total / k) ** 2
-    best_top = k - variance.flip(-1).argmax(dim=-1, keepdim=True)  # the largest optimal i
+    # Variance ignores a shift. Shifting by a member (the median) keeps small integers and dyadic values
+    # exact, so for discrete rewards every sum below is exact and tied splits score bit-identically.
+    d = sorted_x - sorted_x[..., n // 2 : n // 2 + 1]
+    largest, smallest = d[..., :k], d[..., n - k :].flip(-1)  # smallest: ascending from the minimum
+    zeros = d.new_zeros((*d.shape[:-1], 1))
+    # Sums over at most k terms (not prefix differences over n), so rounding scales with k, not n.
+    top_sum = torch.cat([zeros, largest.cumsum(-1)], dim=-1)  # [i] = sum of the i largest
+    top_sq = torch.cat([zeros, (largest * largest).cumsum(-1)], dim=-1)
+    bottom_sum = torch.cat([zeros, smallest.cumsum(-1)], dim=-1).flip(-1)  # [i] = sum of the k - i smallest
+    bottom_sq = torch.cat([zeros, (smallest * smallest).cumsum(-1)], dim=-1).flip(-1)
+    total = top_sum + bottom_sum
+    score = k * (top_sq + bottom_sq) - total * total  # k^2 Var of split i: no division, exact on integers
+    spread = sorted_x[..., :1] - sorted_x[..., -1:]
+    magnitude = torch.maximum(sorted_x[..., :1].abs(), sorted_x[..., -1:].abs())
+    tolerance = k * k * variance_tie_tolerance(spread, magnitude, k, values.dtype)
+    optimal = score >= score.amax(dim=-1, keepdim=True) - tolerance
+    splits = torch.arange(k + 1, device=values.device)
+    best_top = torch.where(optimal, splits, -1).amax(dim=-1, keepdim=True)  # the largest optimal i
     slot = torch.arange(k, device=values.device)
     positions = torch.where(slot < best_top, slot, n - k + slot)
     return torch.gather(order, -1, positions).sort(dim=-1).values
+
+
+def variance_tie_tolerance(
+    spread: torch.Tensor | float, magnitude: torch.Tensor | float, k: int, dtype: torch.dtype
+) -> torch.Tensor | float:
+    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M.
+
+    R is the row's range (max - min), M its largest magnitude and u the unit roundoff of the input's
+    precision: 2^-24 for float32 and narrower floats, 2^-53 for float64 and integers. Rounding every value
+    by a relative 2u (as computing A = (r - mean) / std in float32 does) moves the gap between two splits'
+    variances by at most 4 u R M, and our float64 sums over at most k terms by at most 12 (k + 1) 2^-53 R M
+    (worst case; typical rounding is far smaller); the tolerance exceeds both together. So exact ties, and
+    ties of exact values that the input's rounding broke, always fall inside.
+    """
+    unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
+    return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
 
 
 def population_variance(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -252,11 +295,22 @@ def token_keep_mask(
 # Schedule
 
 
+def round_half_up(value: float) -> int:
+    """The nearest integer, halves rounded up (2.5 -> 3): the rule for every keep count N.
+
+    The papers say "round" without a rule; half up is the usual reading. The 1e-9 absorbs binary error, so a
+    value that is a half in exact arithmetic rounds up even when its float lands a hair below (0.58 x 25 is
+    14.499999999999998, a schedule from 1 to 6 at p = 0.7 gives 4.499999999999999). An exact value within 1e-9
+    below a half would need a schedule of over 5 x 10^8 steps.
+    """
+    return math.floor(value + 0.5 + 1e-9)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """(keep_per_prompt, token_keep_ratio) as a function of training progress p = step / max_steps.
 
-    ``linear``: N(p) = round((1 - p) N_init + p N_final) (halves round up), K(p) = (1 - p) K_init + p K_final.
+    ``linear``: N(p) = round_half_up((1 - p) N_init + p N_final), K(p) = (1 - p) K_init + p K_final.
     ``constant``: the initial values throughout.
     """
 
@@ -278,7 +332,7 @@ class Schedule:
         p = self._progress(progress)
         if self.kind == "constant":
             return self.keep_init
-        return math.floor((1 - p) * self.keep_init + p * self.keep_final + 0.5)
+        return round_half_up((1 - p) * self.keep_init + p * self.keep_final)
 
     def token_keep_ratio(self, progress: float) -> float:
         p = self._progress(progress)

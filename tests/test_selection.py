@@ -5,19 +5,23 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from fractions import Fraction
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from d3s.methods import Method, get_method
 from d3s.selection import (
     Schedule,
     max_variance_subset,
     renormalize_advantages,
+    round_half_up,
     select_samples,
     token_keep_mask,
     token_scores,
+    variance_tie_tolerance,
 )
 
 
@@ -74,8 +78,13 @@ def test_max_variance_subset_batched_rows_are_independent(rows, n, binary, data)
     assert idx.shape == (rows, 2, k)
     for r, c in itertools.product(range(rows), range(2)):
         assert torch.equal(idx[r, c], max_variance_subset(values[r, c], k))
-        best = brute_force_best_variance(values[r, c].tolist(), k)
-        assert subset_variance(values[r, c], idx[r, c]) == pytest.approx(best, abs=1e-9)
+        row = values[r, c].tolist()
+        assert idx[r, c].tolist() == documented_pick(row, k, FLOAT32_ROUNDOFF)
+        # optimal up to the tie tolerance (float32 rows: splits closer than float32 rounding are ties)
+        tolerance = variance_tie_tolerance(max(row) - min(row), max(map(abs, row)), k, torch.float32)
+        assert (
+            subset_variance(values[r, c], idx[r, c]) >= brute_force_best_variance(row, k) - tolerance - 1e-12
+        )
 
 
 def test_tie_breaking_is_deterministic():
@@ -124,7 +133,8 @@ def test_lemma_standardised_group_has_subset_with_variance_at_least_one(rewards)
     standardised = (r - r.mean()) / r.std(unbiased=False)
     idx = max_variance_subset(standardised, 2)
     assert subset_variance(standardised, idx) >= 1.0 - 1e-9
-    assert set(idx.tolist()) >= {int(standardised.argmin())} or standardised[idx].min() == standardised.min()
+    # the minimum is kept, or a value tied with it at float64 precision (the tie rule may prefer that one)
+    assert standardised[idx].min().item() == pytest.approx(standardised.min().item(), rel=1e-12, abs=1e-12)
 
 
 def test_scales_to_a_million_values_without_python_loops():
@@ -142,6 +152,254 @@ def test_scales_to_a_million_values_without_python_loops():
     ordered = values.sort().values
     n_bottom = int((kept < 0).sum())
     assert torch.equal(kept[:n_bottom], ordered[:n_bottom])
+
+
+# ---- the tie rule, in exact arithmetic ------------------------------------------------------------------------
+
+FLOAT32_ROUNDOFF = Fraction(1, 2**24)
+FLOAT64_ROUNDOFF = Fraction(1, 2**53)
+NUM_GROUPS = 900  # the size of the measurement in issue 12
+
+
+def exact_score(values: list[Fraction]) -> Fraction:
+    """k^2 x the population variance of ``values`` (k = len), exactly."""
+    return len(values) * sum(x * x for x in values) - sum(values) ** 2
+
+
+def best_subset_score(values: list[Fraction], k: int) -> Fraction:
+    """The largest exact_score over every size-k subset, enumerated as counts of each distinct value (so
+    repeated values cost nothing: binary rewards have at most k + 1 distinct subsets)."""
+    distinct = sorted(set(values))
+    available = [values.count(v) for v in distinct]
+
+    def counts(position: int, left: int):
+        if position == len(distinct):
+            if left == 0:
+                yield ()
+            return
+        for c in range(min(available[position], left) + 1):
+            for rest in counts(position + 1, left - c):
+                yield (c, *rest)
+
+    return max(
+        k * sum(c * v * v for c, v in zip(taken, distinct, strict=True))
+        - sum(c * v for c, v in zip(taken, distinct, strict=True)) ** 2
+        for taken in counts(0, k)
+    )
+
+
+def documented_pick(values: list[float], k: int, unit_roundoff: Fraction | None) -> list[int]:
+    """The module docstring's tie rule, in exact arithmetic on the values as given.
+
+    ``unit_roundoff`` None applies it with no tolerance: exact ties only (the rule on exact rewards).
+    """
+    exact = [Fraction(v) for v in values]
+    n = len(exact)
+    order = sorted(range(n), key=lambda j: (-exact[j], j))  # the stable descending sort
+    splits = [order[:i] + order[n - k + i :] for i in range(k + 1)]
+    scores = [exact_score([exact[j] for j in split]) for split in splits]
+    best = max(scores)
+    assert best == best_subset_score(exact, k), "PODS Lemma 3.1: some top i + bottom k - i split is optimal"
+    tolerance = Fraction(0)
+    if unit_roundoff is not None:
+        spread, magnitude = max(exact) - min(exact), max(abs(max(exact)), abs(min(exact)))
+        tolerance = k * k * 16 * (unit_roundoff + k * FLOAT64_ROUNDOFF) * spread * magnitude
+    largest_optimal = max(i for i, score in enumerate(scores) if score >= best - tolerance)
+    return sorted(splits[largest_optimal])
+
+
+def roundoff_of(dtype: torch.dtype) -> Fraction:
+    return FLOAT64_ROUNDOFF if dtype == torch.float64 else FLOAT32_ROUNDOFF
+
+
+def trl_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """TRL's group-scaled advantages (r - mean) / (std + 1e-4), in the rewards' dtype."""
+    grouped = rewards.view(-1, group)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+
+
+def discrete_rewards(num_groups: int, group: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """(num_groups, group) rewards: even groups binary, odd groups in {0, 1, 2}, each with its own mix."""
+    generator = torch.Generator().manual_seed(seed)
+    probabilities = torch.rand(num_groups, 3, generator=generator)
+    probabilities[::2, 2] = 0.0
+    return torch.multinomial(probabilities, group, replacement=True, generator=generator).to(dtype)
+
+
+reward_kinds = st.sampled_from(["binary", "ternary", "continuous"])
+
+
+def draw_rewards(data: st.DataObject, kind: str, size: int) -> list[float]:
+    if kind == "binary":
+        element = st.sampled_from([0.0, 1.0])
+    elif kind == "ternary":
+        element = st.sampled_from([0.0, 1.0, 2.0])
+    else:
+        element = st.floats(-10, 10, allow_nan=False, width=32)
+    return data.draw(st.lists(element, min_size=size, max_size=size))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=reward_kinds,
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    n=st.integers(1, 9),
+    data=st.data(),
+)
+def test_max_variance_subset_follows_the_tie_rule_exactly(kind, dtype, n, data):
+    values = draw_rewards(data, kind, n)
+    k = data.draw(st.integers(1, n))
+    picked = max_variance_subset(torch.tensor(values, dtype=dtype), k).tolist()
+    assert picked == documented_pick(values, k, roundoff_of(dtype))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=reward_kinds,
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    num_prompts=st.integers(1, 3),
+    group=st.integers(2, 5),
+    data=st.data(),
+)
+def test_select_samples_follows_the_tie_rule_in_both_scopes(kind, dtype, num_prompts, group, data):
+    if num_prompts * group > 10:  # keeps the brute force over all subsets cheap
+        num_prompts = 10 // group
+    rewards = torch.tensor(draw_rewards(data, kind, num_prompts * group), dtype=dtype)
+    advantages = trl_advantages(rewards, group)
+    keep = data.draw(st.integers(1, group - 1))
+    grouped = select_samples(advantages, rewards, group, keep, "max_variance", "group")
+    expected = [
+        p * group + j
+        for p in range(num_prompts)
+        for j in documented_pick(advantages[p * group : (p + 1) * group].tolist(), keep, roundoff_of(dtype))
+    ]
+    assert grouped.tolist() == expected
+    pooled = select_samples(advantages, rewards, group, keep, "max_variance", "batch")
+    assert pooled.tolist() == documented_pick(advantages.tolist(), keep * num_prompts, roundoff_of(dtype))
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    group=st.sampled_from([4, 8, 16]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    data=st.data(),
+)
+def test_discrete_rewards_keep_what_the_rule_gives_on_the_exact_rewards(seed, group, dtype, data):
+    # Issue 12's measurement: 900 groups of binary or {0, 1, 2} rewards, selected on their float advantages.
+    # Every pick must be the rule's pick in exact arithmetic on the rewards, with no tolerance: ties between
+    # splits are exact ties of the rewards, and float rounding of the advantages must not break them.
+    keep = data.draw(st.integers(1, group - 1))
+    rewards = discrete_rewards(NUM_GROUPS, group, seed, dtype)
+    kept = select_samples(trl_advantages(rewards.flatten(), group), rewards.flatten(), group, keep)
+    local = (kept.view(NUM_GROUPS, keep) % group).tolist()
+    deviations = [g for g, row in enumerate(rewards.tolist()) if local[g] != documented_pick(row, keep, None)]
+    assert deviations == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(kind=st.sampled_from(["binary", "ternary"]), group=st.integers(2, 16), data=st.data())
+def test_float32_and_float64_pick_the_same_rows_for_discrete_rewards(kind, group, data):
+    num_prompts = data.draw(st.integers(1, 4))
+    rewards = draw_rewards(data, kind, num_prompts * group)
+    keep = data.draw(st.integers(1, group - 1))
+    picks = []
+    for dtype in (torch.float32, torch.float64):
+        r = torch.tensor(rewards, dtype=dtype)
+        advantages = trl_advantages(r, group)
+        picks.append(
+            [
+                select_samples(advantages, r, group, keep, "max_variance", "group").tolist(),
+                select_samples(r, r, group, keep, "max_variance", "batch").tolist(),  # the rewards themselves
+                max_variance_subset(advantages.view(num_prompts, group), keep).tolist(),
+            ]
+        )
+    assert picks[0] == picks[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=reward_kinds, dtype=st.sampled_from([torch.float32, torch.float64]), data=st.data())
+def test_permuting_the_input_permutes_the_pick_as_the_stable_sort_says(kind, dtype, data):
+    n = data.draw(st.integers(1, 9))
+    values = draw_rewards(data, kind, n)
+    k = data.draw(st.integers(1, n))
+    permutation = data.draw(st.permutations(range(n)))
+    permuted = [values[j] for j in permutation]
+    picked = max_variance_subset(torch.tensor(values, dtype=dtype), k).tolist()
+    picked_permuted = max_variance_subset(torch.tensor(permuted, dtype=dtype), k).tolist()
+    # The same values whatever the order (the split depends on the sorted values only) ...
+    assert sorted(permuted[j] for j in picked_permuted) == sorted(values[j] for j in picked)
+    # ... and among equal values, the indices the stable sort gives (top: earliest, bottom: latest).
+    assert picked_permuted == documented_pick(permuted, k, roundoff_of(dtype))
+    if len(set(values)) == n:  # distinct values: the pick follows the rows
+        assert sorted(permutation[j] for j in picked_permuted) == picked
+
+
+def test_equal_values_keep_the_earliest_on_top_and_the_latest_at_the_bottom():
+    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    # 4 of 8 kept: 2 ones + 2 zeros is the only optimum; the earliest ones and the latest zeros
+    assert max_variance_subset(rewards, 4).tolist() == [1, 3, 5, 7]
+    # 3 of 8: 2 ones + 1 zero ties with 1 one + 2 zeros; the largest i (more from the top) wins
+    assert max_variance_subset(rewards, 3).tolist() == [1, 3, 7]
+    assert max_variance_subset(1 - rewards, 3).tolist() == [0, 2, 6]
+
+
+@pytest.mark.parametrize(
+    ("rewards", "keep", "dtype", "expected"),
+    [
+        # splits i = 0, 1, 2 all keep {1, 1, 0}: the largest i takes the two earliest ones (the old
+        # prefix-difference scan scored them a few ulps apart and took i = 1: [0, 1, 3])
+        ([0.0, 1.0, 1.0, 1.0], 3, torch.float32, [0, 1, 2]),
+        # splits i = 1, 2 both keep {2, 0}: i = 2 takes the earliest zero from the top (the old scan: [2, 3])
+        ([0.0, 0.0, 0.0, 2.0], 2, torch.float64, [0, 3]),
+        ([0.0, 0.0, 0.0, 2.0], 3, torch.float64, [0, 1, 3]),
+    ],
+)
+def test_ties_that_float_rounding_used_to_break(rewards, keep, dtype, expected):
+    r = torch.tensor(rewards, dtype=dtype)
+    assert documented_pick(rewards, keep, None) == expected
+    assert max_variance_subset(trl_advantages(r, len(rewards)), keep).tolist() == expected
+    assert max_variance_subset(r, keep).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("spread", "magnitude", "k", "dtype", "expected"),
+    [
+        (2.0, 1.0, 4, torch.float32, 16 * (2**-24 + 4 * 2**-53) * 2.0),
+        (2.0, 1.0, 4, torch.bfloat16, 16 * (2**-24 + 4 * 2**-53) * 2.0),
+        (3.0, 2.0, 8, torch.float64, 16 * 9 * 2**-53 * 6.0),
+        (3.0, 2.0, 8, torch.int64, 16 * 9 * 2**-53 * 6.0),
+    ],
+)
+def test_variance_tie_tolerance_formula(spread, magnitude, k, dtype, expected):
+    assert variance_tie_tolerance(spread, magnitude, k, dtype) == expected
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (CPU and CUDA picks are compared)"
+)
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_cuda_picks_the_same_rows_as_the_cpu(scope):
+    # Issue 12 saw 15 of 480 cases differ (max_variance, group scope, G = 16, N = 5) before the tie rule.
+    device = torch.device("cuda")
+    differing = []
+    for case in range(480):
+        group, keep = 16, 5
+        generator = torch.Generator().manual_seed(case)
+        if case % 3 == 2:
+            rewards = torch.randn(8 * group, generator=generator)
+        else:
+            rewards = discrete_rewards(8, group, case, torch.float32).flatten()
+        for dtype in (torch.float32, torch.float64):
+            r = rewards.to(dtype)
+            advantages = trl_advantages(r, group)
+            on_cpu = select_samples(advantages, r, group, keep, "max_variance", scope)
+            on_cuda = select_samples(advantages.to(device), r.to(device), group, keep, "max_variance", scope)
+            if not torch.equal(on_cpu, on_cuda.cpu()):
+                differing.append((case, dtype))
+    assert differing == []
+    big = torch.randn(2**16, generator=torch.Generator().manual_seed(0))  # the pooled scan at scale
+    assert torch.equal(max_variance_subset(big, 2**14), max_variance_subset(big.to(device), 2**14).cpu())
 
 
 # ---- sample rules and scopes on hand-made batches ------------------------------------------------------------
@@ -342,3 +600,42 @@ def test_constant_schedule():
     assert list(s.reachable_keep_values()) == [4]
     with pytest.raises(ValueError, match="schedule must be one of"):
         Schedule("cosine", 1, 1, 1.0, 1.0)
+
+
+# ---- one rounding rule for keep counts -----------------------------------------------------------------------
+
+
+def test_keep_counts_round_halves_up_in_the_registry_and_the_schedule():
+    # G = 10 at 25 % is 2.5: 3 in both (Python's round, halves to even, gave 2 in the registry)
+    assert get_method("pods").keep_per_prompt(10) == (3, 3)
+    assert Method("x", keep_fraction_init=0.25, keep_fraction_final=1.0).keep_per_prompt(10) == (3, 10)
+    assert Schedule("linear", 0, 10, 1.0, 1.0).keep_per_prompt(0.25) == 3
+    assert Schedule("linear", 2, 3, 1.0, 1.0).keep_per_prompt(0.5) == 3
+    assert [round_half_up(x) for x in (0.5, 1.5, 2.5, 2.4999, -0.5)] == [1, 2, 3, 2, 0]
+    # halves in exact arithmetic whose floats land a hair below: 14.499999999999998, 4.499999999999999
+    assert Method("x", keep_fraction_init=0.58).keep_per_prompt(25) == (15, 25)
+    assert Schedule("linear", 1, 6, 1.0, 1.0).keep_per_prompt(0.7) == 5
+
+
+@settings(max_examples=300, deadline=None)
+@given(percent=st.integers(1, 100), group=st.integers(1, 256))
+def test_registry_and_schedule_round_a_keep_fraction_alike(percent, group):
+    fraction = percent / 100
+    expected = max(1, math.floor(Fraction(percent, 100) * group + Fraction(1, 2)))
+    method = Method("x", keep_fraction_init=fraction, keep_fraction_final=fraction)
+    assert method.keep_per_prompt(group) == (expected, expected)
+    # a schedule from 0 to G is at fraction x G at progress = fraction
+    assert max(1, Schedule("linear", 0, group, 1.0, 1.0).keep_per_prompt(fraction)) == expected
+
+
+def test_schedule_rounds_the_exact_interpolation_half_up():
+    # every step of short schedules between the paper's range of N: the float interpolation of an exact half
+    # often lands below it (1 -> 6 at step 7 of 10 gives 4.499999999999999)
+    mismatches = []
+    for keep_init, keep_final, max_steps in itertools.product(range(1, 9), range(1, 33), (7, 10, 48, 100)):
+        schedule = Schedule("linear", keep_init, keep_final, 1.0, 1.0)
+        for step in range(max_steps + 1):
+            exact = keep_init + (keep_final - keep_init) * Fraction(step, max_steps)
+            if schedule.keep_per_prompt(step / max_steps) != math.floor(exact + Fraction(1, 2)):
+                mismatches.append((keep_init, keep_final, step, max_steps))
+    assert mismatches == []

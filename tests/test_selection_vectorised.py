@@ -8,6 +8,7 @@ on the larger input. The last tests show the counter catches a deliberately loop
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,11 @@ def python_events(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Counter[
         return tracer
 
     old_profile, old_trace = sys.getprofile(), sys.gettrace()  # coverage tools install a tracer
+    # A garbage collection during the call would run finalizers of earlier tests' objects and count their
+    # events: collect first, and keep the collector off while counting.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(profiler)
     sys.settrace(tracer)
     try:
@@ -49,6 +55,8 @@ def python_events(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Counter[
     finally:
         sys.settrace(old_trace)
         sys.setprofile(old_profile)
+        if gc_was_enabled:
+            gc.enable()
     return events
 
 
