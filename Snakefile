@@ -1,6 +1,6 @@
 # d3s-repro: the reproduction workflow. `snakemake --cores 2` runs the tiny offline default
 # (config/config.yaml); `snakemake --cores N --configfile config/paper/<name>.yaml` a paper configuration.
-# Stages, one file each under workflow/rules/: base model, train, evaluate, analyse, report.
+# Stages, one file each under workflow/rules/: input checks, base model, train, evaluate, analyse, report.
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -21,8 +21,10 @@ include: "workflow/rules/common.smk"
 wildcard_constraints:
     method="[a-z0-9_]+",
     seed=r"\d+",
+    step=r"\d+",
 
 
+include: "workflow/rules/checks.smk"
 include: "workflow/rules/base_model.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"

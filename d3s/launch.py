@@ -792,13 +792,18 @@ def run_training_job(
 
 
 def resolved_trainer_configs(
-    config: Mapping[str, Any], accelerate_dir: str | os.PathLike[str], task: Mapping[str, Any] | None = None
+    config: Mapping[str, Any],
+    accelerate_dir: str | os.PathLike[str],
+    task: Mapping[str, Any] | None = None,
+    *,
+    check_inputs: bool = True,
 ) -> dict[str, Any]:
     """Every method's D3SConfig as its training job builds it (first seed), checked without GPUs.
 
     Runs d3s.train.resolve_config with check_hardware=False on the CPU (use_cpu forced, so nothing touches
     CUDA): unknown trainer fields, batch geometry for the job's process count, the schedule's keep
-    values, the method's TRL settings and the training data all fail here, before any job is queued.
+    values, the method's TRL settings and (unless ``check_inputs=False``: the workflow's input check reads
+    them itself) the model path and training data all fail here, before any job is queued.
     ``generation_batch_size`` comes out per process; the job's is that times its training GPUs.
     """
     from d3s.train import resolve_config
@@ -822,7 +827,7 @@ def resolved_trainer_configs(
         )
         run["trainer"] = dict(run["trainer"]) | {"use_cpu": True}
         try:
-            resolved[method] = resolve_config(run, check_hardware=False)
+            resolved[method] = resolve_config(run, check_hardware=False, check_inputs=check_inputs)
         except ValueError as err:
             raise ValueError(f"train.trainer (method {method}): {err}") from None
     return resolved

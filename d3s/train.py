@@ -66,11 +66,13 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
-def resolve_config(config: dict[str, Any], *, check_hardware: bool = True):
+def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check_inputs: bool = True):
     """Check the config and build the D3SConfig; raises ValueError naming the field to change.
 
     ``check_hardware=False`` validates a GPU config on a machine without GPUs (the workflow's parse-time
     check, the paper-config tests): GPU-only settings pass, everything else is checked.
+    ``check_inputs=False`` skips the model path and training data (the workflow's input check before its
+    jobs, which checks them on its own: workflow/scripts/check_inputs.py).
     """
     from d3s.trainer import D3SConfig
 
@@ -97,7 +99,8 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True):
     settings |= trainer
     if check_hardware:
         _check_hardware(settings)
-    _check_inputs(config)
+    if check_inputs:
+        _check_inputs(config)
     return D3SConfig.for_method(method, **settings)
 
 

@@ -27,6 +27,9 @@ rule evaluate_base:
         model=model_param,
         eval=config["eval"],
         task=TASK,
+        samples=config["eval"]["samples"],
+        k=config["eval"]["k"],
+        limit=config["eval"].get("limit"),
     threads: config["eval"].get("threads", 1)
     resources:
         **config["eval"].get("resources", {}),

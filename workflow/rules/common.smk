@@ -1,5 +1,7 @@
 # Shared settings and helpers of the workflow (no rules).
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
@@ -17,11 +19,18 @@ CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
 TASK = {"min_ops": 1, "max_ops": 2, "max_operand": 9} | dict(config.get("task") or {})
 ANALYSIS = {"reference": "grpo", "target_fraction": 0.99} | dict(config.get("analysis") or {})
 NOTEBOOKS = ["training_dynamics", "pass_at_k", "efficiency", "selection_anatomy"]
+# What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
+INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
 
 
 def _check_config():
-    """Fail at parse time, with the name to change, on unknown methods or benchmarks."""
+    """Fail at parse time, with the name to change, on what the config's text alone decides: unknown methods
+    or benchmarks, the analysis reference, launch settings, GPU resources and the batch geometry of
+    train.prompts_per_step. Pure and fast (no data, network, model or TRL import): it runs at every parse,
+    in every cluster job too, and keeps `snakemake -n` offline. Data, models and every method's full trainer
+    settings are checked before any training or evaluation job starts (checks.smk)."""
     from d3s.data.benchmarks import BenchmarkError, parse_benchmark_list
+    from d3s.launch import check_workflow_config
     from d3s.methods import get_method
 
     for method in METHODS:
@@ -38,14 +47,8 @@ def _check_config():
         raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {METHODS}")
     if config["base_model"]["kind"] == "path" and not config["base_model"].get("path"):
         raise ValueError("config base_model.kind is 'path' but base_model.path is not set")
-    from d3s.launch import check_workflow_config, job_gpus, resolved_trainer_configs
-
     try:
         check_workflow_config(config, ACCELERATE_DIR)
-        # GPU configurations: every method's trainer settings too (a few seconds of imports; the CPU
-        # default leaves this to its jobs, which fail as fast)
-        if job_gpus(config["train"].get("resources"), "train") > 0:
-            resolved_trainer_configs(config, ACCELERATE_DIR, TASK)
     except ValueError as exc:
         raise ValueError(f"config {exc}") from None
 
@@ -82,5 +85,36 @@ def run_dir(method, seed):
     return f"{RESULTS}/runs/{method}/seed{seed}"
 
 
+def checkpoint_path(wildcards):
+    """A run's checkpoint-<step> folder: not a declared output of rule train (see train.smk), so rule
+    evaluate_checkpoint takes it as a parameter (evaluate.py stops with the fix when it is missing)."""
+    return f"{run_dir(wildcards.method, wildcards.seed)}/checkpoint-{wildcards.step}"
+
+
 def all_final_evals():
     return expand(f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json", method=METHODS, seed=SEEDS)
+
+
+# What each kind of pending job needs checked before the run starts (checks.smk; the checks are in
+# workflow/scripts/check_inputs.py).
+CHECKS_OF_RULE = {
+    "train": ("trainer_settings", "base_model", "train_dataset"),
+    "evaluate_base": ("base_model", "eval_benchmarks"),
+    "evaluate_checkpoint": ("eval_benchmarks",),
+    "evaluate_final": ("eval_benchmarks",),
+}
+
+
+def check_inputs_of_pending_jobs():
+    """Run the checks the pending jobs need, in a process of its own (TRL stays out of Snakemake's); stop
+    the run if anything is missing (the script prints one line per problem, naming the fix)."""
+    pending = {job.rule.name for job in workflow.dag.needrun_jobs()}
+    checks = sorted({check for rule in pending for check in CHECKS_OF_RULE.get(rule, ())})
+    if not checks:
+        return
+    request = {"config": config, "task": TASK, "accelerate_dir": ACCELERATE_DIR, "checks": checks}
+    script = f"{workflow.basedir}/workflow/scripts/check_inputs.py"
+    log = f"{RESULTS}/logs/check_inputs.log"
+    done = subprocess.run([sys.executable, script, INPUT_CHECKS, log], input=json.dumps(request), text=True)
+    if done.returncode:
+        raise SystemExit(done.returncode)

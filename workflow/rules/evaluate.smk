@@ -1,24 +1,53 @@
-# Stage 3: `d3s eval` on every intermediate checkpoint (learning curves; checkpoint_samples per problem)
-# and on the final model (eval.samples per problem: Pass@1 .. Pass@k). One job per run, one process.
+# Stage 3: `d3s eval`, one job per evaluated model, so evaluations run in parallel and fail alone:
+# evaluate_checkpoint, every intermediate checkpoint (learning curves: eval.checkpoint_samples per problem on
+# eval.checkpoint_limit problems), and evaluate_final, the final model (eval.samples per problem: Pass@1 ..
+# Pass@k). A killed or failed job resumes where it stopped: the declared output is only summary.json, which
+# `d3s eval` writes last, so the samples.jsonl beside it are not outputs and Snakemake never deletes them
+# before a re-run (a directory() output would be deleted whole). workflow/scripts/evaluate.py moves an
+# evaluation aside, never deletes it, when the model or the settings it was made with changed.
 
 
-rule evaluate:
+rule evaluate_checkpoint:
     input:
-        final=f"{RESULTS}/runs/{{method}}/seed{{seed}}/final",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",  # the run's checkpoints exist
     output:
-        final=f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json",
-        steps=[f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{s}/summary.json" for s in CKPT_STEPS],
+        summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{{step}}/summary.json",
     params:
+        model=checkpoint_path,
         eval=config["eval"],
         task=TASK,
-        steps=CKPT_STEPS,
-        checkpoints=lambda wc: [f"{RESULTS}/runs/{wc.method}/seed{wc.seed}/checkpoint-{s}" for s in CKPT_STEPS],
+        samples=config["eval"].get("checkpoint_samples", 4),
+        k=config["eval"].get("checkpoint_k", [1]),
+        limit=config["eval"].get("checkpoint_limit") or config["eval"].get("limit"),
     threads: config["eval"].get("threads", 1)
     resources:
         **config["eval"].get("resources", {}),
     log:
-        f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}.log",
+        f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}_step{{step}}.log",
+    conda:
+        ENV
+    script:
+        "../scripts/evaluate.py"
+
+
+rule evaluate_final:
+    input:
+        final=f"{RESULTS}/runs/{{method}}/seed{{seed}}/final",
+        summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
+    output:
+        summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json",
+    params:
+        model=lambda wildcards, input: input.final,
+        eval=config["eval"],
+        task=TASK,
+        samples=config["eval"]["samples"],
+        k=config["eval"]["k"],
+        limit=config["eval"].get("limit"),
+    threads: config["eval"].get("threads", 1)
+    resources:
+        **config["eval"].get("resources", {}),
+    log:
+        f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}_final.log",
     conda:
         ENV
     script:

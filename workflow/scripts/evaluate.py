@@ -1,19 +1,39 @@
-"""Snakemake script of rules evaluate and evaluate_base: `d3s eval` on each model, in one process.
+"""Snakemake script of rules evaluate_checkpoint, evaluate_final and evaluate_base: one model per job.
 
-Rule evaluate: every intermediate checkpoint with eval.checkpoint_samples, then the final model with
-eval.samples. Rule evaluate_base: the base model with eval.samples. Outputs: <out>/summary.json and
-samples.jsonl per model (the files of `d3s eval`). A job with resources.gpu gets that many GPUs of its own
-(d3s.launch.assign_gpus) and generates with vLLM, tensor-parallel over them unless eval.tensor_parallel_size.
+The job runs STEPS (below) in order on params.model, inside one GPU lease (a job with resources.gpu gets that
+many GPUs of its own, d3s.launch.assign_gpus, and generates with vLLM, tensor-parallel over them unless
+eval.tensor_parallel_size). Today one step: `d3s eval` with params.samples per problem, params.k,
+params.limit, writing <out>/summary.json (the rule's output, written last) and per benchmark
+<out>/<benchmark>/samples.jsonl, summary.json, manifest.json, run.json. A diagnostic computed per evaluated
+model (e.g. the KL to the initial policy) is one more entry of STEPS: a function of the EvalJob that writes
+its own file under job.out and is itself resumable (that file is not a declared output either, see below).
+
+Resuming: the rule declares only <out>/summary.json, so Snakemake never deletes the samples before a re-run,
+and `d3s eval` (run without --overwrite) keeps every complete problem in samples.jsonl and generates only the
+rest. It must only resume what the same model made with the same settings: <out>/resume_key.json records the
+model files' checksums and the settings that decide the samples. When either changed (the run was trained
+again, the config changed), the old evaluation is moved aside to <out>.superseded-<UTC time>/, never
+deleted, and a fresh one starts. Per-attempt values (batch size, GPUs and tensor parallelism, grading
+workers, the data directory) and what is reported from the samples (the Pass@k values, the primary answer
+policy, which d3s eval relabels without generating) are not settings of the samples: changing them resumes.
 """
 
 import contextlib
+import json
 import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from d3s.cli import main as d3s_main
 from d3s.launch import assign_gpus, job_gpus, signals_raise_system_exit
+from d3s.provenance import atomic_write_text, model_files, sha256_file
+
+RESUME_KEY_FILE = "resume_key.json"
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 ev, task = smk.params.eval, smk.params.task
@@ -22,73 +42,142 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(smk.threads))
 
 
-def eval_args(model: str, out: Path, samples: int, ks, limit=None) -> list[str]:
-    ks = [k for k in ks if k <= samples] or [1]
-    args = [
-        "eval",
-        "--model", model,
-        "--benchmarks", ",".join(ev["benchmarks"]),
-        "--samples", str(samples),
-        "--k", ",".join(map(str, ks)),
-        "--max-tokens", str(ev.get("max_tokens", 4096)),
-        "--temperature", str(ev.get("temperature", 0.6)),
-        "--top-p", str(ev.get("top_p", 0.95)),
-        "--template", ev.get("template", "auto"),
-        "--backend", ev.get("backend", "auto"),
-        "--out", str(out),
-        "--overwrite",
-        "--no-progress",
-        "--grading-workers", "1",
-    ]  # fmt: skip
+@dataclass(frozen=True)
+class EvalJob:
+    """What every step of the job works on."""
+
+    model: str  # directory or hub id
+    out: Path  # the evaluation directory (<out>/summary.json is the rule's output)
+    samples: int
+    ks: list[int]
+    limit: int | None
+    gpu_ids: list[str]
+
+
+def sample_settings(job: EvalJob) -> dict[str, str]:
+    """`d3s eval` options that decide the samples: an evaluation resumes only under the same ones."""
+    settings = {
+        "--model": job.model,
+        "--samples": str(job.samples),
+        "--max-tokens": str(ev.get("max_tokens", 4096)),
+        "--temperature": str(ev.get("temperature", 0.6)),
+        "--top-p": str(ev.get("top_p", 0.95)),
+        "--template": ev.get("template", "auto"),
+        "--backend": ev.get("backend", "auto"),
+    }
     if "synthetic" in ev["benchmarks"]:
         synthetic = task | dict(ev.get("synthetic") or {})
-        args += ["--synthetic", ",".join(f"{k}={v}" for k, v in synthetic.items())]
-    if ev.get("batch_size"):
-        args += ["--batch-size", str(ev["batch_size"])]
-    if ev.get("data_dir"):
-        args += ["--data-dir", str(ev["data_dir"])]
-    limit = limit or ev.get("limit")
-    if limit:
-        args += ["--limit", str(limit)]
-    if gpus:
-        args += ["--tensor-parallel-size", str(ev.get("tensor_parallel_size", gpus))]
-    for key in ("gpu_memory_utilization", "max_model_len", "dtype"):
+        settings["--synthetic"] = ",".join(f"{k}={v}" for k, v in synthetic.items())
+    if job.limit:
+        settings["--limit"] = str(job.limit)
+    for key in ("max_model_len", "dtype"):
         if ev.get(key) is not None:
-            args += [f"--{key.replace('_', '-')}", str(ev[key])]
-    return args
+            settings[f"--{key.replace('_', '-')}"] = str(ev[key])
+    return settings
 
 
-jobs = []
-checkpoints = list(getattr(smk.params, "checkpoints", []))  # rule evaluate_base has none
-missing = [ckpt for ckpt in checkpoints if not (Path(ckpt) / "config.json").is_file()]
-if missing:
+def other_options(job: EvalJob) -> dict[str, str]:
+    """`d3s eval` options that do not change the samples (per attempt, or what is reported from them)."""
+    ks = [k for k in job.ks if k <= job.samples] or [1]
+    options = {
+        # each benchmark resumes on its own (d3s eval's run.json): adding one keeps the others
+        "--benchmarks": ",".join(ev["benchmarks"]),
+        "--k": ",".join(map(str, ks)),
+        "--out": str(job.out),
+        "--grading-workers": "1",
+    }
+    if ev.get("answer_policy") is not None:  # the primary policy: d3s eval relabels, never regenerates
+        options["--answer-policy"] = str(ev["answer_policy"])
+    if ev.get("batch_size"):
+        options["--batch-size"] = str(ev["batch_size"])
+    if ev.get("data_dir"):
+        options["--data-dir"] = str(ev["data_dir"])
+    if job.gpu_ids:
+        options["--tensor-parallel-size"] = str(ev.get("tensor_parallel_size", len(job.gpu_ids)))
+    if ev.get("gpu_memory_utilization") is not None:
+        options["--gpu-memory-utilization"] = str(ev["gpu_memory_utilization"])
+    return options
+
+
+def resume_key(job: EvalJob) -> dict[str, Any]:
+    """The model's files (checksums; a hub id has none) and the sample settings."""
+    files = {name: sha256_file(path) for name, path in model_files(job.model).items()}
+    return {"model_files": files, "settings": sample_settings(job)}
+
+
+def keep_or_move_aside(out: Path, key: dict[str, Any]) -> str | None:
+    """Leave ``out`` to be resumed if its samples were made under ``key``; otherwise move it aside (never
+    delete it) so the evaluation starts fresh. Returns what happened, for the log, or None (nothing there)."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    key_file = out / RESUME_KEY_FILE
+    previous = json.loads(key_file.read_text(encoding="utf-8")) if key_file.is_file() else None
+    if previous == key:
+        return f"resuming the evaluation in {out}"
+    if previous is None:
+        why = f"no {RESUME_KEY_FILE}: unknown model and settings"
+    else:
+        files = sorted(set(previous["model_files"]) | set(key["model_files"]))
+        changed = [
+            f"model file {name}"
+            for name in files
+            if previous["model_files"].get(name) != key["model_files"].get(name)
+        ]
+        changed += [
+            f"{option} {previous['settings'].get(option)} -> {key['settings'].get(option)}"
+            for option in sorted(set(previous["settings"]) | set(key["settings"]))
+            if previous["settings"].get(option) != key["settings"].get(option)
+        ]
+        why = "; ".join(changed)
+    aside = out.with_name(f"{out.name}.superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    out.rename(aside)
+    return f"moved the previous evaluation aside to {aside} ({why}); starting over"
+
+
+def generate_and_grade(job: EvalJob) -> None:
+    """`d3s eval`: resumes from <out>/<benchmark>/samples.jsonl; writes <out>/summary.json last."""
+    args = ["eval"]
+    for option, value in (sample_settings(job) | other_options(job)).items():
+        args += [option, value]
+    args += ["--no-progress"]
+    print("d3s", " ".join(args), flush=True)
+    code = d3s_main(args)
+    if code:
+        raise SystemExit(f"d3s eval failed with exit code {code}: see {smk.log[0]}")
+
+
+# The job's steps, in order. Each takes the EvalJob, writes under job.out and resumes on its own.
+STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [
+    ("generate and grade (d3s eval)", generate_and_grade),
+]
+
+model = str(smk.params.model)
+if smk.rule == "evaluate_checkpoint" and not (Path(model) / "config.json").is_file():
     raise SystemExit(
-        f"checkpoints {missing} are missing: re-run training for this run (delete its train_summary.json)"
+        f"checkpoint {model} is missing: re-run training for this run (delete its train_summary.json)"
     )
-if checkpoints:
-    for _step, ckpt, out in zip(smk.params.steps, checkpoints, smk.output.steps, strict=True):
-        samples = int(ev.get("checkpoint_samples", 4))
-        jobs.append(
-            eval_args(
-                ckpt, Path(out).parent, samples, ev.get("checkpoint_k", [1]), ev.get("checkpoint_limit")
-            )
-        )
-    jobs.append(eval_args(smk.input.final, Path(smk.output.final).parent, int(ev["samples"]), ev["k"]))
-else:
-    jobs.append(eval_args(smk.params.model, Path(smk.output.summary).parent, int(ev["samples"]), ev["k"]))
-
+out = Path(smk.output.summary).parent
+limit = int(smk.params.limit) if smk.params.limit else None
 with (
-    open(smk.log[0], "w") as log,
+    open(smk.log[0], "a") as log,
     contextlib.redirect_stdout(log),
     contextlib.redirect_stderr(log),
     signals_raise_system_exit(),
     assign_gpus(gpus, label=f"{smk.rule} {dict(smk.wildcards)}") as gpu_ids,
 ):
+    print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {smk.rule} {model}", flush=True)
     if gpus:  # before vLLM or torch touch CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         print(f"GPU(s) {gpu_ids}", flush=True)
-    for args in jobs:
-        print("d3s", " ".join(args), flush=True)
-        code = d3s_main(args)
-        if code:
-            raise SystemExit(f"d3s eval failed with exit code {code}: see {smk.log[0]}")
+    job = EvalJob(
+        model, out, int(smk.params.samples), list(smk.params.k), limit, list(gpu_ids) if gpus else []
+    )
+    key = resume_key(job)
+    outcome = keep_or_move_aside(out, key)
+    if outcome:
+        print(outcome, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / RESUME_KEY_FILE, json.dumps(key, indent=2) + "\n")
+    for name, step in STEPS:
+        print(f"step: {name}", flush=True)
+        step(job)

@@ -1,0 +1,136 @@
+"""The workflow's input check (workflow/rules/checks.smk), run before any job of a `snakemake` run starts.
+
+    python workflow/scripts/check_inputs.py OUT.json LOG < request.json
+
+The request (JSON on stdin): {"config": the workflow config, "task": the synthetic task, "accelerate_dir":
+workflow/accelerate, "checks": names from CHECKS below}. The checks:
+
+- trainer_settings: every method's trainer settings as its training job resolves them
+  (d3s.launch.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
+  schedule, the method's TRL settings);
+- base_model: a local directory with config.json, or a hub id the Hub can serve or the local Hugging Face
+  cache holds (the kind tiny model is built by rule base_model);
+- train_dataset, eval_benchmarks: a local copy under the data directory, or the Hub.
+
+Every problem is collected and printed on one line of its own, naming the fix (stderr and LOG); the exit
+code is then 1. Otherwise OUT.json records where each input was found.
+"""
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from d3s.data.benchmarks import (
+    BenchmarkError,
+    get_benchmark,
+    hub_unavailable_reason,
+    load_benchmark,
+    parse_benchmark_list,
+    resolve_data_dir,
+)
+from d3s.provenance import atomic_write_text, now
+
+
+def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
+    from d3s.launch import resolved_trainer_configs
+
+    config = request["config"]
+    resolved_trainer_configs(config, request["accelerate_dir"], request["task"], check_inputs=False)
+    return {"methods": list(config["methods"])}
+
+
+def check_base_model(request: dict[str, Any]) -> dict[str, Any]:
+    base = request["config"]["base_model"]
+    if base["kind"] == "tiny":
+        return {"kind": "tiny", "found": "built by rule base_model"}
+    path = str(base["path"])
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or Path(path).expanduser().exists()
+    if looks_local:
+        if not (Path(path).expanduser() / "config.json").is_file():
+            raise ValueError(
+                f"base_model.path {path}: no model there (expected {Path(path) / 'config.json'}); set it to a "
+                "model directory or a Hugging Face id"
+            )
+        return {"path": path, "found": "local directory"}
+    unreachable = hub_unavailable_reason()
+    if unreachable is None:
+        return {"path": path, "found": "Hugging Face Hub (reachable)"}
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return {"path": path, "found": "local Hugging Face cache"}
+    raise ValueError(
+        f"base_model.path {path}: not a local directory, not in the local Hugging Face cache, and the Hub cannot "
+        f"be reached ({unreachable}); download it where the Hub is reachable (hf download {path}) or set "
+        "base_model.path to a local copy"
+    )
+
+
+def _benchmark(key: str, name: str, data_dir: str | None, **kwargs: Any) -> dict[str, Any]:
+    try:
+        problems = load_benchmark(name, data_dir, **kwargs)
+    except BenchmarkError as exc:
+        raise ValueError(f"{key} {name}: {exc}") from None
+    root = resolve_data_dir(data_dir)
+    local = root / get_benchmark(name).local_path if root is not None else None
+    source = str(local) if local is not None and local.is_file() else "Hugging Face Hub"
+    return {"found": source, "problems_read": len(problems)}
+
+
+def check_train_dataset(request: dict[str, Any]) -> dict[str, Any]:
+    train = request["config"]["train"]
+    name = dict(train.get("dataset") or {}).get("name", "synthetic")
+    if name == "synthetic":
+        return {"name": name, "found": "generated (d3s.data.synthetic)"}
+    # the first row, as `d3s train` checks it (d3s.train): malformed rows are skipped with a warning there
+    return {"name": name, **_benchmark("train.dataset", name, train.get("data_dir"), limit=1)}
+
+
+def check_eval_benchmarks(request: dict[str, Any]) -> dict[str, Any]:
+    ev = request["config"]["eval"]
+    found, problems = {}, []
+    for name in parse_benchmark_list(ev["benchmarks"]):
+        if name == "synthetic":
+            found[name] = {"found": "generated (d3s.data.synthetic)"}
+            continue
+        try:  # every row, as `d3s eval` reads them before loading a model: a malformed row fails here too
+            found[name] = _benchmark("eval.benchmarks", name, ev.get("data_dir"))
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("\n".join(problems))
+    return found
+
+
+CHECKS = {
+    "trainer_settings": check_trainer_settings,
+    "base_model": check_base_model,
+    "train_dataset": check_train_dataset,
+    "eval_benchmarks": check_eval_benchmarks,
+}
+
+
+def main(out: str, log: str) -> int:
+    request = json.load(sys.stdin)
+    unknown = set(request["checks"]) - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown checks {sorted(unknown)}; valid: {sorted(CHECKS)}")
+    found, problems = {}, []
+    for name, check in CHECKS.items():
+        if name in request["checks"]:
+            try:
+                found[name] = check(request)
+            except ValueError as exc:
+                problems.extend(f"config {line}" for line in str(exc).splitlines())
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(log, "".join(line + "\n" for line in problems) or "all inputs found\n")
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    atomic_write_text(out, json.dumps({"checked": now(), **found}, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
