@@ -1,11 +1,47 @@
-"""The `d3s` command: one entry point, a subcommand per stage."""
+"""The `d3s` command: one entry point, a subcommand per stage.
+
+Bad input ends in one line on stderr that names the setting and the fix, exit status 2, before any model
+loads: argparse errors (without the usage block), config files that are missing, empty or not YAML, unknown
+keys, values of the wrong type (``--set learning_rate=abc``) and values out of range.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from d3s.methods import METHODS
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage error reported on one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def int_at_least(minimum: int, *, or_value: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (or exactly ``or_value``), with a message naming the fix."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum and value != or_value:
+            extra = f" (or {or_value})" if or_value is not None else ""
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}{extra}, got {text}")
+        return value
+
+    return parse
+
+
+def _seed(text: str) -> int:
+    value = int_at_least(0)(text)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"must be below 2**32 (numpy's seed range), got {text}")
+    return value
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,24 +49,31 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), help="method from the registry (default grpo)")
     parser.add_argument("--model", help="'tiny' (built in code, SFT warm start) or a model path / hub id")
     parser.add_argument("--output-dir", help="run directory (metrics.jsonl, resolved_config.yaml, final/)")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
-    parser.add_argument("--max-steps", type=int, help="shortcut for trainer.max_steps")
+    parser.add_argument("--seed", type=_seed)
+    parser.add_argument("--threads", type=int_at_least(1), help="torch threads (default 1)")
+    parser.add_argument(
+        "--max-steps", type=int_at_least(1, or_value=-1), help="shortcut for trainer.max_steps"
+    )
     parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a trainer (D3SConfig) field, e.g. --set num_generations=8 (YAML-typed values)",
+        help="override a trainer (D3SConfig) field, e.g. --set learning_rate=1e-6; the value is converted to "
+        "the field's type (lists and mappings in YAML/JSON: --set reward_weights=[1,0.5])",
     )
 
 
-def run_train(args: argparse.Namespace) -> int:
-    import yaml
+def build_train_config(args: argparse.Namespace) -> dict:
+    """The run config of ``d3s train``: the --config file, then the flags, every value coerced and checked.
 
-    from d3s.train import load_config, train
+    Raises ConfigError (a ValueError) naming the key, where the value came from and the fix.
+    """
+    from d3s.config_types import ConfigError, coerce_run_config, coerce_trainer_option, read_config_file
 
-    config = load_config(args.config) if args.config else {}
+    config = {}
+    if args.config:
+        config = coerce_run_config(read_config_file(args.config), source=f"from {args.config}")
     for key in ("method", "model", "seed", "threads"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
@@ -40,22 +83,31 @@ def run_train(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         trainer["max_steps"] = args.max_steps
     for item in args.set:
-        if "=" not in item:
-            raise SystemExit(f"--set expects FIELD=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        trainer[key.strip()] = yaml.safe_load(value)
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects FIELD=VALUE such as --set learning_rate=1e-6, got {item!r}")
+        trainer[key.strip()] = coerce_trainer_option(key.strip(), text, source=f"from --set {item}")
     config["trainer"] = trainer
+    return coerce_run_config(config)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from d3s.config_types import one_line
+
     try:
-        run_dir = train(config)
+        config = build_train_config(args)
+        from d3s.train import train  # torch and TRL: after the cheap checks
+
+        run_dir = train(config)  # which checks the whole config (resolve_config) before it loads a model
     except ValueError as err:
-        print(f"d3s train: {err}", file=sys.stderr)
+        print(f"d3s train: error: {one_line(err)}", file=sys.stderr)
         return 2
     print(f"run finished: {run_dir}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="d3s", description="D3S / PODS / GRPO reproduction suite")
+    parser = OneLineArgumentParser(prog="d3s", description="D3S / PODS / GRPO reproduction suite")
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser = sub.add_parser("train", help="train one method (TRL GRPO + D3S selection)")
     _add_train_arguments(train_parser)

@@ -59,11 +59,10 @@ CPU_DEFAULTS: dict[str, Any] = {
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        config = yaml.safe_load(fh) or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    return config
+    """The YAML run config at ``path``; a missing, empty or malformed file raises ConfigError (one line)."""
+    from d3s.config_types import read_config_file
+
+    return read_config_file(path)
 
 
 def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check_inputs: bool = True):
@@ -74,22 +73,13 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
     ``check_inputs=False`` skips the model path and training data (the workflow's input check before its
     jobs, which checks them on its own: workflow/scripts/check_inputs.py).
     """
+    from d3s.config_types import coerce_run_config
     from d3s.trainer import D3SConfig
 
-    unknown = set(config) - TOP_LEVEL_KEYS
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; valid keys: {sorted(TOP_LEVEL_KEYS)}")
-    if config.get("resume", "auto") not in ("auto", "never"):
-        raise ValueError(f"resume must be 'auto' or 'never', got {config['resume']!r}")
+    # every value typed and range-checked (YAML reads 1e-4 as a string), unknown keys refused
+    config = coerce_run_config(config)
     method = config.get("method", "grpo")
-    get_method(method)
     trainer = dict(config.get("trainer") or {})
-    valid_fields = {f.name for f in dataclasses.fields(D3SConfig)}
-    bad = sorted(set(trainer) - valid_fields)
-    if bad:
-        raise ValueError(
-            f"unknown trainer option(s) {bad}: every option must be a field of D3SConfig / GRPOConfig"
-        )
     use_cpu = not torch.cuda.is_available()
     settings = {**CPU_DEFAULTS, "use_cpu": use_cpu} if use_cpu else {"report_to": "none"}
     settings |= {
@@ -124,10 +114,11 @@ def _check_hardware(settings: dict[str, Any]) -> None:
 
 def _check_inputs(config: dict[str, Any]) -> None:
     """Model path and training data must exist before any compute is spent."""
+    from d3s.config_types import check_model_dir
+
     model = str(config.get("model", "tiny"))
-    looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).exists()
-    if model != "tiny" and looks_local and not (Path(model).expanduser() / "config.json").is_file():
-        raise ValueError(f"model: {model} has no config.json; give a model directory, a hub id, or 'tiny'")
+    if model != "tiny":
+        check_model_dir(model, "model")
     dataset = dict(config.get("dataset") or {})
     name = dataset.get("name", "synthetic")
     if name != "synthetic":

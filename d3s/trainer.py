@@ -18,7 +18,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, use_adapter
 
+from d3s.config_types import check_trainer_ranges
 from d3s.kept_head import add_kept_token_head, kept_token_head_unsupported
 from d3s.methods import get_method
 from d3s.provenance import atomic_write_text
@@ -188,6 +189,8 @@ class D3SConfig(GRPOConfig):
         return cls(method=method, **settings)
 
     def __post_init__(self) -> None:
+        # ranges first: TRL's own __post_init__ divides by some of these (d3s/config_types.py TRAINER_RANGES)
+        check_trainer_ranges({f.name: getattr(self, f.name) for f in fields(self)})
         method = get_method(self.method)
         for name, value in method.trl_settings.items():
             if getattr(self, name) != value:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from d3s.cli import main
+from d3s.cli import build_parser, build_train_config, main
 from d3s.train import resolve_config
 
 
@@ -52,15 +52,15 @@ def test_d3s_train_cli_writes_a_complete_run_directory(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"method": "d4s"}, "unknown method 'd4s'; valid methods"),
+        ({"method": "d4s"}, "unknown method 'd4s' .*; valid methods: d1s"),
         (
             {"trainer": {"keep_per_prompt": 9, "num_generations": 8}},
             "keep_per_prompt must be an integer between 1",
         ),
         ({"trainer": {"max_step": 3}}, r"unknown trainer option\(s\) \['max_step'\]"),
         ({"optimiser": "adam"}, r"unknown config keys \['optimiser'\]"),
-        ({"resume": "yes"}, "resume must be 'auto' or 'never'"),
-        ({"model": "/no/such/model"}, "model: /no/such/model has no config.json"),
+        ({"resume": "later"}, "resume: expected one of auto, never, got 'later'"),
+        ({"model": "/no/such/model"}, "model /no/such/model: no model found there"),
         ({"dataset": {"name": "aime26"}}, "unknown benchmark 'aime26'; valid names: aime24"),
         (
             {"dataset": {"name": "gsm8k"}, "data_dir": "/no/such/dir"},
@@ -94,3 +94,49 @@ def test_console_entry_point_lists_subcommands():
         [sys.executable, "-m", "d3s.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "train" in out.stdout and "eval" in out.stdout
+
+
+def resolved_trainer(tmp_path, *argv):
+    """The D3SConfig that `d3s train ARGV` would train with (nothing is trained or loaded)."""
+    args = build_parser().parse_args(["train", "--config", str(write_config(tmp_path)), *argv])
+    return resolve_config(build_train_config(args))
+
+
+@pytest.mark.parametrize(
+    ("option", "text", "field", "expected"),
+    [
+        ("learning_rate", "1e-4", "learning_rate", 1e-4),  # float (YAML alone would give the string '1e-4')
+        ("max_steps", "3", "max_steps", 3),  # int
+        ("max_steps", "1e1", "max_steps", 10),  # int written as a float
+        ("mask_truncated_completions", "yes", "mask_truncated_completions", True),  # bool
+        ("defer_logprob_passes", "0", "defer_logprob_passes", False),  # bool
+        ("lr_scheduler_type", "constant", "lr_scheduler_type", "constant"),  # enum (SchedulerType)
+        ("save_strategy", "no", "save_strategy", "no"),  # enum (SaveStrategy)
+        ("reward_weights", "[2, 0.5e0]", "reward_weights", [2.0, 0.5]),  # list[float]
+        ("lr_scheduler_kwargs", '{"min_lr": 1e-6}', "lr_scheduler_kwargs", {"min_lr": 1e-6}),  # dict, JSON
+        ("model_init_kwargs", "{dtype: float32}", "model_init_kwargs", {"dtype": "float32"}),  # dict, YAML
+        ("scale_rewards", "false", "scale_rewards", "none"),  # str | bool (TRL maps False to 'none')
+        ("pad_to_multiple_of", "8", "pad_to_multiple_of", 8),  # int | str
+        ("run_name", "007", "run_name", "007"),  # str stays text
+        ("torch_empty_cache_steps", "null", "torch_empty_cache_steps", None),  # Optional
+    ],
+)
+def test_set_values_are_coerced_to_the_field_type(tmp_path, option, text, field, expected):
+    value = getattr(resolved_trainer(tmp_path, "--set", f"{option}={text}"), field)
+    value = getattr(value, "value", value)  # TrainingArguments turns enum strings into enum members
+    assert value == expected and type(value) is type(expected)
+
+
+def test_yaml_config_values_are_coerced_like_set_values(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"output_dir: {tmp_path / 'run'}\n"
+        "trainer:\n"
+        "  learning_rate: 1e-4    # YAML 1.1 reads this as the string '1e-4'\n"
+        "  save_strategy: no      # ... and this as False\n"
+        "  max_steps: '2'\n"
+        "  per_device_train_batch_size: 16\n"
+    )
+    assert yaml.safe_load(path.read_text())["trainer"]["learning_rate"] == "1e-4"
+    args = resolve_config(build_train_config(build_parser().parse_args(["train", "--config", str(path)])))
+    assert args.learning_rate == 1e-4 and args.max_steps == 2 and args.save_strategy.value == "no"

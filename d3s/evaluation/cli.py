@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from d3s.config_types import check_model_dir, one_line
 from d3s.data.benchmarks import (
     BENCHMARKS,
     DATA_DIR_ENV,
@@ -26,13 +27,33 @@ from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
 from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
+EVAL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 0.6, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    if not text.strip().isdigit() or int(text) >= 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {text!r}")
+    return int(text)
 
 
 def _k_list(text: str) -> list[int]:
@@ -56,6 +77,16 @@ def _synthetic_options(text: str) -> dict[str, int]:
                 f"--synthetic takes KEY=INTEGER pairs such as max_ops=1; got {part!r}"
             )
         options[key.strip()] = int(value)
+    minimums = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_operand": 1}
+    for key, value in options.items():
+        if key not in minimums:
+            raise argparse.ArgumentTypeError(
+                f"unknown --synthetic option {key!r}; valid: {', '.join(minimums)}"
+            )
+        if value < minimums[key]:
+            raise argparse.ArgumentTypeError(f"--synthetic {key} must be >= {minimums[key]}, got {value}")
+    if options.get("min_ops", 1) > options.get("max_ops", 3):
+        raise argparse.ArgumentTypeError("--synthetic min_ops must be <= max_ops")
     return options
 
 
@@ -73,9 +104,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, help="output directory (required unless --audit)")
     parser.add_argument(
-        "--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (0.6)"
+        "--temperature", type=_number, default=0.6, help="sampling temperature, 0 = greedy (0.6)"
     )
-    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling top-p (0.95)")
+    parser.add_argument("--top-p", type=_number, default=0.95, help="nucleus sampling top-p (0.95)")
     parser.add_argument(
         "--max-tokens", type=_positive_int, default=4096, help="max new tokens per completion (4096)"
     )
@@ -92,7 +123,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=BACKENDS, default="auto", help="generation backend (auto: vLLM if GPU)"
     )
     parser.add_argument("--template", choices=TEMPLATES, default="auto", help="prompt template (auto)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed (0)")
+    parser.add_argument("--seed", type=_seed, default=0, help="sampling and bootstrap seed (0)")
     parser.add_argument(
         "--batch-size",
         type=_positive_int,
@@ -129,7 +160,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grading-time-limit",
-        type=float,
+        type=_number,
         default=DEFAULT_TIME_LIMIT_S,
         help=f"seconds per answer before it counts as wrong and timed out ({DEFAULT_TIME_LIMIT_S:g})",
     )
@@ -140,7 +171,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=_positive_int, default=1, help="vLLM tensor parallel size"
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM GPU memory fraction")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=_number, default=0.9, help="vLLM GPU memory fraction"
+    )
     parser.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM max model length")
     parser.add_argument(
         "--synthetic",
@@ -175,6 +208,10 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
         raise ValueError("--model is required (a model directory or Hugging Face id); or use --audit")
     if args.out is None:
         raise ValueError("--out is required: the directory for samples.jsonl and summary.json")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a directory for samples.jsonl and summary.json")
+    if args.dtype not in EVAL_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(EVAL_DTYPES)}; got {args.dtype!r}")
     bad_k = [k for k in args.k if k > args.samples]
     if bad_k:
         raise ValueError(
@@ -198,12 +235,7 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
         raise ValueError(f"{exc} (--samples/--temperature/--top-p/--max-tokens)") from None
     if settings.temperature == 0 and settings.samples > 1:
         print("note: --temperature 0 is greedy; all samples of a problem will be identical", file=sys.stderr)
-    model_path = Path(args.model).expanduser()
-    looks_local = args.model.startswith((".", "/", "~")) or model_path.exists() or args.model.count("/") > 1
-    if looks_local and not (model_path / "config.json").is_file():
-        raise ValueError(
-            f"--model {args.model}: no model found there (expected {model_path / 'config.json'})"
-        )
+    check_model_dir(args.model, "--model")  # a local path needs a readable config.json
     backend = choose_backend(args.backend)
     return names, settings, backend
 
@@ -258,7 +290,7 @@ def run_eval(args: argparse.Namespace) -> int:
         data_dir = resolve_data_dir(args.data_dir)
         problems = _load_all(names, data_dir, args.limit, getattr(args, "synthetic", None))
     except (ValueError, BenchmarkError) as exc:
-        print(f"d3s eval: error: {exc}", file=sys.stderr)
+        print(f"d3s eval: error: {one_line(exc)}", file=sys.stderr)
         return 2
     return _evaluate(args, names, settings, backend_name, problems, data_dir)
 
@@ -356,7 +388,9 @@ def _evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="d3s eval", description=__doc__.splitlines()[0])
+    from d3s.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog="d3s eval", description=__doc__.splitlines()[0])
     add_eval_arguments(parser)
     return run_eval(parser.parse_args(argv))
 
