@@ -134,14 +134,13 @@ _NO_BOX = object()  # sentinel: the completion has no box at all
 def _box_content(text: str, start: int) -> str | None:
     """The argument of a box command ending at ``start``: ``{...}`` with balanced braces (escaped
     ``\\{`` ``\\}`` skipped), or without braces the token up to the next space or ``$`` (without
-    trailing punctuation); None when
-    the braces never close."""
+    trailing punctuation); None when the braces never close."""
     i = start
     while i < len(text) and text[i] in " \t":
         i += 1
     if i == len(text) or text[i] != "{":
         return re.split(r"[\s$]", text[i:], maxsplit=1)[0].rstrip(".,;:")  # a sentence's punctuation
-    depth, i, begin = 0, i, i + 1
+    depth, begin = 0, i + 1
     while i < len(text):
         char = text[i]
         if char == "\\":

@@ -388,7 +388,7 @@ def test_module_grade_takes_a_policy() -> None:
 
 
 def test_both_policies_under_the_time_limit_and_inline(grader: Grader) -> None:
-    completions = [r"\boxed{1} wait " + HANGING[1], r"\boxed{9} no \boxed{5}"]  # the last box hangs
+    completions = [HANGING[0], r"\boxed{9} no \boxed{5}"]  # a power tower hangs under both policies
     results = grader.grade_many_by_policy(completions, ["5"] * 2)
     assert [r.timed_out for r in results["math_verify"]] == [True, False]
     assert [r.timed_out for r in results["last_boxed"]] == [True, False]
