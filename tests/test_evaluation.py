@@ -539,3 +539,26 @@ def test_both_policies_reported_and_switching_the_primary_does_not_regenerate(
 def test_scoring_options_reject_an_unknown_policy() -> None:
     with pytest.raises(ValueError, match="math_verify, last_boxed"):
         ScoringOptions(answer_policy="first_boxed")  # type: ignore[arg-type]
+
+
+def test_workflow_config_takes_an_answer_policy() -> None:
+    """eval.answer_policy in the workflow config: default math_verify, the two policies, nothing else."""
+    import copy
+
+    import yaml
+    from snakemake.utils import validate
+
+    repo = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    schema = str(repo / "config" / "schema.yaml")
+    default = copy.deepcopy(config)
+    validate(default, schema)
+    assert default["eval"]["answer_policy"] == "math_verify"
+    chosen = copy.deepcopy(config)
+    chosen["eval"]["answer_policy"] = "last_boxed"
+    validate(chosen, schema)
+    assert chosen["eval"]["answer_policy"] == "last_boxed"
+    bad = copy.deepcopy(config)
+    bad["eval"]["answer_policy"] = "first_boxed"
+    with pytest.raises(Exception, match="first_boxed"):
+        validate(bad, schema)
