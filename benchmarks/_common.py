@@ -230,22 +230,27 @@ def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
 
 
 def build_tiny_trainer(
-    method: str, model_dir: Path, output_dir: Path, max_steps: int, **trainer_overrides: Any
+    method: str, model_dir: Path | Any, output_dir: Path, max_steps: int, **trainer_overrides: Any
 ) -> Any:
     """A D3STrainer for ``method`` on the saved tiny model, configured through ``d3s.train.resolve_config``
-    (so it gets the same CPU defaults as ``d3s train``), with math-verify accuracy rewards."""
+    (so it gets the same CPU defaults as ``d3s train``), with math-verify accuracy rewards.
+
+    ``model_dir`` may also be a model object built in the process (its tokenizer: the tiny one).
+    """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from d3s.data.synthetic import arithmetic_problems
     from d3s.rewards import accuracy_reward, default_grader
+    from d3s.toy import build_tokenizer
     from d3s.train import resolve_config
     from d3s.trainer import D3STrainer
 
+    in_memory = not isinstance(model_dir, (str, Path))
     args = resolve_config(
         {
             "method": method,
-            "model": str(model_dir),
+            "model": "tiny" if in_memory else str(model_dir),  # "tiny": no directory to check
             "output_dir": str(output_dir),
             "trainer": {**TINY_TRAINER, "max_steps": max_steps, **trainer_overrides},
         }
@@ -256,11 +261,11 @@ def build_tiny_trainer(
     ]
     default_grader().grade("\\boxed{1}", "1")  # start the grading worker now, not inside step 1
     trainer = D3STrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        model=model_dir if in_memory else AutoModelForCausalLM.from_pretrained(model_dir),
         args=args,
         reward_funcs=[accuracy_reward],
         train_dataset=Dataset.from_list(rows),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        processing_class=build_tokenizer() if in_memory else AutoTokenizer.from_pretrained(model_dir),
     )
     trainer.remove_callback(PrinterCallback)  # the benchmark prints its own table, not every log dict
     return trainer

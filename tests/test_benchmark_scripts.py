@@ -72,3 +72,126 @@ def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest
             assert 0 < row["backprop_tokens"] <= row["completion_tokens_in_update"]
     else:
         assert all(row.get("max_var_diff", 0.0) < 1e-6 for row in record["rows"])
+
+
+# ---- benchmarks/update_cost.py: one update as training runs it -------------------------------------------
+
+
+@pytest.fixture()
+def update_cost(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    import update_cost
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: 2 threads on a loaded 2-core machine are 20x slower
+    yield update_cost
+    torch.set_num_threads(threads)
+
+
+def _gradients(trainer) -> dict[str, torch.Tensor]:
+    return {
+        name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None
+    }
+
+
+def _assert_same_gradients(left: dict, right: dict) -> None:
+    assert left.keys() == right.keys() and left
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cost, tmp_path: Path) -> None:
+    """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S (kept-token
+    head, checkpointed) has the gradient of the masked head without checkpointing on the same micro-batches."""
+    from d3s.toy import save_tiny
+
+    model_dir = save_tiny(tmp_path / "model", seed=3)
+    batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
+    layer_calls = []
+
+    def trainer(variant: str, checkpointing: bool):
+        made = update_cost.make_trainer(
+            variant,
+            model_dir,
+            tmp_path,
+            micro_batch=8,
+            rows=32,
+            checkpointing=checkpointing,
+            max_completion_length=12,
+        )
+        mlp = made.model.model.layers[0].mlp
+        forward = mlp.forward  # counted by wrapping: module hooks do not fire in checkpointing's recompute
+
+        def counted(*args, **kwargs):
+            layer_calls.append(variant)
+            return forward(*args, **kwargs)
+
+        mlp.forward = counted
+        return made
+
+    grpo = trainer("grpo", checkpointing=True)
+    assert grpo.model.is_gradient_checkpointing and grpo.args.steps_per_generation == 4
+    assert [len(part["advantages"]) for part in update_cost.micro_batches(grpo, batch)] == [8, 8, 8, 8]
+    update_cost.accumulate_gradient(grpo, batch)
+    assert len(layer_calls) == 8  # 4 micro-batches, each forward once more in the backward (recompute)
+    micro = _gradients(grpo)
+    assert grpo.trained_tokens == int(batch["completion_mask"].sum())
+    whole = trainer("grpo", checkpointing=False)
+    update_cost.accumulate_gradient(whole, batch, split=False)
+    _assert_same_gradients(micro, _gradients(whole))
+
+    kept = update_cost.kept_rows(batch)
+    d3s = trainer("d3s", checkpointing=True)
+    assert d3s.kept_token_head and d3s.model.is_gradient_checkpointing
+    assert [len(part["advantages"]) for part in update_cost.micro_batches(d3s, kept)] == [2, 2, 2, 2]
+    update_cost.accumulate_gradient(d3s, kept)
+    assert 0 < d3s.trained_tokens < int(kept["completion_mask"].sum())  # the token level kept a subset
+    masked = trainer("d3s (masked head)", checkpointing=False)
+    assert not masked.kept_token_head
+    update_cost.accumulate_gradient(masked, kept)
+    assert masked.trained_tokens == d3s.trained_tokens
+    _assert_same_gradients(_gradients(d3s), _gradients(masked))
+
+
+def test_tail_after_last_selected_by_hand(update_cost) -> None:
+    """Two rows of 4 completion tokens after 2 prompt tokens; K = 25 % keeps (0, 0) and (1, 2)."""
+    entropies = torch.tensor([[0.9, 0.1, 0.1, 0.1], [0.1, 0.1, 0.8, 0.1]])
+    mask = torch.ones(2, 4, dtype=torch.long)
+    fractions = update_cost.tail_after_last_selected(
+        entropies, mask, torch.tensor([1.0, 1.0]), torch.tensor([2, 2]), keep_ratio=0.25, micro_batch_rows=2
+    )
+    assert fractions["token_fraction_after_last_selected"] == pytest.approx(4 / 12)  # 3 + 1 of 2 x 6 tokens
+    assert fractions["padded_micro_batch_fraction"] == pytest.approx(2 / 12)  # column 4 of 6, both rows
+    assert 4 / 12 < fractions["flop_fraction_after_last_selected"] < 0.5  # later positions attend to more
+
+
+@pytest.mark.slow
+def test_update_cost_quick_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = REPO_ROOT / "benchmarks" / "update_cost.py"
+    monkeypatch.syspath_prepend(str(script.parent))
+    monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--skip-cpu-memory", "--out", str(tmp_path)])
+    threads, bars = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+        if bars:
+            hf_logging.enable_progress_bar()
+    record = json.loads((tmp_path / "update_cost.json").read_text())
+    assert record["settings"]["gradient_checkpointing"] is True and record["settings"]["device"] == "cpu"
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert set(rows) == {"grpo", "d3s", "d3s (masked head)"}
+    grpo, d3s = rows["grpo"], rows["d3s"]
+    assert grpo["micro_batches"] == d3s["micro_batches"] > 1  # D3S: the same micro-batches, N/G of the rows
+    assert d3s["rollouts"] * 4 == grpo["rollouts"] and d3s["micro_batch_rows"] * 4 == grpo["micro_batch_rows"]
+    assert grpo["trained_tokens"] == grpo["completion_tokens"]
+    assert 0 < d3s["trained_tokens"] < d3s["completion_tokens"]
+    assert all(row["median_s"] > 0 for row in record["rows"])
+    assert "CPU" in (tmp_path / "update_cost.md").read_text()
+    truncation = json.loads((tmp_path / "update_cost_truncation.json").read_text())
+    sources = {row["source"].split(" (")[0] for row in truncation["rows"]}
+    assert "tiny model's own rollouts" in sources and sum(s.startswith("MODEL") for s in sources) == 4
+    for row in truncation["rows"]:
+        for key in ("token_fraction_after_last_selected", "flop_fraction_after_last_selected"):
+            assert 0.0 <= row[key] < 1.0
+    assert "Decision:" in truncation["notes"][-1]
