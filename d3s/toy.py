@@ -147,8 +147,10 @@ def sft_warm_start(
     """Supervised warm start on (prompt, completion) pairs; loss on completion tokens only.
 
     Prompt and completion are tokenised separately (as GRPO does) and EOS is appended, so the model
-    learns to stop. Returns the loss per step.
+    learns to stop. Batches go to the model's device (move the model to CUDA first to train there); the
+    batch sampling stays on a CPU generator, so every device sees the same batches. Returns the loss per step.
     """
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     encoded = []
     for prompt, completion in pairs:
@@ -171,7 +173,9 @@ def sft_warm_start(
             input_ids[row, : len(ids)] = torch.tensor(ids)
             attention[row, : len(ids)] = 1
             labels[row, : len(ids)] = torch.where(torch.tensor(loss_on) == 1, torch.tensor(ids), -100)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss = model(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)
+        ).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,5 +1,5 @@
 # Stage 1: the shared base model (tiny default: built in code and SFT-warm-started once) and its evaluation
-# (step 0 of every learning curve).
+# (step 0 of every learning curve). The SFT runs on the CPU unless base_model.resources.gpu asks for a GPU.
 
 
 rule base_model:
@@ -10,6 +10,8 @@ rule base_model:
         cfg=config["base_model"],
         task=TASK,
     threads: config["base_model"].get("threads", 1)
+    resources:
+        **config["base_model"].get("resources", {}),
     log:
         f"{RESULTS}/logs/base_model.log",
     conda:

@@ -2,6 +2,9 @@
 
 Usable from Snakemake (``script:``) or the command line:
     python workflow/scripts/build_base.py OUT_DIR --sft-steps 300 --max-ops 2 --max-operand 9 --threads 2
+
+The SFT runs on ``device``: the CPU (the tiny default), or CUDA for models built larger through ``model``
+(config/gpu-smoke.yaml's ~100M parameters). The weights stay fp32 on either and are saved as such.
 """
 
 from __future__ import annotations
@@ -25,14 +28,22 @@ def build_base(
     threads: int,
     model_kwargs: dict,
     learning_rate: float = 3e-3,
+    device: str = "cpu",
 ) -> dict:
     from d3s.data.synthetic import arithmetic_problems
     from d3s.toy import build_model, build_tokenizer, sft_warm_start
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            f"base model: device {device} asked for (base_model.resources.gpu), but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}): install the CUDA build of torch (D3S_GPU=1 scripts/setup.sh) or "
+            "remove base_model.resources.gpu"
+        )
     torch.set_num_threads(threads)
     start = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed, **model_kwargs)
+    model.to(device)  # initialised on the CPU, so the initial weights are the same on every device
     problems = arithmetic_problems(
         sft_problems, seed=1000 + seed, min_ops=min_ops, max_ops=max_ops, max_operand=max_operand
     )
@@ -55,6 +66,7 @@ def build_base(
         "max_operand": max_operand,
         "seed": seed,
         "threads": threads,
+        "device": device,
         "learning_rate": learning_rate,
         "model": model_kwargs,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -82,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--model", default="{}", help="JSON dict of d3s.toy.build_model keyword arguments")
+    parser.add_argument("--device", default="cpu", help="where the SFT runs: cpu, cuda or cuda:<index>")
     args = parser.parse_args(argv)
     summary = build_base(
         args.out,
@@ -94,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         args.threads,
         json.loads(args.model),
         args.lr,
+        args.device,
     )
     print(json.dumps(summary, indent=2))
 
