@@ -32,6 +32,7 @@ SCRIPTS = {
         "step_vs_grpo",
     },
     "eval_throughput": {"kind", "seconds"},
+    "grading_time_limit": {"kind", "seconds"},
 }
 
 
@@ -60,6 +61,15 @@ def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest
         assert kinds == {"grading", "generation"}
         assert all(row["answers_per_s"] > 0 for row in record["rows"] if row["kind"] == "grading")
         assert all(row["tokens_per_s"] > 0 for row in record["rows"] if row["kind"] == "generation")
+        return
+    if name == "grading_time_limit":
+        answers = {row["answer"]: row for row in record["rows"] if row["kind"] == "answer"}
+        assert (
+            answers["power tower 9^9^9^9"]["timed_out"]
+            and answers["power tower 9^9^9^9"]["past_limit_s"] >= 0
+        )
+        (batch,) = [row for row in record["rows"] if row["kind"] == "batch"]
+        assert batch["answers"] == len(answers) and batch["timeouts"] == batch["restarts"] >= 1
         return
     rows = [row for row in record["rows"] if "seconds" in row or "step_s" in row]
     main = [row for row in rows if SCRIPTS[name] <= set(row)]

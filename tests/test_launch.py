@@ -80,7 +80,9 @@ FAKE_SERVER = textwrap.dedent(
         def log_message(self, *args):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", args.port), Health).serve_forever()
+    server = http.server.HTTPServer(("127.0.0.1", args.port), Health)
+    print("fake server listening", flush=True)
+    server.serve_forever()
     """
 )
 
@@ -411,9 +413,8 @@ def test_server_is_started_waited_for_and_stopped(tmp_path, fake_server):
         log_path=tmp_path / "server.log",
         startup_timeout_s=60,
     )
-    start = time.monotonic()
-    with server:
-        assert time.monotonic() - start >= 1.0  # waited for /health, not just for the process
+    with server:  # the server listens only after its 1 s delay: entering waited for /health, not the process
+        assert "fake server listening" in (tmp_path / "server.log").read_text()
         assert _get(server.health_url) == 200
         pid = int((tmp_path / "server.pid").read_text())
         child = int((tmp_path / "child.pid").read_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,6 @@ from d3s.data.benchmarks import load_benchmark
 from d3s.rewards import Grader, accuracy_reward, grade, grade_detailed, normalize_gold
 
 LIMIT_S = 1.5  # per-answer limit used by the adversarial tests
-SLACK_S = 1.0  # scheduling slack on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -177,20 +175,17 @@ def test_adversarial_inputs_return_within_the_limit(grader: Grader) -> None:
     long_wrong = ("1+" * 50_000) + "1"
     brace_soup = "{" * 5000 + "5" + "}" * 5000
     completions = [*HANGING, nested, long_correct, long_wrong, brace_soup]
-    start = time.perf_counter()
+    # How long these take (time charged per answer, the batch against the limit) is measured by
+    # benchmarks/grading_time_limit.py; here, what comes back.
     results = grader.grade_many(completions, ["5"] * len(completions))
-    elapsed = time.perf_counter() - start
-    for completion, result in zip(completions, results, strict=True):
-        assert result.seconds <= LIMIT_S + SLACK_S, completion[:40]
-        if result.timed_out:
-            assert result.correct is False
+    assert len(results) == len(completions)
+    for result in results:
+        if result.timed_out:  # cut off only once the limit has passed, and wrong
+            assert result.seconds >= LIMIT_S and result.correct is False
     for result in results[: len(HANGING)]:  # the power towers must hit the limit and count as wrong
         assert result.timed_out and not result.correct
     assert results[4].correct and not results[4].timed_out  # 100k characters, answer at the end
     assert not results[5].correct
-    # Two workers, each answer capped: total time is bounded by the limit times answers per worker,
-    # plus restarts of killed workers (they start while other answers are graded).
-    assert elapsed <= LIMIT_S * len(completions) / 2 + 4 * SLACK_S + 3.0
     assert grader.timeouts >= len(HANGING)
     # The grader is healthy after killing workers.
     assert grader.grade(r"\boxed{5}", "5").correct
@@ -266,7 +261,7 @@ def test_time_limit_inside_worker_processes(start_method: str) -> None:
         right, hang = pool.map(_grade_in_child, [(r"\boxed{3}", "3"), (HANGING[0], "1")])
     assert right[0] and not right[1]
     assert hang[:2] == (False, True)
-    assert LIMIT_S <= hang[2] <= LIMIT_S + 2 * SLACK_S
+    assert hang[2] >= LIMIT_S  # cut off only once the limit has passed
 
 
 def test_default_grader_after_fork() -> None:
@@ -306,16 +301,21 @@ def test_make_accuracy_reward_uses_its_grader() -> None:
         assert pool.timeouts == 1
 
 
-def test_accuracy_reward_fast_path() -> None:
+def test_accuracy_reward_on_a_batch_of_the_tiny_task() -> None:
+    # Answers per second of this path (the default grader's worker) are measured by
+    # benchmarks/eval_throughput.py ("synthetic", subprocess x1).
     from d3s.data.synthetic import arithmetic_problems
 
     problems = arithmetic_problems(200, seed=3, split="test")
-    accuracy_reward([p.completion for p in problems[:4]], [p.answer for p in problems[:4]])  # warm up
-    start = time.perf_counter()
-    scores = accuracy_reward([p.completion for p in problems], [p.answer for p in problems])
-    per_answer = (time.perf_counter() - start) / len(problems)
-    assert scores == [1.0] * len(problems)
-    assert per_answer < 0.01, f"{1000 * per_answer:.2f} ms per answer"  # ~1 ms measured on 2 cores
+    completions = [
+        p.completion.replace(f"\\boxed{{{p.answer}}}", f"\\boxed{{{int(p.answer) + 1}}}")
+        if i % 2
+        else p.completion
+        for i, p in enumerate(problems)
+    ]
+    assert sum(c != p.completion for c, p in zip(completions, problems, strict=True)) == len(problems) // 2
+    scores = accuracy_reward(completions, [p.answer for p in problems])
+    assert scores == [0.0 if i % 2 else 1.0 for i in range(len(problems))]
 
 
 def test_grade_detailed_default_grader() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from fractions import Fraction
 
 import pytest
@@ -137,16 +136,14 @@ def test_lemma_standardised_group_has_subset_with_variance_at_least_one(rewards)
     assert standardised[idx].min().item() == pytest.approx(standardised.min().item(), rel=1e-12, abs=1e-12)
 
 
-def test_scales_to_a_million_values_without_python_loops():
+def test_a_million_values_grouped_and_pooled():
+    # Speed at this size is measured by benchmarks/selection_overhead.py; that no Python loop runs over
+    # groups is checked by tests/test_selection_vectorised.py. Here: the picks at scale.
     g = torch.Generator().manual_seed(0)
     values = torch.randn(2**20, generator=g)
-    start = time.perf_counter()
     grouped = max_variance_subset(values.view(-1, 32), 8)
     pooled = max_variance_subset(values, 2**18)
-    elapsed = time.perf_counter() - start
     assert grouped.shape == (2**15, 8) and pooled.shape == (2**18,)
-    # A Python loop over the 32,768 groups alone takes seconds; the vectorised path well under one.
-    assert elapsed < 5.0
     # The pooled optimum is the top i plus the bottom k - i of the sorted values.
     kept = values[pooled].sort().values
     ordered = values.sort().values

@@ -1,0 +1,118 @@
+"""Grading under the per-answer time limit: what a hanging answer costs.
+
+    .venv/bin/python benchmarks/grading_time_limit.py            # ~10 s on a 2-core machine
+    .venv/bin/python benchmarks/grading_time_limit.py --quick    # a smaller limit, a smoke run
+
+Writes results/benchmarks/grading_time_limit.{json,md} (``--out`` elsewhere).
+
+``d3s.rewards.Grader`` with 2 worker subprocesses grades a batch of adversarial answers (power towers that
+sympy tries to evaluate, deeply nested braces, 100k-character answers) under ``--limit`` seconds per answer.
+Per answer: the seconds the grader charged it and, when it timed out, how far past the limit it was cut off.
+For the batch: the wall time against the limit times answers per worker (each timed-out answer also
+restarts its worker; the replacement starts while the other worker keeps grading). Workers are started
+before the clock starts. The unit tests check the behaviour (hanging answers time out and count as wrong,
+the grader recovers); this measures the time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from _common import base_parser, fmt_seconds, markdown_table, write_results
+
+from d3s.rewards import Grader
+
+NAME = "grading_time_limit"
+WORKERS = 2
+ADVERSARIAL = {
+    "power tower 9^9^9^9": r"\boxed{9^{9^{9^{9}}}}",
+    "power tower 10^10^10^10": r"\boxed{10^{10^{10^{10}}}}",
+    "python power tower": "9**9**9**9",
+    "3000 nested braces": "\\boxed{" + "{" * 3000 + "1" + "}" * 3000 + "}",
+    "100k characters, answer at the end": "x" * 100_000 + r" so \boxed{5}",
+    "100k characters of 1+1+...": "1+" * 50_000 + "1",
+    "5000 bare nested braces": "{" * 5000 + "5" + "}" * 5000,
+}
+
+
+def main() -> None:
+    parser = base_parser(__doc__)
+    parser.add_argument("--limit", type=float, default=1.5, help="seconds per answer (the tests' limit)")
+    args = parser.parse_args()
+    if args.quick:
+        args.limit = 0.5
+    labels, completions = list(ADVERSARIAL), list(ADVERSARIAL.values())
+    with Grader(num_workers=WORKERS, time_limit=args.limit) as grader:
+        grader.grade_many([r"\boxed{1}"] * WORKERS, ["1"] * WORKERS)  # start the workers
+        start = time.perf_counter()
+        results = grader.grade_many(completions, ["5"] * len(completions))
+        batch_seconds = time.perf_counter() - start
+        restarts = grader.restarts
+
+    rows: list[dict[str, Any]] = [
+        {
+            "kind": "answer",
+            "answer": label,
+            "timed_out": result.timed_out,
+            "correct": result.correct,
+            "seconds": result.seconds,
+            "past_limit_s": result.seconds - args.limit if result.timed_out else None,
+        }
+        for label, result in zip(labels, results, strict=True)
+    ]
+    bound = args.limit * len(completions) / WORKERS
+    rows.append(
+        {
+            "kind": "batch",
+            "answers": len(completions),
+            "workers": WORKERS,
+            "timeouts": sum(result.timed_out for result in results),
+            "restarts": restarts,
+            "seconds": batch_seconds,
+            "limit_times_answers_per_worker_s": bound,
+            "seconds_over_that": batch_seconds / bound,
+        }
+    )
+    answer_table = markdown_table(
+        ["answer", "timed out", "correct", "seconds", "past the limit"],
+        [
+            [
+                row["answer"],
+                row["timed_out"],
+                row["correct"],
+                fmt_seconds(row["seconds"]),
+                fmt_seconds(row["past_limit_s"]),
+            ]
+            for row in rows[:-1]
+        ],
+    )
+    batch = rows[-1]
+    batch_table = markdown_table(
+        ["answers", "workers", "timeouts", "restarts", "batch wall", "limit x answers / workers", "ratio"],
+        [
+            [
+                batch["answers"],
+                WORKERS,
+                batch["timeouts"],
+                batch["restarts"],
+                fmt_seconds(batch["seconds"]),
+                fmt_seconds(bound),
+                f"{batch['seconds_over_that']:.2f}",
+            ]
+        ],
+    )
+    markdown = f"{answer_table}\n\n{batch_table}"
+    print(markdown, flush=True)
+    write_results(
+        NAME,
+        {"quick": args.quick, "limit_s": args.limit, "workers": WORKERS},
+        rows,
+        markdown,
+        out_dir=args.out,
+        title="Grading under the per-answer time limit",
+    )
+
+
+if __name__ == "__main__":
+    main()
