@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -89,11 +90,29 @@ def test_smoke_workflow_end_to_end(tmp_path):
         assert (run / "checkpoint-2" / "tokenizer.json").is_file()
         assert (out / "eval" / method / "seed0" / "step2" / "summary.json").is_file()
         assert (out / "eval" / method / "seed0" / "final" / "summary.json").is_file()
-    for stem in ("training_dynamics", "grad_norm", "learning_curves", "pass_at_k", "var_after_selection"):
+        for point in ("step2", "final"):  # eval.kl: the KL to the initial policy, measured at each
+            kl = json.loads((out / "eval" / method / "seed0" / point / "kl.json").read_text())
+            assert kl["sequences"] == 4 * 2 and kl["tokens"] > 0 and kl["k3"] >= 0
+            assert kl["reference"].endswith("smoke/base_model") and kl["point"] == point
+    kl_table = pd.read_csv(out / "tables" / "kl.csv")
+    assert sorted(set(zip(kl_table["method"], kl_table["step"], strict=True))) == [
+        ("d3s", 2),
+        ("d3s", 4),
+        ("grpo", 2),
+        ("grpo", 4),
+    ]
+    for stem in (
+        "training_dynamics",
+        "grad_norm",
+        "kl",
+        "learning_curves",
+        "pass_at_k",
+        "var_after_selection",
+    ):
         assert (out / "figures" / f"{stem}.png").is_file() and (out / "figures" / f"{stem}.pdf").is_file()
     report = (out / "report.md").read_text()
     assert "## Main table: ours" in report and "| d3s |" in report and "Claims checked" in report
-    for stem in ("training_dynamics", "learning_curves", "pass_at_k"):
+    for stem in ("training_dynamics", "kl", "learning_curves", "pass_at_k"):
         assert f"figures/{stem}.png" in report
     # Nothing left to do: a second run is a no-op.
     again = _snakemake(["-n", "--configfile", "config/smoke.yaml"], work)

@@ -128,10 +128,18 @@ def test_evaluation_resumes_only_the_same_model_and_sample_settings(work):
     trained = (work / RUN_SUMMARY).stat().st_mtime_ns
     samples = (out / "synthetic" / "samples.jsonl").read_bytes()
 
+    kl = (out / "kl.json").read_bytes()  # eval.kl of smoke.yaml: 4 probe prompts x 2 completions
+    assert json.loads(kl)["sequences"] == 8
+
     reported = run(_config(problems=8, k=[1, 2]))  # Pass@k values only: the samples stand
     assert (reported["problems_resumed"], reported["problems_generated"]) == (8, 0)
     assert (out / "synthetic" / "samples.jsonl").read_bytes() == samples
     assert set(json.loads((out / "synthetic" / "summary.json").read_text())["pass_at_k"]) == {"1", "2"}
+    assert (out / "kl.json").read_bytes() == kl  # the same model and probe: the KL is kept
+
+    probe = run(_config(problems=8, k=[1, 2], kl={"prompts": 4, "samples": 3}))  # the probe only
+    assert (probe["problems_resumed"], probe["problems_generated"]) == (8, 0)
+    assert json.loads((out / "kl.json").read_text())["sequences"] == 12
 
     changed = run(_config(problems=8, max_tokens=16))  # other samples: start over, keep the old ones aside
     assert (changed["problems_resumed"], changed["problems_generated"]) == (0, 8)

@@ -77,6 +77,28 @@ def training_dynamics(metrics: pd.DataFrame, methods, smooth: int = 5):
     return fig
 
 
+def kl_figure(kl: pd.DataFrame, methods):
+    """KL to the initial policy at the evaluated checkpoints (d3s.evaluation.kl): k1 and k3 token means
+    against the step, mean and band (+- one standard deviation) across seeds per method."""
+    panels = [
+        ("k1", "KL to the initial policy, k1 (per token)"),
+        ("k3", "KL to the initial policy, k3 (per token)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.4), squeeze=False)
+    colors = _colors(methods)
+    for ax, (col, label) in zip(axes.flat, panels, strict=True):
+        band(ax, kl, "step", col, methods, colors=colors)
+        for line in ax.get_lines():
+            line.set_marker("o")
+            line.set_markersize(3)
+        ax.axhline(0.0, color="grey", lw=0.6)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+    axes.flat[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
 def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     band(ax, metrics, "step", "grad_norm", methods, smooth=smooth)

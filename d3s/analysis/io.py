@@ -13,10 +13,22 @@ from pathlib import Path
 import pandas as pd
 
 from d3s.analysis import layout
-from d3s.analysis.provenance import check_results
+from d3s.analysis.provenance import MixedSettingsError, check_results
+from d3s.evaluation.kl import KL_FILE
 
 _runs = layout.runs
 RUN_RE = layout.RUN_RE
+# What load_kl reads of each kl.json (d3s.evaluation.kl)
+KL_COLUMNS = [
+    "k1",
+    "k3",
+    "k1_per_sequence",
+    "tokens",
+    "sequences",
+    "mean_completion_tokens",
+    "truncated_fraction",
+    "seconds",
+]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -126,6 +138,62 @@ def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool
     if df.empty:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
     return df.sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
+
+
+def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
+    """KL to the initial policy at every evaluated checkpoint (``kl.json`` of d3s.evaluation.kl), by step.
+
+    One row per (method, seed, checkpoint): ``k1`` and ``k3`` (token means), ``k1_per_sequence``, ``tokens``,
+    ``sequences``, ``seconds`` and the file read. The final model's row gets the run's step count (as in
+    ``load_evals``). Files measured with different probe settings, or one run's checkpoints measured on
+    different probe prompts, are refused with MixedSettingsError unless ``allow_mixed``.
+    """
+    results = Path(results)
+    steps_of: dict[tuple[str, int], int] = {}
+    for method, seed, run in _runs(results):
+        summary = run / "train_summary.json"
+        if summary.is_file():
+            steps_of[(method, seed)] = int(json.loads(summary.read_text()).get("steps", 0))
+    rows: list[dict] = []
+    for method_dir in sorted(p for p in (results / "eval").glob("*") if p.is_dir() and p.name != "base"):
+        for path in sorted(method_dir.glob(f"seed*/*/{KL_FILE}")):
+            match, point = RUN_RE.match(path.parent.parent.name), path.parent.name
+            if not match or not (point == "final" or (point.startswith("step") and point[4:].isdigit())):
+                continue
+            record = json.loads(path.read_text())
+            seed = int(match.group(1))
+            final = point == "final"
+            step = steps_of.get((method_dir.name, seed)) if final else int(point[4:])
+            values = {key: record.get(key) for key in KL_COLUMNS}
+            rows.append(
+                {"method": method_dir.name, "seed": seed, "step": step, "final": final}
+                | values
+                | {
+                    "settings": json.dumps(record.get("settings"), sort_keys=True),
+                    "probe_sha256": record.get("probe_sha256"),
+                    "file": _rel(path, results),
+                }
+            )
+    columns = ["method", "seed", "step", "final", *KL_COLUMNS, "settings", "probe_sha256", "file"]
+    df = pd.DataFrame(rows, columns=columns)
+    if df.empty:
+        return df
+    problems = []
+    if df["settings"].nunique() > 1:
+        problems.append(f"probe settings differ: {sorted(df['settings'].unique())}")
+    probes = df.groupby(["method", "seed"])["probe_sha256"].nunique()
+    if (probes > 1).any():
+        runs = [f"{m}/seed{s}" for m, s in probes[probes > 1].index]
+        problems.append(f"checkpoints of {runs} were measured on different probe prompts")
+    if problems and not allow_mixed:
+        raise MixedSettingsError(
+            "KL files of " + str(results) + ": " + "; ".join(problems) + ". Re-run their evaluation with one "
+            "eval.kl setting, or pass allow_mixed=True (analysis.allow_mixed_settings) to combine them"
+        )
+    df = df.drop_duplicates(
+        ["method", "seed", "step"], keep="last"
+    )  # the final model may also be a checkpoint
+    return df.sort_values(["method", "seed", "step"]).reset_index(drop=True)
 
 
 def _rel(path: Path, results: Path) -> str:

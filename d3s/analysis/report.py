@@ -25,6 +25,7 @@ from d3s.provenance import git_state
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
     ("grad_norm", "Gradient norm per step"),
+    ("kl", "KL to the initial policy at the evaluated checkpoints (eval.kl, measured without gradient)"),
     ("learning_curves", "Held-out Pass@1 against steps, update tokens and wall-clock"),
     ("pass_at_k", "Pass@k of the final models"),
     ("var_after_selection", "Var(A) of the kept rollouts (Lemma 1)"),

@@ -26,6 +26,12 @@ STEP_EVALS = expand(
 )
 FIG = f"{RESULTS}/figures"
 TAB = f"{RESULTS}/tables"
+# eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
+KL_OUTPUTS = (
+    [report_figure("kl", "Training dynamics"), f"{FIG}/kl.pdf", f"{TAB}/kl.csv", f"{TAB}/kl.provenance.json"]
+    if config["eval"].get("kl")
+    else []
+)
 PROVENANCE = f"{RESULTS}/provenance.json"
 # The provenance file a notebook writes beside tables/<name>.csv (d3s.analysis.tables.write_table).
 SIDECAR = f"{TAB}/{{}}.provenance.json"
@@ -65,6 +71,7 @@ rule training_dynamics:
         pdfs=[f"{FIG}/training_dynamics.pdf", f"{FIG}/grad_norm.pdf"],
         table=report(f"{TAB}/dynamics.csv", caption="../report/dynamics_table.rst", category="Tables"),
         sidecars=[SIDECAR.format("dynamics")],
+        kl=KL_OUTPUTS,
     log:
         f"{RESULTS}/logs/notebooks/training_dynamics.log",
     params:

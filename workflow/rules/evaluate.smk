@@ -4,12 +4,15 @@
 # Pass@k). A killed or failed job resumes where it stopped: the declared output is only summary.json, which
 # `d3s eval` writes last, so the samples.jsonl beside it are not outputs and Snakemake never deletes them
 # before a re-run (a directory() output would be deleted whole). workflow/scripts/evaluate.py moves an
-# evaluation aside, never deletes it, when the model or the settings it was made with changed.
+# evaluation aside, never deletes it, when the model or the settings it was made with changed. With eval.kl,
+# both rules also measure the KL to the initial policy (params.reference) on the run's training prompts
+# (input.train_config) and write kl.json beside summary.json (d3s.evaluation.kl).
 
 
 rule evaluate_checkpoint:
     input:
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",  # the run's checkpoints exist
+        train_config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",  # the KL probe's prompts
     output:
         summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{{step}}/summary.json",
     params:
@@ -19,6 +22,8 @@ rule evaluate_checkpoint:
         samples=config["eval"].get("checkpoint_samples", 4),
         k=config["eval"].get("checkpoint_k", [1]),
         limit=config["eval"].get("checkpoint_limit") or config["eval"].get("limit"),
+        reference=base_model_path(),  # the initial policy of the KL (eval.kl)
+        train=config["train"],
     threads: config["eval"].get("threads", 1)
     resources:
         **config["eval"].get("resources", {}),
@@ -34,6 +39,7 @@ rule evaluate_final:
     input:
         final=f"{RESULTS}/runs/{{method}}/seed{{seed}}/final",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
+        train_config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
     output:
         summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json",
     params:
@@ -43,6 +49,8 @@ rule evaluate_final:
         samples=config["eval"]["samples"],
         k=config["eval"]["k"],
         limit=config["eval"].get("limit"),
+        reference=base_model_path(),
+        train=config["train"],
     threads: config["eval"].get("threads", 1)
     resources:
         **config["eval"].get("resources", {}),

@@ -2,11 +2,12 @@
 
 The job runs STEPS (below) in order on params.model, inside one GPU lease (a job with resources.gpu gets that
 many GPUs of its own, d3s.launch.assign_gpus, and generates with vLLM, tensor-parallel over them unless
-eval.tensor_parallel_size). Today one step: `d3s eval` with params.samples per problem, params.k,
-params.limit, writing <out>/summary.json (the rule's output, written last) and per benchmark
-<out>/<benchmark>/samples.jsonl, summary.json, manifest.json, run.json. A diagnostic computed per evaluated
-model (e.g. the KL to the initial policy) is one more entry of STEPS: a function of the EvalJob that writes
-its own file under job.out and is itself resumable (that file is not a declared output either, see below).
+eval.tensor_parallel_size). The steps: with eval.kl (checkpoints and final models, not the base model), the
+KL to the initial policy, params.reference, on the run's probe prompts, into <out>/kl.json
+(d3s.evaluation.kl); then `d3s eval` with params.samples per problem, params.k, params.limit, writing
+<out>/summary.json (the rule's output, written last) and per benchmark <out>/<benchmark>/samples.jsonl,
+summary.json, manifest.json, run.json. Each step writes its own files under job.out and resumes on its own
+(none of them but summary.json is a declared output, see below).
 
 Resuming: the rule declares only <out>/summary.json, so Snakemake never deletes the samples before a re-run,
 and `d3s eval` (run without --overwrite) keeps every complete problem in samples.jsonl and generates only the
@@ -23,13 +24,15 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from d3s.cli import main as d3s_main
+from d3s.evaluation.kl import KL_FILE, KLProbeSettings, measure_checkpoint_kl
 from d3s.launch import assign_gpus, job_gpus, signals_raise_system_exit
 from d3s.provenance import atomic_write_text, model_files, sha256_file
 
@@ -146,10 +149,48 @@ def generate_and_grade(job: EvalJob) -> None:
         raise SystemExit(f"d3s eval failed with exit code {code}: see {smk.log[0]}")
 
 
+def kl_probe_settings(kl: dict[str, Any], trainer: dict[str, Any]) -> KLProbeSettings:
+    """eval.kl, with the sampling settings training used where eval.kl leaves them out."""
+    defaults = {
+        "max_new_tokens": trainer.get("max_completion_length", 256),  # TRL's default
+        "temperature": trainer.get("temperature", 1.0),
+    }
+    return KLProbeSettings(**(defaults | dict(kl)))
+
+
+def measure_kl(job: EvalJob) -> None:
+    """eval.kl: the KL to the initial policy on the run's probe (d3s.evaluation.kl), into <out>/kl.json.
+
+    Resumes: a kl.json of the same model (the evaluation's resume key moved any other model's aside) and the
+    same probe settings is kept; otherwise it is measured (again) and replaced atomically."""
+    settings = kl_probe_settings(ev["kl"], dict(smk.params.train.get("trainer") or {}))
+    settings.validate()
+    path = job.out / KL_FILE
+    if path.is_file() and json.loads(path.read_text(encoding="utf-8")).get("settings") == asdict(settings):
+        print(f"KL to the initial policy: kept {path}", flush=True)
+        return
+    train_config = yaml.safe_load(Path(smk.input.train_config).read_text(encoding="utf-8"))
+    labels = {"method": smk.wildcards.method, "seed": int(smk.wildcards.seed), "point": job.out.name}
+    record = measure_checkpoint_kl(
+        job.model,
+        str(smk.params.reference),
+        train_config,
+        path,
+        settings,
+        labels=labels,
+        device="cuda" if job.gpu_ids else "cpu",
+    )
+    summary = {key: record[key] for key in ("k1", "k3", "k1_per_sequence", "tokens", "seconds")}
+    print(f"KL to the initial policy ({path}): {json.dumps(summary)}", flush=True)
+
+
 # The job's steps, in order. Each takes the EvalJob, writes under job.out and resumes on its own.
 STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [
     ("generate and grade (d3s eval)", generate_and_grade),
 ]
+if ev.get("kl") and smk.rule in ("evaluate_checkpoint", "evaluate_final"):  # the base model has KL 0
+    # Before generation, so summary.json (the rule's output, written by d3s eval) still comes last.
+    STEPS.insert(0, ("KL to the initial policy (eval.kl)", measure_kl))
 
 model = str(smk.params.model)
 if smk.rule == "evaluate_checkpoint" and not (Path(model) / "config.json").is_file():

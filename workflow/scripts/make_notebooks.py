@@ -53,7 +53,8 @@ NOTEBOOKS = {
         "# Training dynamics\n\nGradient norm, policy entropy (all tokens and the tokens kept by token selection), "
         "reward, advantage variance before and after sample selection, fractions of samples and tokens kept, and "
         "the tokens that enter each update. Mean across seeds (line) and +- one standard deviation (band), "
-        "smoothed over 5 steps. Everything comes from each run's `metrics.jsonl`.",
+        "smoothed over 5 steps. These come from each run's `metrics.jsonl`; the KL to the initial policy comes "
+        "from the evaluated checkpoints (`kl.json`).",
         setup(("training",)),
         """fig = figures.training_dynamics(metrics, methods)
 figures.save(fig, out / "figures" / "training_dynamics")
@@ -67,6 +68,17 @@ fig""",
 dynamics = tables.summarise_dynamics(metrics, columns)
 tables.write_table(dynamics, out / "tables" / "dynamics.csv", prov)
 display(dynamics.round(3))""",
+        "## KL to the initial policy\n\nMeasured without gradient at every evaluated checkpoint (config `eval.kl`, "
+        "`d3s.evaluation.kl`): the policy's own completions of a fixed probe of training prompts, scored by the "
+        "policy and the initial model; k1 and k3 per token. The training objective has no KL term (beta = 0).",
+        """kl = io.load_kl(results, allow_mixed=allow_mixed)
+if kl.empty:
+    display(Markdown("No KL measurements: set `eval.kl` in the config to measure them."))
+else:
+    tables.write_table(kl, out / "tables" / "kl.csv", prov)
+    fig = figures.kl_figure(kl, [m for m in methods if m in set(kl["method"])])
+    figures.save(fig, out / "figures" / "kl")
+    display(fig)""",
     ],
     "pass_at_k": [
         "# Pass@k\n\nFinal models on the held-out benchmarks, several samples per problem; mean across seeds and "
@@ -171,7 +183,8 @@ def build(name: str, cells: list[str]) -> nbformat.NotebookNode:
     params = new_code_cell(PARAMS)
     params.metadata["tags"] = ["parameters"]
     nb.cells.append(params)
-    nb.cells += [new_code_cell(src) for src in cells[1:]]
+    # a later cell starting with a "## " heading is prose, the rest are code
+    nb.cells += [new_markdown_cell(src) if src.startswith("## ") else new_code_cell(src) for src in cells[1:]]
     return nb
 
 

@@ -1,0 +1,397 @@
+"""KL to the initial policy, measured without gradient on a fixed probe set (the KL the D3S paper plots).
+
+The paper configs train with beta = 0, so TRL logs no ``kl``. Instead, at every evaluated checkpoint the
+policy samples its own completions of a fixed set of probe prompts (seeded), and both the policy and the
+reference (the run's initial model) score them under ``torch.no_grad``:
+
+    k1 = log pi(y_t) - log pi_ref(y_t)                       unbiased for KL(pi || pi_ref) per token
+    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1   TRL's ``kl`` estimator, >= 0 token by token
+
+Both are averaged over the completion tokens (TRL's token mean); ``k1_per_sequence`` is the mean over
+completions of the summed k1, an unbiased estimate of the sequence-level KL. A completion counts its tokens
+up to and including its first EOS; nothing after EOS and no padding enters any mean. With ``top_p`` < 1 the
+completions come from the truncated sampler, and k1 is no longer unbiased for the untruncated KL; the default
+samples at top-p 1. Log-probs are those of the sampling distribution (logits / temperature), as TRL's.
+
+One JSON file per evaluated checkpoint (``write_kl_result``), so parallel evaluation jobs never share a file;
+``d3s.analysis.io.load_kl`` gathers them into a table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from d3s.provenance import atomic_write_text, now
+
+if TYPE_CHECKING:  # torch is imported where it is used: the analysis reads KL_FILE without it
+    import torch
+
+KL_FILE = "kl.json"  # in the evaluated checkpoint's folder: eval/<method>/seed<seed>/{step<N>,final}/
+
+
+@dataclass(frozen=True)
+class KLProbeSettings:
+    """The probe: the first ``prompts`` training prompts, ``samples`` completions each (config ``eval.kl``)."""
+
+    prompts: int = 8
+    samples: int = 4
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 16
+    dtype: str = "auto"
+
+    def validate(self, prefix: str = "eval.kl.") -> None:
+        """One-line errors naming the setting (``prefix`` + field name) before any model is loaded."""
+        for name in ("prompts", "samples", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"{prefix}temperature must be > 0 (the KL is estimated on sampled completions), "
+                f"got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}top_p must be in (0, 1], got {self.top_p}")
+
+
+def truncate_at_eos(token_ids: Sequence[int], eos_ids: Iterable[int]) -> list[int]:
+    """The completion up to and including its first EOS (all of it when it has none)."""
+    eos = set(eos_ids)
+    for position, token in enumerate(token_ids):
+        if token in eos:
+            return list(token_ids[: position + 1])
+    return list(token_ids)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a completion: the generation config's EOS ids and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model and tokenizer define no EOS token: completions could not end")
+    return ids
+
+
+def _chunk_seed(seed: int, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed}/kl-probe/{chunk}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def probe_completions(
+    policy: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    completions_per_prompt: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 16,
+    add_special_tokens: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) of ``completions_per_prompt`` samples of the policy per prompt.
+
+    Prompts are tokenised as TRL tokenises string prompts (``add_special_tokens`` True); completions are cut
+    after their first EOS. Sampling is seeded per batch of ``batch_size`` rows inside a forked RNG, so the
+    caller's random state is untouched and the same seed and batch size give the same completions.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    if not prompts:
+        raise ValueError("the KL probe needs at least one prompt")
+    eos_ids = eos_token_ids(policy, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    # Every sampling setting explicit: a model's own generation defaults (top_k, repetition penalty) would
+    # make the sampler differ from the distribution that is scored.
+    generation = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(eos_ids),
+        pad_token_id=pad_id,
+    )
+    rows = [
+        list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        for prompt in prompts
+        for _ in range(completions_per_prompt)
+    ]
+    device = _device(policy)
+    was_training = policy.training
+    policy.eval()
+    out: list[tuple[list[int], list[int]]] = []
+    with torch.no_grad():
+        try:
+            for chunk, start in enumerate(range(0, len(rows), batch_size)):
+                batch = rows[start : start + batch_size]
+                width = max(len(ids) for ids in batch)
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                attention = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, ids in enumerate(batch):  # left padding: generation continues from the right edge
+                    input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                    attention[i, width - len(ids) :] = 1
+                devices = [device.index or 0] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(_chunk_seed(seed, chunk))
+                    sequences = policy.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=attention.to(device),
+                        generation_config=generation,
+                    )
+                for ids, row in zip(batch, sequences[:, width:].tolist(), strict=True):
+                    out.append((ids, truncate_at_eos(row, eos_ids)))
+        finally:
+            policy.train(was_training)
+    return out
+
+
+def completion_logprobs(
+    model: Any,
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    temperature: float = 1.0,
+    batch_size: int = 16,
+    pad_id: int = 0,
+) -> list[torch.Tensor]:
+    """Per-token log-probs (float32, on the CPU) of each completion given its prompt, under ``model``.
+
+    Rows are batched with the prompt left-padded and the completion right-padded; padding is masked out of
+    attention and positions count only real tokens, so a row scores as it would alone. Log-probs are those
+    of softmax(logits / temperature), the sampling distribution.
+    """
+    import torch
+
+    device = _device(model)
+    was_training = model.training
+    model.eval()
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        try:
+            for start in range(0, len(sequences), batch_size):
+                batch = sequences[start : start + batch_size]
+                prompt_width = max(len(p) for p, _ in batch)
+                completion_width = max(len(c) for _, c in batch)
+                if completion_width == 0:
+                    out.extend(torch.zeros(0) for _ in batch)
+                    continue
+                width = prompt_width + completion_width
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                attention = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, (prompt, completion) in enumerate(batch):
+                    first = prompt_width - len(prompt)
+                    ids = list(prompt) + list(completion)
+                    input_ids[i, first : first + len(ids)] = torch.tensor(ids, dtype=torch.long)
+                    attention[i, first : first + len(ids)] = 1
+                position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+                logits = model(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention.to(device),
+                    position_ids=position_ids.to(device),
+                    logits_to_keep=completion_width + 1,
+                ).logits[:, :-1]
+                logps = (logits.float() / temperature).log_softmax(-1)
+                targets = input_ids[:, prompt_width:].to(device)
+                token_logps = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu()
+                for i, (_, completion) in enumerate(batch):
+                    out.append(token_logps[i, : len(completion)].clone())
+        finally:
+            model.train(was_training)
+    return out
+
+
+def per_token_kl(
+    policy_logps: torch.Tensor, reference_logps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k1 and k3 of every token (float64), from the log-probs of the sampled tokens under both models."""
+    import torch
+
+    log_ratio = reference_logps.double() - policy_logps.double()  # log pi_ref - log pi
+    # exp(x) - x - 1 as expm1(x) - x: no cancellation near 0, and >= 0 in floating point too (expm1(x) >= x
+    # holds after rounding, and a - b >= 0 for a >= b), where TRL's form can round below 0
+    k3 = torch.expm1(log_ratio) - log_ratio
+    return -log_ratio, k3
+
+
+def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence[torch.Tensor]) -> dict:
+    """Token means of k1 and k3 over every completion token, the sequence-level k1 mean and the counts."""
+    if len(policy_logps) != len(reference_logps) or not policy_logps:
+        raise ValueError("kl_estimates needs the same, non-zero number of policy and reference completions")
+    k1_sum = k3_sum = 0.0
+    sequence_k1 = []
+    tokens = 0
+    for logp, ref in zip(policy_logps, reference_logps, strict=True):
+        if logp.shape != ref.shape:
+            raise ValueError(f"policy and reference scored different lengths: {logp.shape} vs {ref.shape}")
+        k1, k3 = per_token_kl(logp, ref)
+        k1_sum += float(k1.sum())
+        k3_sum += float(k3.sum())
+        sequence_k1.append(float(k1.sum()))
+        tokens += logp.numel()
+    if tokens == 0:
+        raise ValueError("the probe completions have no tokens")
+    return {
+        "k1": k1_sum / tokens,
+        "k3": k3_sum / tokens,
+        "k1_per_sequence": sum(sequence_k1) / len(sequence_k1),
+        "tokens": tokens,
+        "sequences": len(sequence_k1),
+    }
+
+
+def kl_to_reference(
+    policy: Any,
+    reference: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    completions_per_prompt: int = 4,
+    max_new_tokens: int = 512,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 16,
+    add_special_tokens: bool = True,
+) -> dict:
+    """KL(policy || reference) on the policy's own sampled completions of ``prompts``, without gradient.
+
+    Returns ``k1``, ``k3`` (token means), ``k1_per_sequence``, ``tokens``, ``sequences``,
+    ``mean_completion_tokens`` and ``truncated_fraction`` (completions that hit ``max_new_tokens`` without
+    EOS: the KL of a truncated completion counts only its sampled tokens).
+    """
+    KLProbeSettings(
+        prompts=len(prompts),
+        samples=completions_per_prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=batch_size,
+    ).validate(prefix="kl_to_reference: ")
+    sequences = probe_completions(
+        policy,
+        tokenizer,
+        prompts,
+        completions_per_prompt=completions_per_prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        batch_size=batch_size,
+        add_special_tokens=add_special_tokens,
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    scoring = {"temperature": temperature, "batch_size": batch_size, "pad_id": pad_id}
+    policy_logps = completion_logprobs(policy, sequences, **scoring)
+    reference_logps = completion_logprobs(reference, sequences, **scoring)
+    eos_ids = eos_token_ids(policy, tokenizer)
+    result = kl_estimates(policy_logps, reference_logps)
+    result["mean_completion_tokens"] = result["tokens"] / result["sequences"]
+    result["truncated_fraction"] = sum(not c or c[-1] not in eos_ids for _, c in sequences) / len(sequences)
+    return result
+
+
+def write_kl_result(path: str | os.PathLike[str], result: dict) -> Path:
+    """Write one checkpoint's KL result as JSON, atomically (a reader never sees a partial file)."""
+    path = Path(path)
+    atomic_write_text(path, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
+    """The first ``count`` prompts of the run's training data, templated exactly as training templated them."""
+    from d3s.train import _training_rows  # the training job's own prompt construction
+
+    rows = _training_rows(train_config, tokenizer)
+    if len(rows) < count:
+        raise ValueError(f"eval.kl.prompts is {count} but the training data has only {len(rows)} prompts")
+    return [row["prompt"] for row in rows[:count]]
+
+
+def _load(model_path: str | os.PathLike[str], dtype: str, device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype == "auto":  # bf16 on GPUs that support it; fp32 on CPU, where bf16 is slow
+        use_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+
+
+def measure_checkpoint_kl(
+    checkpoint: str | os.PathLike[str],
+    reference: str | os.PathLike[str],
+    train_config: dict,
+    out: str | os.PathLike[str],
+    settings: KLProbeSettings,
+    *,
+    labels: dict | None = None,
+    device: str | None = None,
+) -> dict:
+    """Load the checkpoint and the reference, measure the KL on the probe and write ``out`` (JSON).
+
+    ``train_config`` is the run's ``d3s train`` config (its ``train.yaml``): the probe is the first
+    ``settings.prompts`` of its training prompts. The models are freed before returning, so a generation
+    backend loaded afterwards in the same process gets the memory back.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    settings.validate()
+    started = time.perf_counter()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    prompts = probe_prompts(train_config, tokenizer, settings.prompts)
+    policy = _load(checkpoint, settings.dtype, device)
+    ref_model = _load(reference, settings.dtype, device)
+    try:
+        result = kl_to_reference(
+            policy,
+            ref_model,
+            tokenizer,
+            prompts,
+            completions_per_prompt=settings.samples,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=settings.seed,
+            batch_size=settings.batch_size,
+        )
+        dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+    finally:
+        del policy, ref_model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    probe_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    record = (labels or {}) | {
+        "model": str(checkpoint),
+        "reference": str(reference),
+        "settings": asdict(settings),
+        "probe_sha256": probe_digest,
+        "device": device,
+        "dtype": dtype,
+        "seconds": round(time.perf_counter() - started, 3),
+        "written": now(),
+        **result,
+    }
+    write_kl_result(out, record)
+    return record
