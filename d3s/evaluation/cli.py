@@ -202,6 +202,12 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
             raise ValueError(
                 f"--audit-samples {path}: no samples.jsonl there (give the file, or an evaluation directory)"
             )
+        files = [path] if path.is_file() else [path / "samples.jsonl", *path.glob("*/samples.jsonl")]
+        for file in files:
+            if file.is_file() and not file.read_text(encoding="utf-8").strip():
+                raise ValueError(
+                    f"--audit-samples {file} is empty; give an evaluation's samples.jsonl, or drop it"
+                )
     if args.audit:
         return names, GenerationSettings(), ""
     if not args.model:
