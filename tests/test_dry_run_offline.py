@@ -145,3 +145,15 @@ def test_paper_config_inputs_checked_before_any_job_offline(offline_work):
         assert sum(line.startswith(f"config eval.benchmarks {name}:") for line in lines) == 1
     assert len(lines) == 3 + len(cfg["eval"]["benchmarks"])
     assert not (work / "results" / cfg["experiment"] / "runs").exists()
+
+
+def test_parse_time_check_does_not_import_torch():
+    """The workflow's parse-time check (common.smk, run by every `snakemake -n` and every cluster job) imports
+    only the registry, the launch settings and the benchmark names: no torch (about 2 s of each parse)."""
+    code = (
+        "import sys; import d3s.methods, d3s.launch, d3s.data.benchmarks; "
+        "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'datasets') if m in sys.modules); "
+        "print(heavy); sys.exit(bool(heavy))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
