@@ -66,19 +66,19 @@ REAL_FORMAT_CASES = {
 }
 
 
-@pytest.mark.parametrize("benchmark", sorted(REAL_FORMAT_CASES))
-def test_real_benchmark_gold_formats(benchmark: str, grader: Grader) -> None:
-    problem = load_benchmark(benchmark, shared_data_dir(), limit=1)[0]
-    right, wrong = REAL_FORMAT_CASES[benchmark]
-    assert grader.grade(right, problem.gold).correct, (benchmark, problem.gold)
+@pytest.mark.parametrize("benchmark_name", sorted(REAL_FORMAT_CASES))
+def test_real_benchmark_gold_formats(benchmark_name: str, grader: Grader) -> None:
+    problem = load_benchmark(benchmark_name, shared_data_dir(), limit=1)[0]
+    right, wrong = REAL_FORMAT_CASES[benchmark_name]
+    assert grader.grade(right, problem.gold).correct, (benchmark_name, problem.gold)
     result = grader.grade(wrong, problem.gold)
     assert result.gold_parsed and not result.correct and not result.timed_out
 
 
-@pytest.mark.parametrize("benchmark", sorted(REAL_FORMAT_CASES))
-def test_every_gold_verifies_against_itself_boxed(benchmark: str, grader: Grader) -> None:
+@pytest.mark.parametrize("benchmark_name", sorted(REAL_FORMAT_CASES))
+def test_every_gold_verifies_against_itself_boxed(benchmark_name: str, grader: Grader) -> None:
     """The first 25 golds of each benchmark, written back boxed by a model, must be graded correct."""
-    problems = load_benchmark(benchmark, shared_data_dir(), limit=25)
+    problems = load_benchmark(benchmark_name, shared_data_dir(), limit=25)
     results = grader.grade_many(
         [rf"The answer is \boxed{{{p.gold[0]}}}." for p in problems], [p.gold for p in problems]
     )
@@ -320,7 +320,7 @@ def test_accuracy_reward_on_a_batch_of_the_tiny_task() -> None:
 
 def test_grade_detailed_default_grader() -> None:
     result = grade_detailed(r"\boxed{12}", "12")
-    assert result.correct and result.gold_parsed and not result.timed_out and result.seconds >= 0
+    assert result.correct and result.gold_parsed and not result.timed_out
 
 
 # ------------------------------------------------------------------------------- answer policies
