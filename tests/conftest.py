@@ -7,18 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from helpers import SHARED_DATA
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
-    path = (REPO_ROOT / ".." / "shared" / "data").resolve()
-    if not path.is_dir():
-        pytest.skip(f"benchmark copies not found at {path} (expected ../shared/data beside the checkout)")
-    return path
+    """``<repo root>/../shared/data``; tests that use it are skipped when the benchmark copies are absent."""
+    if not (SHARED_DATA / "aime24" / "test.jsonl").is_file():
+        pytest.skip(
+            f"benchmark copies not found at {SHARED_DATA} (expected ../shared/data beside the checkout)"
+        )
+    return SHARED_DATA
 
 
 @pytest.fixture(scope="session")

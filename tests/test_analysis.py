@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers import REPO_ROOT
 
 from d3s.analysis import figures, io, tables
 from d3s.analysis.provenance import MixedSettingsError
 from d3s.analysis.report import claims, write_report
 
-REPO = Path(__file__).resolve().parents[1]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -182,7 +182,7 @@ def test_figures_write_png_and_pdf(results, tmp_path):
 
 
 def test_paper_numbers_carry_citations():
-    paper = Path(__file__).resolve().parents[1] / "results" / "paper"
+    paper = REPO_ROOT / "results" / "paper"
     t1 = pd.read_csv(paper / "d3s_table1.csv")
     assert set(t1["source_tag"]) == {"N"}
     row = t1[(t1["method"] == "d3s") & (t1["benchmark"] == "average") & (t1["model"] == "Qwen2.5-Math-7B")]
@@ -227,7 +227,7 @@ def test_loaders_name_the_manifest_of_every_row(results):
 
 def test_report_names_the_manifests_it_came_from(results):
     _write_tables(results)
-    report = write_report(results, REPO / "results" / "paper", _report_config())
+    report = write_report(results, REPO_ROOT / "results" / "paper", _report_config())
     assert "## Provenance" in report and "Warning: mixed settings" not in report
     for method in ("grpo", "d3s"):
         for seed in (0, 1):
@@ -243,12 +243,12 @@ def test_report_refuses_mixed_settings_unless_allowed(results):
     _write_tables(results)
     _write_manifest(results / "runs" / "d3s" / "seed1" / "manifest.json", _train_manifest("d3s", 1, 1e-3))
     with pytest.raises(MixedSettingsError) as error:
-        write_report(results, REPO / "results" / "paper", _report_config())
+        write_report(results, REPO_ROOT / "results" / "paper", _report_config())
     message = str(error.value)
     assert "config.resolved_trainer.learning_rate" in message
     assert "      0.0003: d3s seed 0, grpo seed 0, grpo seed 1\n      0.001: d3s seed 1\n" in message
     assert "analysis.allow_mixed_settings: true" in message
-    report = write_report(results, REPO / "results" / "paper", _report_config(allow_mixed_settings=True))
+    report = write_report(results, REPO_ROOT / "results" / "paper", _report_config(allow_mixed_settings=True))
     head = report.split("## Main table")[0]
     assert "> **Warning: mixed settings.** `analysis.allow_mixed_settings` is true" in head
     assert "`config.resolved_trainer.learning_rate`: 0.0003 (" in head and "0.001 (d3s seed 1)" in head

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 from transformers.utils import logging as hf_logging
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMON_KEYS = {"name", "created", "machine", "versions", "git", "settings", "rows", "notes"}
 
 # script -> keys every row of its kind must have

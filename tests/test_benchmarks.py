@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from eval_fixtures import REAL_COUNTS, shared_data_dir
+from helpers import REAL_COUNTS
 
 from d3s.data import benchmarks as bm
 from d3s.data import templates
@@ -64,8 +64,8 @@ def test_unknown_benchmark_lists_valid_names() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(REAL_COUNTS))
-def test_real_copies_load(name: str) -> None:
-    data_dir = shared_data_dir()
+def test_real_copies_load(name: str, shared_data_dir: Path) -> None:
+    data_dir = shared_data_dir
     if name == "math_level3to5":
         with pytest.warns(MalformedRowsWarning, match=r"line 5055.*\n.*line 5159"):
             problems = load_benchmark(name, data_dir)
@@ -76,8 +76,8 @@ def test_real_copies_load(name: str) -> None:
     assert all(p.question.strip() and p.gold and all(g for g in p.gold) for p in problems)
 
 
-def test_real_gold_answer_formats() -> None:
-    data_dir = shared_data_dir()
+def test_real_gold_answer_formats(shared_data_dir: Path) -> None:
+    data_dir = shared_data_dir
     aime24 = load_benchmark("aime24", data_dir)
     assert any(p.gold == ("025",) for p in aime24)  # zero-padded strings kept as they are
     assert load_benchmark("aime25", data_dir, limit=1)[0].gold == ("70",)  # JSON integer
@@ -92,8 +92,8 @@ def test_real_gold_answer_formats() -> None:
     assert load_benchmark("math500", data_dir, limit=1)[0].problem_id == "test/precalculus/807.json"
 
 
-def test_limit_and_env_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(bm.DATA_DIR_ENV, str(shared_data_dir()))
+def test_limit_and_env_data_dir(monkeypatch: pytest.MonkeyPatch, shared_data_dir: Path) -> None:
+    monkeypatch.setenv(bm.DATA_DIR_ENV, str(shared_data_dir))
     problems = load_benchmark("gsm8k", limit=3)
     assert [p.problem_id for p in problems] == ["0", "1", "2"]
     with pytest.raises(bm.BenchmarkError):

@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import TINY_TRAINER_ARGS, make_trainer
 
 from d3s.trainer import D3SConfig, D3STrainer
-from tests.test_trainer import BASE, make_trainer
 
 # ---- 1. selection before the log-prob passes ------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ def _run(tmp_path, model_path, method, defer, steps=4, fake_vllm_mode=None, **ov
         method,
         output_dir=str(tmp_path / f"{method}_{defer}"),
         **(
-            BASE
+            TINY_TRAINER_ARGS
             | dict(max_steps=steps, defer_logprob_passes=defer, logging_steps=1, metrics_log=None)
             | overrides
         ),
@@ -216,7 +216,7 @@ def test_kept_token_head_equals_the_masked_computation(
         args = D3SConfig.for_method(
             method,
             output_dir=str(tmp_path / str(kept)),
-            **(BASE | dict(kept_token_logprobs=kept, metrics_log=None) | overrides),
+            **(TINY_TRAINER_ARGS | dict(kept_token_logprobs=kept, metrics_log=None) | overrides),
         )
         trainer = make_trainer(tiny_sft_model, args)
         assert trainer.kept_token_head is kept
@@ -258,7 +258,7 @@ def test_kept_token_head_equals_the_masked_computation(
 def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
     tmp_path, tiny_sft_model, caplog, method, overrides, reason
 ):
-    args = D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(BASE | overrides))
+    args = D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(TINY_TRAINER_ARGS | overrides))
     with caplog.at_level("WARNING"):
         trainer = make_trainer(tiny_sft_model, args)
     assert trainer.kept_token_head is False

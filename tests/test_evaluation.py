@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from eval_fixtures import shared_data_dir
+from helpers import REPO_ROOT
 
 from d3s.data.benchmarks import EVAL_BENCHMARKS, load_benchmark
 from d3s.evaluation import backends, pass_at_k
@@ -228,8 +228,8 @@ def test_imports_are_lazy() -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_every_benchmark(tiny_model: Path, tmp_path: Path) -> None:
-    data_dir = shared_data_dir()
+def test_end_to_end_every_benchmark(tiny_model: Path, tmp_path: Path, shared_data_dir: Path) -> None:
+    data_dir = shared_data_dir
     names = [*EVAL_BENCHMARKS, "synthetic"]
     out = tmp_path / "eval"
     argv = ["--model", str(tiny_model), "--benchmarks", ",".join(names), "--samples", "4", "--k", "1,2"]
@@ -409,8 +409,10 @@ def test_cli_refuses_resume_with_other_settings(
 
 
 @pytest.mark.slow
-def test_audit_on_real_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data_dir = shared_data_dir()
+def test_audit_on_real_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shared_data_dir: Path
+) -> None:
+    data_dir = shared_data_dir
     argv = ["--audit", "--data-dir", str(data_dir), "--out", str(tmp_path)]
     argv += ["--benchmarks", "aime24,aime25,amc23,minerva_math,olympiadbench", "--grading-workers", "2"]
     assert run_eval(parse(argv)) == 0
@@ -548,9 +550,8 @@ def test_workflow_config_takes_an_answer_policy() -> None:
     import yaml
     from snakemake.utils import validate
 
-    repo = Path(__file__).resolve().parents[1]
-    config = yaml.safe_load((repo / "config" / "config.yaml").read_text())
-    schema = str(repo / "config" / "schema.yaml")
+    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    schema = str(REPO_ROOT / "config" / "schema.yaml")
     default = copy.deepcopy(config)
     validate(default, schema)
     assert default["eval"]["answer_policy"] == "math_verify"

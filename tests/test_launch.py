@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import REPO_ROOT
 
 from d3s.launch import (
     TRL_CLI,
@@ -43,8 +44,7 @@ from d3s.launch import (
     vllm_serve_command,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-ACCELERATE_DIR = REPO / "workflow" / "accelerate"
+ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 PY = sys.executable
 
 FAKE_SERVER = textwrap.dedent(
@@ -324,7 +324,7 @@ def test_trainer_config_fields_the_workflow_sets_exist_in_grpo_config():
 
 
 def _smoke_train_cfg(**resources):
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     return cfg["train"] | {"resources": resources}, cfg["task"]
 
 
@@ -353,7 +353,7 @@ def test_train_rule_with_two_gpus_builds_the_accelerate_command(tmp_path):
 
 
 def test_paper_config_on_eight_gpus_in_server_mode(tmp_path):
-    cfg = yaml.safe_load((REPO / "config" / "paper" / "qwen2.5-math-7b.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "paper" / "qwen2.5-math-7b.yaml").read_text())
     train_cfg = dict(cfg["train"])
     train_cfg["trainer"] = train_cfg["trainer"] | {"vllm_mode": "server"}
     train_cfg["launch"] = {"accelerate_config": "zero3", "vllm_server": {"tensor_parallel_size": 1}}
@@ -491,7 +491,7 @@ def test_server_dies_with_a_cancelled_job(tmp_path, fake_server, signum):
     job_script = tmp_path / "job.py"
     job_script.write_text(JOB)
     ready = tmp_path / "ready"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     job = subprocess.Popen([PY, str(job_script), " ".join(fake_server(port)), str(port), str(ready)], env=env)
     try:
         _wait_for_file(ready)
@@ -624,7 +624,7 @@ def test_concurrent_jobs_get_disjoint_gpus(tmp_path):
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
     out = tmp_path / "leases.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     jobs = [
         subprocess.Popen([PY, str(script), str(tmp_path / "locks"), "2", "0.3", str(out)], env=env)
         for _ in range(6)
@@ -642,7 +642,7 @@ def test_concurrent_jobs_get_disjoint_gpus(tmp_path):
 def test_gpus_are_released_when_the_holder_is_killed(tmp_path):
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     holder = subprocess.Popen([PY, str(script), str(tmp_path), "4", "600", str(tmp_path / "out")], env=env)
     slots = GpuSlots(["0", "1", "2", "3"], tmp_path)
     try:
@@ -669,10 +669,10 @@ def test_workflow_train_job_runs_under_accelerate_on_two_cpu_processes(tmp_path)
     GPU path (GPU assignment, accelerate launch with workflow/accelerate/ddp.yaml, d3s train on every rank);
     without CUDA the ranks train on the CPU over gloo."""
     for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
-        src = REPO / name
+        src = REPO_ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    shutil.copytree(REPO / "results" / "paper", tmp_path / "results" / "paper")
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    shutil.copytree(REPO_ROOT / "results" / "paper", tmp_path / "results" / "paper")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = ["d3s"]
     cfg["analysis"] |= {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
     cfg["train"]["resources"] = {"gpu": 2}

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 
 from d3s.launch import accelerate_command, free_port
 from d3s.selection import select_samples
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-DDP_CONFIG = WORKER.parents[1] / "workflow" / "accelerate" / "ddp.yaml"
+DDP_CONFIG = REPO_ROOT / "workflow" / "accelerate" / "ddp.yaml"
 
 
 def _launch(launcher: str, args: list[str]) -> list[str]:
@@ -48,7 +49,7 @@ def _launch(launcher: str, args: list[str]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "launcher"), [("d3s", "accelerate"), ("pods", "torchrun")])
 def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method, launcher):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     cmd = _launch(launcher, [str(tiny_sft_model), method, str(tmp_path)])
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]

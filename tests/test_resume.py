@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 from d3s.launch import (
@@ -32,8 +33,6 @@ from d3s.train import (
     supersede_run,
 )
 from d3s.trainer import WEIGHTS_ONLY_FILE, D3SConfig, strip_to_weights
-
-REPO = Path(__file__).resolve().parents[1]
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
@@ -292,7 +291,7 @@ def test_a_second_server_mode_attempt_with_new_ports_is_the_same_configuration(t
     train_cfg = {
         "trainer": {"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 8, "num_generations": 8},
     }  # fmt: skip
-    launch = TrainLaunch(9, REPO / "workflow" / "accelerate" / "zero3.yaml", VllmServerSettings())
+    launch = TrainLaunch(9, REPO_ROOT / "workflow" / "accelerate" / "zero3.yaml", VllmServerSettings())
     gpus = [str(i) for i in range(9)]
     run = _job_config(tmp_path, train_cfg, threads=64, processes=launch.train_gpus)
     assert run["threads"] == 8  # the workflow compares the per-process count, as d3s train records it
@@ -314,7 +313,7 @@ def test_a_second_server_mode_attempt_with_new_ports_is_the_same_configuration(t
 def test_threads_are_compared_per_process(tmp_path):
     train_cfg = {"trainer": {"per_device_train_batch_size": 16, "num_generations": 8}}
     run = _job_config(tmp_path, train_cfg, threads=4, processes=2)
-    launch = TrainLaunch(2, REPO / "workflow" / "accelerate" / "ddp.yaml")
+    launch = TrainLaunch(2, REPO_ROOT / "workflow" / "accelerate" / "ddp.yaml")
     _, job, _ = prepare_training_job(
         run, tmp_path / "train.yaml", launch=launch, gpu_ids=["0", "1"], threads=4
     )

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 from d3s.launch import accelerate_command, free_port, training_env
 
-REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 RUN = Path("results/smoke/runs/d3s/seed0")
 LOG = Path("results/smoke/logs/train/d3s_seed0.log")
@@ -81,10 +81,10 @@ STAND_IN = textwrap.dedent(
 
 def _workflow(work: Path, *, server: bool) -> dict:
     for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
-        src = REPO / name
+        src = REPO_ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
-    shutil.copytree(REPO / "results" / "paper", work / "results" / "paper")
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    shutil.copytree(REPO_ROOT / "results" / "paper", work / "results" / "paper")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = ["d3s"]
     cfg["analysis"] |= {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
     cfg["train"]["threads"] = 4  # 2 per training process
@@ -209,7 +209,7 @@ def _run_uninterrupted(work: Path, tmp_path: Path, *, drop: tuple[str, ...]) -> 
         ["d3s.cli", "train", "--config", str(tmp_path / "straight.yaml")],
         module=True,
         num_processes=2,
-        config_file=REPO / "workflow" / "accelerate" / "ddp.yaml",
+        config_file=REPO_ROOT / "workflow" / "accelerate" / "ddp.yaml",
         main_process_port=free_port(),
         threads_per_process=config["threads"],
     )

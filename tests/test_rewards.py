@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from eval_fixtures import shared_data_dir
 
 from d3s import rewards
 from d3s.data.benchmarks import load_benchmark
@@ -67,8 +66,8 @@ REAL_FORMAT_CASES = {
 
 
 @pytest.mark.parametrize("benchmark_name", sorted(REAL_FORMAT_CASES))
-def test_real_benchmark_gold_formats(benchmark_name: str, grader: Grader) -> None:
-    problem = load_benchmark(benchmark_name, shared_data_dir(), limit=1)[0]
+def test_real_benchmark_gold_formats(benchmark_name: str, grader: Grader, shared_data_dir: Path) -> None:
+    problem = load_benchmark(benchmark_name, shared_data_dir, limit=1)[0]
     right, wrong = REAL_FORMAT_CASES[benchmark_name]
     assert grader.grade(right, problem.gold).correct, (benchmark_name, problem.gold)
     result = grader.grade(wrong, problem.gold)
@@ -76,9 +75,11 @@ def test_real_benchmark_gold_formats(benchmark_name: str, grader: Grader) -> Non
 
 
 @pytest.mark.parametrize("benchmark_name", sorted(REAL_FORMAT_CASES))
-def test_every_gold_verifies_against_itself_boxed(benchmark_name: str, grader: Grader) -> None:
+def test_every_gold_verifies_against_itself_boxed(
+    benchmark_name: str, grader: Grader, shared_data_dir: Path
+) -> None:
     """The first 25 golds of each benchmark, written back boxed by a model, must be graded correct."""
-    problems = load_benchmark(benchmark_name, shared_data_dir(), limit=25)
+    problems = load_benchmark(benchmark_name, shared_data_dir, limit=25)
     results = grader.grade_many(
         [rf"The answer is \boxed{{{p.gold[0]}}}." for p in problems], [p.gold for p in problems]
     )

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import yaml
+from helpers import REPO_ROOT
 
 from d3s.data.synthetic import arithmetic_problems
 from d3s.rewards import accuracy_reward
 from d3s.toy import build_tokenizer
-from tests.conftest import REPO_ROOT
 
 
 def _default_task():

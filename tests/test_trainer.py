@@ -7,30 +7,15 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
+from helpers import TINY_TRAINER_ARGS, make_trainer
 
-from d3s.data.synthetic import arithmetic_problems
 from d3s.methods import METHODS, get_method
 from d3s.selection import variance_tie_tolerance
 from d3s.trainer import D3SConfig
 
-BASE = dict(
-    per_device_train_batch_size=16,
-    num_generations=8,
-    max_completion_length=24,
-    learning_rate=1e-3,
-    use_cpu=True,
-    report_to="none",
-    save_strategy="no",
-    bf16=False,
-    gradient_checkpointing=False,
-    beta=0.0,
-    seed=0,
-)
-
 
 def config(tmp_path, method="grpo", **overrides) -> D3SConfig:
-    return D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(BASE | overrides))
+    return D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(TINY_TRAINER_ARGS | overrides))
 
 
 # ---- registry and config validation (fast) ------------------------------------------------------------------
@@ -120,9 +105,9 @@ def test_gspo_needs_its_trl_settings(tmp_path):
     with pytest.raises(
         ValueError, match=r"method 'gspo' needs importance_sampling_level='sequence'.*for_method"
     ):
-        D3SConfig(method="gspo", output_dir=str(tmp_path), **BASE)
+        D3SConfig(method="gspo", output_dir=str(tmp_path), **TINY_TRAINER_ARGS)
     with pytest.raises(ValueError, match="unknown method"):
-        D3SConfig(method="nope", output_dir=str(tmp_path), **BASE)
+        D3SConfig(method="nope", output_dir=str(tmp_path), **TINY_TRAINER_ARGS)
 
 
 # ---- training on the tiny model (slow) ------------------------------------------------------------------------
@@ -131,31 +116,6 @@ def test_gspo_needs_its_trl_settings(tmp_path):
 def length_reward(completions, **kwargs):
     """A deterministic, real reward with spread in every group, so selection always has work to do."""
     return [float(len(c) % 5) for c in completions]
-
-
-def train_rows(count=200):
-    return Dataset.from_list(
-        [
-            {"prompt": p.prompt, "answer": p.answer}
-            for p in arithmetic_problems(count, max_ops=1, max_operand=9)
-        ]
-    )
-
-
-def make_trainer(model_path, args, reward_funcs=None, trainer_cls=None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from d3s.rewards import accuracy_reward
-    from d3s.trainer import D3STrainer
-
-    torch.set_num_threads(2)
-    return (trainer_cls or D3STrainer)(
-        model=AutoModelForCausalLM.from_pretrained(model_path),
-        args=args,
-        reward_funcs=reward_funcs or [accuracy_reward],
-        train_dataset=train_rows(),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-    )
 
 
 def step_logs(trainer):
@@ -209,7 +169,7 @@ def test_grpo_reproduces_trl_grpo_trainer_exactly(tmp_path, tiny_sft_model):
 
     from d3s.rewards import accuracy_reward
 
-    fields = BASE | {"max_steps": 3, "logging_steps": 1}
+    fields = TINY_TRAINER_ARGS | {"max_steps": 3, "logging_steps": 1}
     reference = make_trainer(
         tiny_sft_model,
         GRPOConfig(output_dir=str(tmp_path / "trl"), **fields),

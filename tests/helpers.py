@@ -1,0 +1,80 @@
+"""Constants and helpers shared by the test files, imported one way: ``from helpers import ...``.
+
+pytest puts tests/ first on ``sys.path`` (rootdir-less test folder, the default "prepend" import mode), so
+this module is found whether pytest runs as ``pytest`` or ``python -m pytest``. Fixtures (the benchmark
+copies, the tiny SFT model) live in conftest.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
+
+# Row counts of the real copies in ../shared/data (see its README); math_level3to5 loses 2 rows with
+# an empty answer.
+REAL_COUNTS = {
+    "aime24": 30,
+    "aime25": 30,
+    "amc23": 40,
+    "math500": 500,
+    "gsm8k": 1319,
+    "minerva_math": 272,
+    "olympiadbench": 675,
+    "math_level3to5": 8521,
+}
+
+
+# ---- the tiny trainer ----------------------------------------------------------------------------------------
+
+# D3SConfig fields of the trainer tests: 2 prompts x 8 rollouts per step on the CPU, no checkpoints.
+TINY_TRAINER_ARGS: dict[str, Any] = dict(
+    per_device_train_batch_size=16,
+    num_generations=8,
+    max_completion_length=24,
+    learning_rate=1e-3,
+    use_cpu=True,
+    report_to="none",
+    save_strategy="no",
+    bf16=False,
+    gradient_checkpointing=False,
+    beta=0.0,
+    seed=0,
+)
+
+
+def train_rows(count: int = 200) -> Any:
+    """A ``datasets.Dataset`` of one-step sums of digits (the task the tiny model is warm-started on)."""
+    from datasets import Dataset
+
+    from d3s.data.synthetic import arithmetic_problems
+
+    return Dataset.from_list(
+        [
+            {"prompt": p.prompt, "answer": p.answer}
+            for p in arithmetic_problems(count, max_ops=1, max_operand=9)
+        ]
+    )
+
+
+def make_trainer(
+    model_path: Path, args: Any, reward_funcs: list | None = None, trainer_cls: type | None = None
+) -> Any:
+    """A D3STrainer (or ``trainer_cls``) on the saved tiny model, 2 torch threads, math-verify rewards by
+    default."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from d3s.rewards import accuracy_reward
+    from d3s.trainer import D3STrainer
+
+    torch.set_num_threads(2)
+    return (trainer_cls or D3STrainer)(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        args=args,
+        reward_funcs=reward_funcs or [accuracy_reward],
+        train_dataset=train_rows(),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
