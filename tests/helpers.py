@@ -7,6 +7,11 @@ copies, the tiny SFT model) live in conftest.py.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +83,46 @@ def make_trainer(
         train_dataset=train_rows(),
         processing_class=AutoTokenizer.from_pretrained(model_path),
     )
+
+
+# ---- the workflow --------------------------------------------------------------------------------------------
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+# Rules of the analysis stage (no GPU, run on the login/driver node)
+ANALYSIS_RULES = {"training_dynamics", "pass_at_k", "efficiency", "selection_anatomy", "report"}
+
+
+def copy_workflow(dest: Path) -> Path:
+    """A copy of what the workflow needs to run (no results but the paper's numbers) under ``dest``."""
+    for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
+        src = REPO_ROOT / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
+    shutil.copytree(REPO_ROOT / "results" / "paper", dest / "results" / "paper")
+    return dest
+
+
+def run_snakemake(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(SNAKEMAKE + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def dry_run_jobs(config: Path, data_dir: Path) -> list[dict]:
+    """Jobs of `snakemake -n --forceall`: rule, wildcards and resources of each."""
+    env = {**os.environ, "D3S_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*SNAKEMAKE, "-n", "--forceall", "--configfile", str(config)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs: list[dict] = []
+    for line in (result.stdout + result.stderr).splitlines():
+        if match := re.fullmatch(r"(?:local)?rule (\w+):", line.strip()):
+            jobs.append({"rule": match.group(1), "wildcards": {}, "resources": {}})
+        elif jobs and line.startswith("    ") and ": " in line:
+            key, value = line.strip().split(": ", 1)
+            if key in ("wildcards", "resources"):
+                jobs[-1][key] = dict(item.split("=", 1) for item in value.split(", "))
+    return jobs

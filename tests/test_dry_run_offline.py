@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_workflow import REPO, SNAKEMAKE, _copy_workflow
+from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow
 
 # Every configuration, including any added later (config/schema.yaml is the schema, not a configuration).
 CONFIGS = sorted(
-    p for p in [*REPO.glob("config/*.yaml"), *REPO.glob("config/paper/*.yaml")] if p.name != "schema.yaml"
+    p
+    for p in [*REPO_ROOT.glob("config/*.yaml"), *REPO_ROOT.glob("config/paper/*.yaml")]
+    if p.name != "schema.yaml"
 )
 
 
@@ -27,7 +29,7 @@ def offline_work(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("offline")
     (root / "work").mkdir()
     (root / "empty_data").mkdir()
-    work = _copy_workflow(root / "work")
+    work = copy_workflow(root / "work")
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -48,11 +50,11 @@ def _write(work: Path, cfg: dict, name: str = "test.yaml") -> str:
     return f"config/{name}"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "config")))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO_ROOT / "config")))
 def test_dry_run_offline_without_data(config, offline_work):
     work, env = offline_work
     assert not (work.parent / "shared").exists() and not any(Path(env["D3S_DATA_DIR"]).iterdir())
-    result = _run(["-n", "--forceall", "--configfile", str(config.relative_to(REPO))], work, env)
+    result = _run(["-n", "--forceall", "--configfile", str(config.relative_to(REPO_ROOT))], work, env)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     jobs = " ".join(out.split())
@@ -63,7 +65,7 @@ def test_dry_run_offline_without_data(config, offline_work):
 def test_batch_geometry_fails_at_parse_time_offline(offline_work):
     """The prompts_per_step batch geometry is decided by the config's text: `snakemake -n` refuses it."""
     work, env = offline_work
-    cfg = yaml.safe_load((REPO / "config" / "paper" / "qwen2.5-math-1.5b.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "paper" / "qwen2.5-math-1.5b.yaml").read_text())
     cfg["train"]["prompts_per_step"] = 33  # 33 x 32 rollouts over 8 GPUs x 32 per micro-batch: not whole
     result = _run(["-n", "--configfile", _write(work, cfg, "bad_geometry.yaml")], work, env)
     assert result.returncode != 0
@@ -75,7 +77,7 @@ def test_missing_inputs_stop_the_run_before_any_job(offline_work):
     """A benchmark with no local copy, offline: the check before the jobs stops the run, with one line
     naming the fix, before any job (not even the base model) starts."""
     work, env = offline_work
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["experiment"] = "offline-check"
     cfg["eval"]["benchmarks"] = ["synthetic", "math500"]
     result = _run(["--cores", "1", "--configfile", _write(work, cfg)], work, env, timeout=600)
@@ -92,7 +94,7 @@ def test_missing_inputs_stop_the_run_before_any_job(offline_work):
 def test_check_records_where_inputs_were_found(offline_work, tmp_path):
     """With a local copy in place the check passes and records where each input was found."""
     work, env = offline_work
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["eval"]["benchmarks"] = ["synthetic", "math500"]
     data = tmp_path / "data"
     (data / "math500").mkdir(parents=True)
@@ -129,7 +131,7 @@ def test_paper_config_inputs_checked_before_any_job_offline(offline_work):
     names each problem on one line with its fix: the trainer setting, the base model, the training data
     and every benchmark."""
     work, env = offline_work
-    cfg = yaml.safe_load((REPO / "config" / "paper" / "qwen2.5-math-1.5b.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "paper" / "qwen2.5-math-1.5b.yaml").read_text())
     cfg["train"]["trainer"]["per_device_train_batch_size"] = 16  # N = 9 of 32 would leave half rows
     result = _run(
         ["--cores", "1", "--configfile", _write(work, cfg, "bad_paper.yaml")], work, env, timeout=600

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from test_paper_configs import ANALYSIS_RULES, _dry_run_jobs
+from helpers import ANALYSIS_RULES, REPO_ROOT, dry_run_jobs
 
 from d3s.launch import resolved_trainer_configs, train_launch, training_processes
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "config" / "gpu-smoke.yaml"
-ACCELERATE_DIR = REPO / "workflow" / "accelerate"
+CONFIG = REPO_ROOT / "config" / "gpu-smoke.yaml"
+ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 GPU_RULES = {"base_model", "train", "evaluate_base", "evaluate_checkpoint", "evaluate_final"}
-sys.path.insert(0, str(REPO / "workflow" / "scripts"))
+sys.path.insert(0, str(REPO_ROOT / "workflow" / "scripts"))
 from build_base import build_base  # noqa: E402
 
 
@@ -87,7 +85,7 @@ def test_completions_fit_in_the_generation_budget(cfg):
 
 
 def test_dry_run_gives_every_gpu_job_one_gpu(tmp_path):
-    jobs = _dry_run_jobs(CONFIG, tmp_path)
+    jobs = dry_run_jobs(CONFIG, tmp_path)
     rules = {job["rule"] for job in jobs}
     assert rules >= GPU_RULES | ANALYSIS_RULES
     for job in jobs:

@@ -9,19 +9,16 @@ documented choices of DESIGN.md and the configs, pinned here so a change is deli
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ANALYSIS_RULES, REPO_ROOT, SHARED_DATA, dry_run_jobs
 
 from d3s.launch import resolved_trainer_configs, training_processes
 
-REPO = Path(__file__).resolve().parents[1]
-PAPER_DIR = REPO / "config" / "paper"
-ACCELERATE_DIR = REPO / "workflow" / "accelerate"
+PAPER_DIR = REPO_ROOT / "config" / "paper"
+ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 SEVEN_BENCHMARKS = [
     "aime24",
     "aime25",
@@ -31,8 +28,6 @@ SEVEN_BENCHMARKS = [
     "minerva_math",
     "olympiadbench",
 ]  # [paper]
-ANALYSIS_RULES = {"training_dynamics", "pass_at_k", "efficiency", "selection_anatomy", "report"}
-
 # Per file: the backbone and the methods the paper shows it with [paper]; hardware, steps, batch [choice].
 BACKBONES = {
     "qwen2.5-math-7b.yaml": dict(
@@ -92,33 +87,10 @@ def test_one_file_per_backbone_and_the_single_gpu_one():
     assert {p.name for p in CONFIGS} == set(BACKBONES)
 
 
-def _dry_run_jobs(config: Path, data_dir: Path) -> list[dict]:
-    """Jobs of `snakemake -n --forceall`: rule, wildcards and resources of each."""
-    env = {**os.environ, "D3S_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--forceall", "--configfile", str(config)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    jobs: list[dict] = []
-    for line in (result.stdout + result.stderr).splitlines():
-        if match := re.fullmatch(r"(?:local)?rule (\w+):", line.strip()):
-            jobs.append({"rule": match.group(1), "wildcards": {}, "resources": {}})
-        elif jobs and line.startswith("    ") and ": " in line:
-            key, value = line.strip().split(": ", 1)
-            if key in ("wildcards", "resources"):
-                jobs[-1][key] = dict(item.split("=", 1) for item in value.split(", "))
-    return jobs
-
-
 @pytest.mark.parametrize("config_path", CONFIGS, ids=lambda p: p.stem)
 def test_dry_run_jobs_and_resources(config_path, shared_data_dir):
     cfg, expected = _load(config_path), BACKBONES[config_path.name]
-    jobs = _dry_run_jobs(config_path, shared_data_dir)
+    jobs = dry_run_jobs(config_path, shared_data_dir)
     by_rule: dict[str, list[dict]] = {}
     for job in jobs:
         by_rule.setdefault(job["rule"], []).append(job)
@@ -149,7 +121,7 @@ def test_dry_run_jobs_and_resources(config_path, shared_data_dir):
 @pytest.fixture(scope="module")
 def resolved():
     """{file name: (config, {method: D3SConfig})}, resolved once per file."""
-    data = (REPO / ".." / "shared" / "data").resolve()
+    data = SHARED_DATA
     if not data.is_dir():
         pytest.skip(f"benchmark copies not found at {data}")
     previous = os.environ.get("D3S_DATA_DIR")

@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -24,12 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, SNAKEMAKE
 from safetensors.torch import load_file
 
 from d3s.launch import accelerate_command, free_port, training_env
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 RUN = Path("results/smoke/runs/d3s/seed0")
 LOG = Path("results/smoke/logs/train/d3s_seed0.log")
 STEPS = 4  # killed after checkpoint-2, resumed for the last two steps

@@ -3,37 +3,22 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 import yaml
+from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow, run_snakemake
 
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # The paper configurations are dry-run, with their resources and trainer settings, in test_paper_configs.py.
-CONFIGS = [REPO / "config" / "config.yaml", REPO / "config" / "smoke.yaml"]
+CONFIGS = [REPO_ROOT / "config" / "config.yaml", REPO_ROOT / "config" / "smoke.yaml"]
 
 
-def _copy_workflow(dest: Path) -> Path:
-    for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
-    shutil.copytree(REPO / "results" / "paper", dest / "results" / "paper")
-    return dest
-
-
-def _snakemake(args, cwd, timeout=120):
-    return subprocess.run(SNAKEMAKE + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_dry_run_every_configuration(config):
-    result = _snakemake(["-n", "--forceall", "--quiet", "rules", "--configfile", str(config)], REPO)
+    result = run_snakemake(["-n", "--forceall", "--quiet", "rules", "--configfile", str(config)], REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     cfg = yaml.safe_load(config.read_text())
     n_runs = len(cfg["methods"]) * len(cfg["seeds"])
@@ -43,34 +28,34 @@ def test_dry_run_every_configuration(config):
 
 
 def test_default_has_every_method_and_three_seeds():
-    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
     assert set(cfg["methods"]) >= {"grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "entropy_8020"}
     assert len(cfg["seeds"]) == 3
     assert cfg["train"]["threads"] == 1
 
 
 def test_schema_rejects_a_bad_config(tmp_path):
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["seeds"] = "zero"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(cfg))
-    result = _snakemake(["-n", "--configfile", str(bad)], REPO)
+    result = run_snakemake(["-n", "--configfile", str(bad)], REPO_ROOT)
     assert result.returncode != 0
     assert "seeds" in result.stdout + result.stderr
 
 
 def test_unknown_method_fails_at_parse_time(tmp_path):
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = ["grpo", "d3z"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(cfg))
-    result = _snakemake(["-n", "--configfile", str(bad)], REPO)
+    result = run_snakemake(["-n", "--configfile", str(bad)], REPO_ROOT)
     assert result.returncode != 0
     assert "unknown method 'd3z'" in result.stdout + result.stderr
 
 
 def test_lint_clean():
-    result = _snakemake(["--lint"], REPO)
+    result = run_snakemake(["--lint"], REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Lints for" not in result.stdout + result.stderr
 
@@ -79,8 +64,8 @@ def test_lint_clean():
 def test_smoke_workflow_end_to_end(tmp_path):
     """The smoke configuration: base model, 2 methods x 1 seed, checkpoint and final evaluation, the four
     notebooks, report.md, and Snakemake's HTML report."""
-    work = _copy_workflow(tmp_path)
-    result = _snakemake(["--cores", "2", "--configfile", "config/smoke.yaml"], work, timeout=600)
+    work = copy_workflow(tmp_path)
+    result = run_snakemake(["--cores", "2", "--configfile", "config/smoke.yaml"], work, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = work / "results" / "smoke"
     for method in ("grpo", "d3s"):
@@ -115,9 +100,9 @@ def test_smoke_workflow_end_to_end(tmp_path):
     for stem in ("training_dynamics", "kl", "learning_curves", "pass_at_k"):
         assert f"figures/{stem}.png" in report
     # Nothing left to do: a second run is a no-op.
-    again = _snakemake(["-n", "--configfile", "config/smoke.yaml"], work)
+    again = run_snakemake(["-n", "--configfile", "config/smoke.yaml"], work)
     assert "Nothing to be done" in again.stdout + again.stderr
-    html = _snakemake(["--configfile", "config/smoke.yaml", "--report", "report.html"], work, timeout=300)
+    html = run_snakemake(["--configfile", "config/smoke.yaml", "--report", "report.html"], work, timeout=300)
     assert html.returncode == 0, html.stdout[-2000:] + html.stderr[-2000:]
     assert (work / "report.html").stat().st_size > 10_000
 
@@ -133,8 +118,8 @@ def test_killed_training_job_resumes_under_snakemake(tmp_path):
     from safetensors.torch import load_file
 
     (tmp_path / "work").mkdir()
-    work = _copy_workflow(tmp_path / "work")
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    work = copy_workflow(tmp_path / "work")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = ["d3s"]
     cfg["analysis"] = {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
     cfg["train"]["trainer"] |= {"max_steps": 8, "save_steps": 2}
@@ -162,9 +147,9 @@ def test_killed_training_job_resumes_under_snakemake(tmp_path):
         job.wait()
     assert not (run / "train_summary.json").exists()
 
-    unlock = _snakemake([*target, "--unlock"], work)  # what a user runs after a kill, as Snakemake says
+    unlock = run_snakemake([*target, "--unlock"], work)  # what a user runs after a kill, as Snakemake says
     assert unlock.returncode == 0, unlock.stderr[-2000:]
-    again = _snakemake([*target, "--rerun-incomplete"], work, timeout=600)
+    again = run_snakemake([*target, "--rerun-incomplete"], work, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     log = (work / "results" / "smoke" / "logs" / "train" / "d3s_seed0.log").read_text()
     assert "resuming from" in log and "(step 0)" not in log

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_workflow import REPO, SNAKEMAKE, _copy_workflow, _snakemake
+from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow, run_snakemake
 
 PROBLEMS = 40  # enough that a kill after the first few problems lands mid-evaluation
 CHECKPOINT_SAMPLES = 2
@@ -22,7 +22,7 @@ RUN_SUMMARY = "results/smoke/runs/d3s/seed0/train_summary.json"
 
 
 def _config(problems: int = PROBLEMS, final_limit: int = 8, **eval_changes) -> dict:
-    cfg = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = ["d3s"]
     cfg["analysis"] = {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
     cfg["eval"] |= {
@@ -50,9 +50,9 @@ def _complete_lines(data: bytes, samples: int) -> bytes:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """The workflow with the base model built and one d3s run trained (4 steps, checkpoint-2), once."""
-    work = _copy_workflow(tmp_path_factory.mktemp("trained"))
+    work = copy_workflow(tmp_path_factory.mktemp("trained"))
     configfile = _write_config(work, _config())
-    done = _snakemake([RUN_SUMMARY, "--cores", "1", "--configfile", configfile], work, timeout=600)
+    done = run_snakemake([RUN_SUMMARY, "--cores", "1", "--configfile", configfile], work, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return work
 
@@ -88,9 +88,9 @@ def test_killed_checkpoint_evaluation_resumes_under_snakemake(work, tmp_path):
     finished = len({json.loads(line)["problem_id"] for line in kept.splitlines()})
     assert 3 <= finished < PROBLEMS
 
-    unlock = _snakemake([*target, "--unlock"], work)
+    unlock = run_snakemake([*target, "--unlock"], work)
     assert unlock.returncode == 0, unlock.stderr[-2000:]
-    again = _snakemake([*target, "--rerun-incomplete"], work, timeout=600)
+    again = run_snakemake([*target, "--rerun-incomplete"], work, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
 
     data = samples.read_bytes()
@@ -119,7 +119,7 @@ def test_evaluation_resumes_only_the_same_model_and_sample_settings(work):
 
     def run(cfg: dict) -> dict:
         configfile = _write_config(work, cfg)
-        done = _snakemake([target, "--cores", "1", "--configfile", configfile], work, timeout=600)
+        done = run_snakemake([target, "--cores", "1", "--configfile", configfile], work, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return json.loads(manifest.read_text())
 
