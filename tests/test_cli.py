@@ -82,11 +82,12 @@ def test_bad_config_is_refused_before_loading_a_model(tmp_path, overrides, messa
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_resolve_config_applies_method_trl_settings():
-    args = resolve_config({"method": "gspo_d3s", "output_dir": "/tmp/x", "trainer": {"num_generations": 8}})
+def test_resolve_config_applies_method_trl_settings(tmp_path):
+    out = str(tmp_path / "run")  # never a fixed path: a file there would be refused as output_dir
+    args = resolve_config({"method": "gspo_d3s", "output_dir": out, "trainer": {"num_generations": 8}})
     assert args.importance_sampling_level == "sequence" and args.loss_type == "grpo"
     with pytest.raises(ValueError, match="drop the loss_type override"):
-        resolve_config({"method": "gspo", "output_dir": "/tmp/x", "trainer": {"loss_type": "dapo"}})
+        resolve_config({"method": "gspo", "output_dir": out, "trainer": {"loss_type": "dapo"}})
 
 
 def test_console_entry_point_lists_subcommands():
