@@ -30,9 +30,9 @@ import torch
 import yaml
 
 from d3s import provenance
+from d3s.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
 from d3s.methods import get_method
 from d3s.provenance import atomic_write_text, build_manifest, now, write_manifest
-from d3s.trainer import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
 
 TOP_LEVEL_KEYS = {
     "method",

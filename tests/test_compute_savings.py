@@ -209,7 +209,7 @@ def _loss_and_grads(trainer, inputs):
 def test_kept_token_head_equals_the_masked_computation(
     tmp_path, tiny_sft_model, method, overrides, monkeypatch
 ):
-    import d3s.kept_head
+    import d3s.savings.kept_head as kept_head_module
 
     results = {}
     for kept in (True, False):
@@ -221,13 +221,13 @@ def test_kept_token_head_equals_the_masked_computation(
         trainer = make_trainer(tiny_sft_model, args)
         assert trainer.kept_token_head is kept
         projected = []
-        apply = d3s.kept_head.ChunkedLogProbFunction.apply
+        apply = kept_head_module.ChunkedLogProbFunction.apply
 
         def spy(hidden, *rest, _apply=apply, _projected=projected):
             _projected.append((hidden.shape[0], torch.is_grad_enabled()))
             return _apply(hidden, *rest)
 
-        monkeypatch.setattr(d3s.kept_head.ChunkedLogProbFunction, "apply", spy)
+        monkeypatch.setattr(kept_head_module.ChunkedLogProbFunction, "apply", spy)
         inputs = _batch(vocab=trainer.model.config.vocab_size)
         results[kept] = _loss_and_grads(trainer, inputs)
         monkeypatch.undo()

@@ -18,6 +18,7 @@ import yaml
 from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
+from d3s.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
 from d3s.launch import (
     SERVER_FIELDS_SET_BY_WORKFLOW,
     TrainLaunch,
@@ -32,7 +33,7 @@ from d3s.train import (
     latest_checkpoint,
     supersede_run,
 )
-from d3s.trainer import WEIGHTS_ONLY_FILE, D3SConfig, strip_to_weights
+from d3s.trainer import D3SConfig
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
@@ -114,6 +115,9 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path):
     summary = json.loads((run / "train_summary.json").read_text())
     reference_summary = json.loads((tmp_path / "reference" / "train_summary.json").read_text())
     assert summary["update_tokens_total"] == reference_summary["update_tokens_total"] > 0
+    # the counter travels in trainer_state.json (an ExportableState callback), which the resume restored
+    saved = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["D3SCheckpointState"]["attributes"]["update_tokens_total"] == summary["update_tokens_total"]
     # full state in the newest checkpoint only; the older ones keep the weights the learning curves evaluate
     assert (run / "checkpoint-6" / "optimizer.pt").is_file() and latest_checkpoint(run).name == "checkpoint-6"
     for step in (2, 4):
@@ -410,3 +414,27 @@ def test_full_state_checkpoints_is_checked():
         D3SConfig.for_method("grpo", full_state_checkpoints="latest", **common).full_state_checkpoints
         == "latest"
     )
+
+
+def test_checkpoint_state_is_restored_from_trainer_state_or_from_an_older_checkpoint(tmp_path):
+    """Resume reads the counter from trainer_state.json; a checkpoint written before it was there (only
+    d3s_state.json) still gives it back, and gets an entry for Trainer's next save."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from d3s.checkpoints import D3SCheckpointState
+
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    saved = TrainerState(global_step=4, stateful_callbacks=[D3SCheckpointState(update_tokens_total=123)])
+    callback = D3SCheckpointState()
+    callback.on_train_begin(args, saved, None)
+    assert callback.update_tokens_total == 123
+
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "d3s_state.json").write_text('{"update_tokens_total": 77}')
+    older = TrainerState(global_step=4, stateful_callbacks={})
+    callback = D3SCheckpointState()
+    callback.on_train_begin(args, older, None)
+    assert callback.update_tokens_total == 77
+    assert older.stateful_callbacks["D3SCheckpointState"]["attributes"] == {"update_tokens_total": 77}

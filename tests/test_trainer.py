@@ -110,6 +110,27 @@ def test_gspo_needs_its_trl_settings(tmp_path):
         D3SConfig(method="nope", output_dir=str(tmp_path), **TINY_TRAINER_ARGS)
 
 
+@pytest.mark.parametrize(
+    ("module", "name", "named"),
+    [
+        ("trl", "GRPOTrainer.get_high_entropy_mask", "GRPOTrainer.get_high_entropy_mask"),
+        ("trl.kernels", "ChunkedLogProbFunction", "trl.kernels.ChunkedLogProbFunction"),
+    ],
+)
+def test_another_trl_fails_at_import_naming_the_pin_and_the_missing_name(monkeypatch, module, name, named):
+    import importlib
+
+    from d3s import trl_contract
+
+    owner = importlib.import_module(module)
+    *path, attribute = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.delattr(owner, attribute)
+    with pytest.raises(ImportError, match=rf"relies on {named} of TRL 1\.16\.0 .* Install trl==1\.16\.0"):
+        trl_contract.check_trl_contract()
+
+
 # ---- training on the tiny model (slow) ------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""Log-probabilities with gradient only where the update trains.
+"""The kept-token head (``D3SConfig.kept_token_logprobs``): log-probabilities with gradient only where the
+update trains.
 
 With a token keep ratio K < 1 the loss multiplies every unselected token by zero, yet TRL's fused LM head still
 projects, and back-propagates through, every completion position. ``add_kept_token_head`` wraps the model's
@@ -12,6 +13,10 @@ forward (after TRL's ``add_fused_lm_head``) with one more keyword, ``select_toke
 Unselected positions carry their no-gradient log-probability, so the loss, every logged metric and the gradients
 equal the straightforward masked computation, while the head's backward (and its tile buffer) shrinks with K.
 The call goes through the model's own forward, so DDP, DeepSpeed and PEFT wrappers see an ordinary forward.
+
+``KeptTokenHead`` plugs it into the trainer: the gradient pass of ``_compute_loss`` goes through
+``_get_per_token_logps_and_entropies``, which calls the model with ``select_tokens`` = the trainer's token
+selection; the mask chosen there is the one TRL's ``get_high_entropy_mask`` hook then returns.
 """
 
 from __future__ import annotations
@@ -21,15 +26,22 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
+from transformers.utils import logging
 from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+logger = logging.get_logger(__name__)
 
 # Vocabulary tile width of TRL's fused head (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
 VOCAB_CHUNK = 32768
 
 TokenSelector = Callable[[torch.Tensor], torch.Tensor]
+
+# Losses in which an unselected token's log-prob reaches the loss only through the token mask.
+PER_TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 
 
 def kept_token_head_unsupported(model: PreTrainedModel) -> str | None:
@@ -102,3 +114,87 @@ def add_kept_token_head(
         return FusedCausalLMOutput(log_probs=log_probs, entropy=entropy, label_mask=valid)
 
     model.forward = types.MethodType(forward, model)
+
+
+class KeptTokenHead:
+    """Mixin for D3STrainer (before GRPOTrainer in its bases): installs the head when it is exact."""
+
+    kept_token_head = False  # True when the gradient pass projects only the kept tokens
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self.args, "kept_token_logprobs", False) and self.args.token_rule != "none":
+            blocker = self._kept_token_head_blocker()
+            if blocker is None:
+                add_kept_token_head(self._head_model(), self.temperature, self.args.cast_lm_head_to_fp32)
+                self.kept_token_head = True
+            else:
+                logger.warning(
+                    "kept-token log-probs are off, the LM head runs at every position: %s", blocker
+                )
+
+    def _head_model(self):
+        return self.model.get_base_model() if is_peft_model(self.model) else self.model
+
+    def _kept_token_head_blocker(self) -> str | None:
+        """Why unselected tokens may still need a gradient (None: the kept-token head is exact)."""
+        if self.beta != 0.0:
+            return "beta != 0: the KL term trains every token"
+        if self.importance_sampling_level != "token":
+            return "a sequence-level importance ratio (GSPO) reaches every token of a kept sequence"
+        if self.loss_type not in PER_TOKEN_LOSSES:
+            losses = ", ".join(PER_TOKEN_LOSSES)
+            return f"loss_type {self.loss_type!r} is not one of the per-token losses {losses}"
+        if self._entropy_bonus_enabled:
+            return "the entropy bonus trains the entropy of every token"
+        return kept_token_head_unsupported(self._head_model())
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_extras,
+    ):
+        if (
+            self.kept_token_head
+            and compute_entropy  # the gradient pass of _compute_loss
+            and not compute_aux_loss
+            and not any(value is not None for value in model_extras.values())  # not multimodal
+            and torch.is_grad_enabled()
+            and self.model.training
+            and self.top_entropy_quantile < 1.0
+        ):
+            return self._kept_token_logps(model, input_ids, attention_mask, logits_to_keep)
+        return super()._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **model_extras,
+        )
+
+    def _kept_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
+        """Log-probs with gradient at the kept tokens only; the trainer's token mask is chosen inside."""
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100  # only the completion is scored, as in TRL
+        loss_inputs = self._hook_state.loss_inputs
+        loss_mask = loss_inputs["completion_mask"] * loss_inputs.get("tool_mask", 1)
+
+        def select_tokens(entropy: torch.Tensor) -> torch.Tensor:
+            keep = torch.zeros_like(entropy, dtype=torch.bool)
+            keep[:, -logits_to_keep:] = self._select_tokens(entropy[:, -logits_to_keep:], loss_mask)
+            return keep
+
+        with self.accelerator.autocast():
+            outputs = model(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, select_tokens=select_tokens
+            )
+        return outputs.log_probs[:, -logits_to_keep:], outputs.entropy[:, -logits_to_keep:], None

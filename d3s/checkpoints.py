@@ -1,0 +1,153 @@
+"""Checkpoints of a D3S run: the run's own state, the mark of a complete checkpoint, weights-only older ones.
+
+``D3SCheckpointState`` is a transformers callback. Its counters are an ``ExportableState``: Trainer saves
+them in each checkpoint's trainer_state.json (``stateful_callbacks``), and the callback reads them back when training
+resumes. ``on_save``, after Trainer wrote the checkpoint on every rank, copies the run's logs into it, writes
+d3s_state.json (what ``d3s.train.latest_checkpoint`` takes as "complete") and, with ``full_state_checkpoints:
+latest``, cuts the older checkpoints to their weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from d3s.provenance import atomic_write_text
+
+D3S_STATE_FILE = "d3s_state.json"
+# Marks a checkpoint cut to its weights (full_state_checkpoints: latest); written before anything is removed.
+WEIGHTS_ONLY_FILE = "d3s_weights_only.txt"
+FULL_STATE_CHECKPOINTS = ("all", "latest")
+# What a checkpoint holds only for resuming, beside the weights (transformers 5.17 Trainer._save_checkpoint:
+# optimizer, scheduler, grad scaler, RNG per rank; DeepSpeed's engine.save_checkpoint: global_step<N>/ with the
+# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py).
+RESUME_STATE_PATTERNS = (
+    "optimizer.pt",
+    "optimizer.bin",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "global_step*",
+    "latest",
+    "zero_to_fp32.py",
+)
+# Weight files of a checkpoint (save_model); without one, the weights live only in DeepSpeed's global_step*/.
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+)
+
+
+def has_training_state(checkpoint: str | os.PathLike[str]) -> bool:
+    """True when the checkpoint holds optimizer state: optimizer.pt/.bin (an ``optimizer*`` folder under FSDP),
+    or DeepSpeed's global_step* folder. save_only_model: true writes neither, so such a checkpoint cannot resume.
+    """
+    return any(path.name.startswith(("optimizer", "global_step")) for path in Path(checkpoint).iterdir())
+
+
+def strip_to_weights(checkpoint: str | os.PathLike[str], reason: str) -> list[str]:
+    """Remove what ``checkpoint`` holds only for resuming (RESUME_STATE_PATTERNS), keeping its weights, tokenizer,
+    trainer state and logs; returns the names removed. A checkpoint without weight files keeps everything (its
+    weights exist only inside DeepSpeed's global_step*: ZeRO-3 without zero3_save_16bit_model).
+
+    WEIGHTS_ONLY_FILE is written first, so a crash midway never leaves a checkpoint that looks resumable.
+    """
+    checkpoint = Path(checkpoint)
+    if not any((checkpoint / name).is_file() for name in _WEIGHT_FILES):
+        return []
+    state = sorted({path for pattern in RESUME_STATE_PATTERNS for path in checkpoint.glob(pattern)})
+    if not state:
+        return []
+    atomic_write_text(
+        checkpoint / WEIGHTS_ONLY_FILE,
+        f"Weights only: {reason}. Removed (needed only to resume): {', '.join(p.name for p in state)}\n",
+    )
+    for path in state:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return [path.name for path in state]
+
+
+class D3SCheckpointState(TrainerCallback, ExportableState):
+    """The run's counters, saved with each checkpoint and restored on resume; the mark of a complete one."""
+
+    def __init__(self, update_tokens_total: int = 0) -> None:
+        self.update_tokens_total = update_tokens_total  # tokens that reached the policy gradient, all ranks
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"update_tokens_total": self.update_tokens_total}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # On resume, Trainer loaded the checkpoint's trainer_state.json, ours included; it restores callbacks
+        # itself only under restore_callback_states_from_checkpoint (off by default), so read ours here.
+        name = type(self).__name__
+        saved = state.stateful_callbacks.get(name)
+        if saved and state.global_step > 0:
+            self.update_tokens_total = saved["attributes"]["update_tokens_total"]
+        elif state.global_step > 0:  # a checkpoint written before the counter moved to trainer_state.json
+            legacy = Path(args.output_dir) / f"checkpoint-{state.global_step}" / D3S_STATE_FILE
+            if legacy.is_file():
+                self.update_tokens_total = json.loads(legacy.read_text(encoding="utf-8"))[
+                    "update_tokens_total"
+                ]
+            state.stateful_callbacks[name] = self.state()  # Trainer's next save updates this entry
+
+    def on_save(self, args, state, control, **kwargs):
+        # Every rank has written its part (DeepSpeed shards, rng_state_<rank>.pth) before the checkpoint is
+        # marked complete: d3s.train.latest_checkpoint resumes only from checkpoints with D3S_STATE_FILE.
+        PartialState().wait_for_everyone()
+        if not args.should_save:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        # The logs up to this step travel with the checkpoint: a resumed run restores them even when a
+        # workflow deleted the run's outputs before re-running the job.
+        for name in (args.metrics_log, "anatomy.jsonl"):
+            if name and (Path(args.output_dir) / name).is_file():
+                shutil.copyfile(Path(args.output_dir) / name, folder / name)
+        atomic_write_text(
+            folder / D3S_STATE_FILE, json.dumps({"update_tokens_total": self.update_tokens_total})
+        )
+        if args.full_state_checkpoints == "latest":
+            _strip_older_checkpoints(Path(args.output_dir), state.global_step)
+
+
+def _strip_older_checkpoints(run_dir: Path, step: int) -> None:
+    """Cut every checkpoint older than the complete checkpoint-<step> to its weights."""
+    for path in run_dir.glob("checkpoint-*"):
+        number = path.name.split("-")[-1]
+        if number.isdigit() and int(number) < step and not (path / WEIGHTS_ONLY_FILE).exists():
+            removed = strip_to_weights(path, f"checkpoint-{step} holds the full state")
+            if removed:
+                print(f"{path.name} cut to its weights (removed {', '.join(removed)})", flush=True)
+
+
+class CpuRanksOptimizerLoad:
+    """Mixin for D3STrainer: resume a multi-process CPU run (transformers 5.17 cannot load its optimizer).
+
+    Trainer maps the optimizer state to args.device when world_size > 1, which on CPU processes is
+    "cpu:<rank>", a location torch.load cannot restore. It stays an override: no callback runs between
+    Trainer's load and the first step.
+    """
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        optimizer = os.path.join(checkpoint or "", "optimizer.pt")
+        scheduler = os.path.join(checkpoint or "", "scheduler.pt")
+        cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu"
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        if cpu_ranks and plain and os.path.isfile(optimizer) and os.path.isfile(scheduler):
+            self.optimizer.load_state_dict(torch.load(optimizer, map_location="cpu", weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)

@@ -1,0 +1,116 @@
+"""What a D3S run writes besides checkpoints: metrics.jsonl, the anatomy log, and the NaN stop."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Appends every log entry as one JSON line: what the analysis reads."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+
+class NanGuardCallback(TrainerCallback):
+    """Stops training on a NaN loss, reward or gradient norm (after the step's metrics are logged).
+
+    Trainer logs before it saves, so raising here keeps the bad step's checkpoint from being written:
+    the last checkpoint on disk stays the last good one.
+    """
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        bad = [
+            k
+            for k in ("loss", "reward", "grad_norm")
+            if isinstance(logs.get(k), float) and math.isnan(logs[k])
+        ]
+        if bad:
+            raise FloatingPointError(
+                f"{', '.join(bad)} is NaN at step {state.global_step}; training stopped before saving this step. "
+                f"Resume from the last checkpoint in {args.output_dir} with a lower learning_rate or check the reward"
+            )
+
+
+# ---- the anatomy log (D3SConfig.anatomy_every): what selection did, for the selection_anatomy notebook -----
+
+
+def append_anatomy(output_dir: str, record: dict) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "anatomy.jsonl"), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def sample_anatomy(
+    step: int,
+    keep: int,
+    num_generations: int,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    kept: torch.Tensor,
+) -> dict:
+    """Per group: the summed rewards, the advantages and which rollouts were kept (gathered batch)."""
+    G = num_generations  # noqa: N806 - the paper's symbol
+    kept_mask = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
+    kept_mask[kept] = True
+    groups = [
+        {"rewards": r, "advantages": a, "kept": k}
+        for r, a, k in zip(
+            rewards.view(-1, G).tolist(),
+            advantages.view(-1, G).tolist(),
+            kept_mask.view(-1, G).tolist(),
+            strict=True,
+        )
+    ]
+    return {"kind": "samples", "step": step, "keep_per_prompt": keep, "num_generations": G, "groups": groups}
+
+
+def token_anatomy(
+    step: int,
+    token_keep_ratio: float,
+    loss_inputs: dict,
+    entropies: torch.Tensor,
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    mask: torch.Tensor,
+    examples: int,
+    decode: Callable[[list[int]], str],
+) -> dict:
+    """The first ``examples`` completions of a micro-batch: tokens, entropies, scores and the token mask."""
+    ids, advantages = loss_inputs["completion_ids"], loss_inputs["advantages"]
+    records = []
+    for row in range(min(examples, ids.shape[0])):
+        valid = mask[row].bool()
+        records.append(
+            {
+                "tokens": [decode([t]) for t in ids[row][valid].tolist()],
+                "entropy": entropies[row][valid].detach().float().tolist(),
+                "score": scores[row][valid].float().tolist(),
+                "selected": keep[row][valid].tolist(),
+                "advantage": float(advantages[row].float().mean()),
+            }
+        )
+    return {"kind": "tokens", "step": step, "token_keep_ratio": token_keep_ratio, "examples": records}

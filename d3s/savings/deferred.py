@@ -1,0 +1,140 @@
+"""Deferred log-prob passes (``D3SConfig.defer_logprob_passes``): a dropped rollout costs only its generation
+and reward.
+
+TRL runs the old-policy, reference and vLLM importance-sampling log-prob passes inside
+``_generate_and_score_completions``, over every rollout, before a subclass can drop any. While the trainer
+defers them, ``_get_per_token_logps_and_entropies`` hands TRL zero placeholders of the right shape; after
+selection, ``run_deferred_logprob_passes`` runs TRL's passes on the kept rows and replaces the placeholders
+(and the importance-sampling metrics TRL logged from them). The selected batch and the losses equal TRL's
+order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanmax, nanmin, use_adapter
+
+# Generation outputs that TRL computes with log-prob passes; deferred until after selection.
+DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
+
+
+class DeferredLogprobPasses:
+    """Mixin for D3STrainer (before GRPOTrainer in its bases)."""
+
+    @contextmanager
+    def logprob_passes_deferred(self, defer: bool) -> Iterator[None]:
+        """While TRL scores: its log-prob passes return placeholders when ``defer``."""
+        self._hook_state.deferring_logprobs = defer
+        try:
+            yield
+        finally:
+            self._hook_state.deferring_logprobs = False
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_extras,
+    ):
+        if not self._hook_state.deferring_logprobs:
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **model_extras,
+            )
+        if any(value is not None for value in model_extras.values()):
+            raise ValueError(
+                "rollout selection defers log-prob passes, which multimodal inputs do not support; "
+                "set defer_logprob_passes=False"
+            )
+        # A stand-in of the right shape: selection first, then the real pass on the kept rows only.
+        return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None
+
+    def run_deferred_logprob_passes(self, output: dict) -> dict:
+        """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
+        pending = [key for key in DEFERRED_KEYS if key in output]  # placeholders, indexed by selection
+        completion_ids = output["completion_ids"]
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        extras = {key: output[key] for key in ("token_type_ids", "mm_token_type_ids") if key in output}
+
+        def logps(model) -> torch.Tensor:
+            return self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                batch_size=self.args.per_device_train_batch_size,
+                **extras,
+            )[0]
+
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
+            if "old_per_token_logps" in pending:
+                output["old_per_token_logps"] = logps(self.model)
+            if "ref_per_token_logps" in pending:
+                if self.ref_model is not None:
+                    output["ref_per_token_logps"] = logps(self.ref_model)
+                else:  # PEFT: the reference is the base model (or the "ref" adapter), as in TRL
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(
+                        unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None
+                    ):
+                        output["ref_per_token_logps"] = logps(self.model)
+        if "importance_sampling_ratio" in pending:
+            output["importance_sampling_ratio"] = self._importance_sampling_ratio(output)
+        return output
+
+    def _importance_sampling_ratio(self, output: dict) -> torch.Tensor:
+        """TRL's vLLM importance-sampling ratio and its metrics, over the kept rollouts."""
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        old, sampling = output["old_per_token_logps"], output["sampling_per_token_logps"]
+        logps_diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # NaN: vLLM could not score the token
+        mode = self.vllm_importance_sampling_mode
+        sequence_level = mode in ("sequence_mask", "sequence_truncate")
+        ratio = torch.exp(logps_diff.sum(dim=-1, keepdim=True) if sequence_level else logps_diff)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if mode in ("sequence_truncate", "token_truncate"):
+            ratio = torch.clamp(ratio, min=low, max=high)
+        else:
+            low = -math.inf if low is None else low
+            high = math.inf if high is None else high
+            ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+        # TRL logged these from the placeholder: replace its entries with the kept rollouts' values.
+        valid = mask.bool()
+        delta = torch.abs(old - sampling)[valid]
+        delta = delta[~torch.isnan(delta)]
+        flat_ratio = ratio.flatten() if sequence_level else ratio[valid]
+        zero = torch.tensor(0.0, device=ratio.device)
+
+        def gathered(values: torch.Tensor, reduce) -> torch.Tensor:  # 0 for an empty rank, as TRL does
+            return self.accelerator.gather(reduce(values) if values.numel() else zero)
+
+        stats = {
+            "sampling/sampling_logp_difference/mean": gathered(delta, torch.mean).mean(),
+            "sampling/sampling_logp_difference/max": gathered(delta, torch.max).max(),
+            "sampling/importance_sampling_ratio/min": nanmin(gathered(flat_ratio, torch.min)),
+            "sampling/importance_sampling_ratio/mean": gathered(flat_ratio, torch.mean).nanmean(),
+            "sampling/importance_sampling_ratio/max": nanmax(gathered(flat_ratio, torch.max)),
+        }
+        for name, value in stats.items():
+            self._metrics["train"][name][-1] = value.item()
+        return ratio

@@ -1,0 +1,90 @@
+"""What d3s needs from TRL beyond its public API, in one place, checked when d3s.trainer is imported.
+
+TRL has no hook to filter rollouts before its log-prob passes, nor one that hands the advantages to its
+token-mask hook (docs/trl-hooks-proposal.md drafts both). Until it does, the trainer overrides private methods of
+``GRPOTrainer`` and reads private attributes. They are pinned to one TRL version: re-read each of them (trl
+``trainer/grpo_trainer.py``) before moving the pin. ``test_grpo_reproduces_trl_grpo_trainer_exactly``
+(tests/test_trainer.py) and tests/test_compute_savings.py fail first when the behaviour behind a name moved.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TRL_VERSION = "1.16.0"
+
+# GRPOTrainer methods overridden or called, and who relies on them.
+TRAINER_METHODS = {
+    "_calculate_rewards": "core: the gathered rewards, which _generate_and_score_completions does not return",
+    "_generate_and_score_completions": "core: select the kept rollouts and re-index the batch",
+    "_compute_loss": "core: the loss inputs (advantages) for the token mask; tokens trained",
+    "get_high_entropy_mask": "core: the |A| x H top-K% token mask instead of TRL's entropy quantile",
+    "_get_per_token_logps_and_entropies": "savings: placeholders while TRL scores; the kept-token head",
+}
+# Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
+TRAINER_ATTRIBUTES = (
+    "_metrics",  # the per-step metric lists TRL averages in log()
+    "reward_weights",
+    "num_generations",
+    "scale_rewards",
+    "top_entropy_quantile",  # TRL calls get_high_entropy_mask only when it is < 1 (read on every loss call)
+    "_tokenizer",
+    "temperature",  # kept-token head: log-probs of logits / temperature, as TRL's
+    "beta",
+    "loss_type",
+    "importance_sampling_level",
+    "_entropy_bonus_enabled",
+    "ref_model",
+    "vllm_importance_sampling_mode",  # deferred passes: the vLLM importance-sampling ratio, recomputed
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+)
+# Helpers imported from TRL modules outside its public API.
+MODULE_NAMES = {
+    "trl.trainer.utils": (
+        "nanmax",
+        "nanmin",
+        "use_adapter",
+        "FusedCausalLMOutput",
+        "maybe_gather_lm_head_ctx",
+    ),
+    "trl.models.utils": ("disable_gradient_checkpointing",),
+    "trl.kernels": ("ChunkedLogProbFunction",),
+}
+
+
+def _mismatch(missing: str) -> ImportError:
+    import trl
+
+    return ImportError(
+        f"d3s relies on {missing} of TRL {TRL_VERSION} (the pinned version; d3s/trl_contract.py lists every "
+        f"private name it uses), which the installed TRL {trl.__version__} does not have. Install "
+        f"trl=={TRL_VERSION}, or port d3s/trainer.py and d3s/savings/ to this TRL."
+    )
+
+
+def check_trl_contract() -> None:
+    """Raise ImportError naming the pinned TRL version and the first private name TRL lacks."""
+    from trl import GRPOTrainer
+
+    for name in TRAINER_METHODS:
+        if not callable(getattr(GRPOTrainer, name, None)):
+            raise _mismatch(f"GRPOTrainer.{name}")
+    for module_name, names in MODULE_NAMES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise _mismatch(f"the module {module_name}") from None
+        for name in names:
+            if not hasattr(module, name):
+                raise _mismatch(f"{module_name}.{name}")
+
+
+def check_trainer_attributes(trainer: object) -> None:
+    """Raise ImportError naming the first attribute of TRAINER_ATTRIBUTES a built trainer lacks."""
+    for name in TRAINER_ATTRIBUTES:
+        if not hasattr(trainer, name):
+            raise _mismatch(f"the GRPOTrainer attribute {name}")
+
+
+check_trl_contract()
