@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -661,58 +660,3 @@ def test_gpus_are_released_when_the_holder_is_killed(tmp_path):
 
 
 # ---- the workflow's train job on two CPU processes ------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_workflow_train_job_runs_under_accelerate_on_two_cpu_processes(tmp_path):
-    """The smoke config with train.resources.gpu: 2 on a CPU machine: two fake GPU ids, so the job takes the
-    GPU path (GPU assignment, accelerate launch with workflow/accelerate/ddp.yaml, d3s train on every rank);
-    without CUDA the ranks train on the CPU over gloo."""
-    for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
-        src = REPO_ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    shutil.copytree(REPO_ROOT / "results" / "paper", tmp_path / "results" / "paper")
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
-    cfg["methods"] = ["d3s"]
-    cfg["analysis"] |= {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
-    cfg["train"]["resources"] = {"gpu": 2}
-    (tmp_path / "config" / "two.yaml").write_text(yaml.safe_dump(cfg))
-    env = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "0,1",
-        "D3S_GPU_LOCK_DIR": str(tmp_path / "locks"),
-        "OMP_NUM_THREADS": "1",
-    }
-    run = tmp_path / "results" / "smoke" / "runs" / "d3s" / "seed0"
-    result = subprocess.run(
-        [
-            PY,
-            "-m",
-            "snakemake",
-            "results/smoke/runs/d3s/seed0/train_summary.json",  # before --configfile (it takes several values)
-            "--cores",
-            "2",
-            "--configfile",
-            "config/two.yaml",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    log = tmp_path / "results" / "smoke" / "logs" / "train" / "d3s_seed0.log"
-    assert result.returncode == 0, result.stderr[-3000:] + (log.read_text()[-4000:] if log.is_file() else "")
-    text = log.read_text()
-    assert "GPU(s) ['0', '1']" in text and "accelerate.commands.launch" in text and "ddp.yaml" in text
-    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
-    trainer = resolved["resolved_trainer"]
-    # two processes: the generation batch spans both ranks (16 rollouts each)
-    assert trainer["generation_batch_size"] == 2 * trainer["per_device_train_batch_size"]
-    assert resolved["threads"] == 1
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4]  # one writer, no duplicated lines
-    assert (run / "final" / "model.safetensors").is_file() and (run / "checkpoint-2").is_dir()
-    assert json.loads((run / "train_summary.json").read_text())["steps"] == 4
-    assert "pid" in (tmp_path / "locks" / "gpu0.lock").read_text()  # the lease was taken ...
-    assert GpuSlots(["0", "1"], tmp_path / "locks").try_acquire(2) is not None  # ... and released

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
-import torch
 import yaml
-from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow, run_snakemake
+from helpers import REPO_ROOT, copy_workflow, run_snakemake
 
 # The paper configurations are dry-run, with their resources and trainer settings, in test_paper_configs.py.
 CONFIGS = [REPO_ROOT / "config" / "config.yaml", REPO_ROOT / "config" / "smoke.yaml"]
@@ -105,70 +102,3 @@ def test_smoke_workflow_end_to_end(tmp_path):
     html = run_snakemake(["--configfile", "config/smoke.yaml", "--report", "report.html"], work, timeout=300)
     assert html.returncode == 0, html.stdout[-2000:] + html.stderr[-2000:]
     assert (work / "report.html").stat().st_size > 10_000
-
-
-@pytest.mark.slow
-def test_killed_training_job_resumes_under_snakemake(tmp_path):
-    """SIGKILL Snakemake and its training job midway; `--rerun-incomplete` resumes from the last complete
-    checkpoint (which Snakemake must not delete) and ends with the weights and metrics of an uninterrupted run."""
-    import os
-    import signal
-    import time
-
-    from safetensors.torch import load_file
-
-    (tmp_path / "work").mkdir()
-    work = copy_workflow(tmp_path / "work")
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
-    cfg["methods"] = ["d3s"]
-    cfg["analysis"] = {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
-    cfg["train"]["trainer"] |= {"max_steps": 8, "save_steps": 2}
-    (work / "config" / "resume.yaml").write_text(yaml.safe_dump(cfg))
-    run = work / "results" / "smoke" / "runs" / "d3s" / "seed0"
-    summary = str((run / "train_summary.json").relative_to(work))
-    target = [
-        summary,
-        "--cores",
-        "1",
-        "--configfile",
-        "config/resume.yaml",
-    ]  # the target before nargs options
-
-    with open(tmp_path / "first.log", "w") as log:
-        job = subprocess.Popen(
-            SNAKEMAKE + target, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 300
-        while not (run / "checkpoint-4" / "d3s_state.json").is_file():
-            assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint-4 within 300 s"
-            time.sleep(0.2)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    assert not (run / "train_summary.json").exists()
-
-    unlock = run_snakemake([*target, "--unlock"], work)  # what a user runs after a kill, as Snakemake says
-    assert unlock.returncode == 0, unlock.stderr[-2000:]
-    again = run_snakemake([*target, "--rerun-incomplete"], work, timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    log = (work / "results" / "smoke" / "logs" / "train" / "d3s_seed0.log").read_text()
-    assert "resuming from" in log and "(step 0)" not in log
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 9))  # no step lost or repeated
-
-    straight = yaml.safe_load((run / "train.yaml").read_text()) | {"output_dir": str(tmp_path / "straight")}
-    (tmp_path / "straight.yaml").write_text(yaml.safe_dump(straight))
-    cli = [sys.executable, "-m", "d3s.cli", "train", "--config", str(tmp_path / "straight.yaml")]
-    done = subprocess.run(cli, cwd=work, capture_output=True, text=True, timeout=600)  # a process of its own
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = [
-        json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
-    ]
-    keys = ("step", "loss", "reward", "grad_norm", "selection/update_tokens")
-    assert [[m.get(k) for k in keys] for m in metrics if "loss" in m] == [
-        [m.get(k) for k in keys] for m in reference if "loss" in m
-    ]
-    resumed_weights = load_file(run / "final" / "model.safetensors")
-    straight_weights = load_file(tmp_path / "straight" / "final" / "model.safetensors")
-    assert resumed_weights.keys() == straight_weights.keys()
-    assert all(torch.equal(resumed_weights[k], straight_weights[k]) for k in resumed_weights)
