@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
 
@@ -126,3 +128,24 @@ def dry_run_jobs(config: Path, data_dir: Path) -> list[dict]:
             if key in ("wildcards", "resources"):
                 jobs[-1][key] = dict(item.split("=", 1) for item in value.split(", "))
     return jobs
+
+
+def write_run_config(tmp_path: Path, **overrides: Any) -> Path:
+    """A `d3s train` config of a 2-step d3s run on the tiny model, written to tmp_path/run.yaml."""
+    config = {
+        "method": "d3s",
+        "model": "tiny",
+        "threads": 2,
+        "output_dir": str(tmp_path / "run"),
+        "tiny": {"sft_steps": 20},
+        "dataset": {"name": "synthetic", "count": 100, "max_ops": 1, "max_operand": 9},
+        "trainer": {
+            "max_steps": 2,
+            "per_device_train_batch_size": 16,
+            "num_generations": 8,
+            "max_completion_length": 16,
+        },
+    } | overrides
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path

@@ -10,29 +10,10 @@ import sys
 import pytest
 import torch
 import yaml
+from helpers import write_run_config as write_config
 
 from d3s.cli import build_parser, build_train_config, main
 from d3s.train import resolve_config
-
-
-def write_config(tmp_path, **overrides):
-    config = {
-        "method": "d3s",
-        "model": "tiny",
-        "threads": 2,
-        "output_dir": str(tmp_path / "run"),
-        "tiny": {"sft_steps": 20},
-        "dataset": {"name": "synthetic", "count": 100, "max_ops": 1, "max_operand": 9},
-        "trainer": {
-            "max_steps": 2,
-            "per_device_train_batch_size": 16,
-            "num_generations": 8,
-            "max_completion_length": 16,
-        },
-    } | overrides
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import yaml
+from helpers import write_run_config
 
 from d3s.cli import main
 
@@ -12,14 +12,9 @@ from d3s.cli import main
 def test_tensorboard_receives_the_trainer_and_selection_metrics(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = {
-        "method": "d3s",
-        "model": "tiny",
-        "threads": 2,
-        "output_dir": str(tmp_path / "run"),
-        "tiny": {"sft_steps": 20},
-        "dataset": {"name": "synthetic", "count": 100, "max_ops": 1, "max_operand": 9},
-        "trainer": {
+    path = write_run_config(
+        tmp_path,
+        trainer={
             "max_steps": 2,
             "per_device_train_batch_size": 16,
             "num_generations": 8,
@@ -27,9 +22,7 @@ def test_tensorboard_receives_the_trainer_and_selection_metrics(tmp_path):
             "logging_steps": 1,
             "report_to": "tensorboard",
         },
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+    )
     assert main(["train", "--config", str(path)]) == 0
     # transformers' default logging_dir: <output_dir>/runs/<time>_<host>
     (events,) = (tmp_path / "run" / "runs").glob("*/events.out.tfevents.*")
