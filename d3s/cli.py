@@ -45,7 +45,7 @@ def _seed(text: str) -> int:
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML run config (see d3s/train.py); flags below override it")
+    parser.add_argument("--config", help="YAML run config (see d3s/runs/run.py); flags below override it")
     parser.add_argument("--method", choices=sorted(METHODS), help="method from the registry (default grpo)")
     parser.add_argument("--model", help="'tiny' (built in code, SFT warm start) or a model path / hub id")
     parser.add_argument("--output-dir", help="run directory (metrics.jsonl, resolved_config.yaml, final/)")
@@ -69,7 +69,7 @@ def build_train_config(args: argparse.Namespace) -> dict:
 
     Raises ConfigError (a ValueError) naming the key, where the value came from and the fix.
     """
-    from d3s.config_types import ConfigError, coerce_run_config, coerce_trainer_option, read_config_file
+    from d3s.runs.config import ConfigError, coerce_run_config, coerce_trainer_option, read_config_file
 
     config = {}
     if args.config:
@@ -92,11 +92,11 @@ def build_train_config(args: argparse.Namespace) -> dict:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from d3s.config_types import one_line
+    from d3s.runs.config import one_line
 
     try:
         config = build_train_config(args)
-        from d3s.train import train  # torch and TRL: after the cheap checks
+        from d3s.runs.run import train  # torch and TRL: after the cheap checks
 
         run_dir = train(config)  # which checks the whole config (resolve_config) before it loads a model
     except ValueError as err:

@@ -19,8 +19,8 @@ class Method:
     sample_rule: str = "none"
     sample_scope: str = "group"
     renormalize: bool = False
-    keep_fraction_init: float = 1.0
-    keep_fraction_final: float = 1.0
+    keep_per_prompt_fraction_init: float = 1.0
+    keep_per_prompt_fraction_final: float = 1.0
     token_rule: str = "none"
     token_scope: str = "batch"
     token_keep_ratio_init: float = 1.0
@@ -37,7 +37,7 @@ class Method:
 
         return tuple(
             max(1, round_half_up(f * num_generations))
-            for f in (self.keep_fraction_init, self.keep_fraction_final)
+            for f in (self.keep_per_prompt_fraction_init, self.keep_per_prompt_fraction_final)
         )
 
 
@@ -51,8 +51,8 @@ GSPO_TRL = {
 
 # D3S schedule values: N 8 -> 32 of G = 32, K 5 % -> 20 % (paper-notes §3; the values are from a secondary source).
 _D3S_SCHEDULE = dict(
-    keep_fraction_init=0.25,
-    keep_fraction_final=1.0,
+    keep_per_prompt_fraction_init=0.25,
+    keep_per_prompt_fraction_final=1.0,
     token_rule="adv_entropy",
     token_keep_ratio_init=0.05,
     token_keep_ratio_final=0.20,
@@ -67,44 +67,44 @@ METHODS: dict[str, Method] = {
         sample_rule="max_variance",
         sample_scope="group",
         renormalize=True,
-        keep_fraction_init=0.25,
-        keep_fraction_final=0.25,
+        keep_per_prompt_fraction_init=0.25,
+        keep_per_prompt_fraction_final=0.25,
     ),
     "pods_random": Method(
         "PODS rule ablation 'Random' at (64, 16): m = n/4 random rollouts per prompt, re-normalised",
         sample_rule="random",
         renormalize=True,
-        keep_fraction_init=0.25,
-        keep_fraction_final=0.25,
+        keep_per_prompt_fraction_init=0.25,
+        keep_per_prompt_fraction_final=0.25,
     ),
     "pods_max_reward": Method(
         "PODS rule ablation 'Max-Reward' at (64, 16): the m = n/4 highest rewards per prompt, re-normalised",
         sample_rule="max_reward",
         renormalize=True,
-        keep_fraction_init=0.25,
-        keep_fraction_final=0.25,
+        keep_per_prompt_fraction_init=0.25,
+        keep_per_prompt_fraction_final=0.25,
     ),
     "d1s": Method(
         "D3S Table 2 row '+D1S': intra-group max Var(A), N = G/4 fixed, all-G advantages kept, no token level",
         sample_rule="max_variance",
         sample_scope="group",
-        keep_fraction_init=0.25,
-        keep_fraction_final=0.25,
+        keep_per_prompt_fraction_init=0.25,
+        keep_per_prompt_fraction_final=0.25,
     ),
     "d1s_cross": Method(
         "D3S Table 2 row '+D1S-Cross': cross-group max Var(A) over the pooled batch, N = G/4 fixed",
         sample_rule="max_variance",
         sample_scope="batch",
-        keep_fraction_init=0.25,
-        keep_fraction_final=0.25,
+        keep_per_prompt_fraction_init=0.25,
+        keep_per_prompt_fraction_final=0.25,
     ),
     "d2s": Method(
         "D3S Table 2 row '+D2S': D1S-Cross plus top-K% |A|*H tokens, fixed at the schedule's start "
         "(N = G/4, K = 5 %; our choice, the paper gives no fixed values)",
         sample_rule="max_variance",
         sample_scope="batch",
-        keep_fraction_init=0.25,
-        keep_fraction_final=0.25,
+        keep_per_prompt_fraction_init=0.25,
+        keep_per_prompt_fraction_final=0.25,
         token_rule="adv_entropy",
         token_keep_ratio_init=0.05,
         token_keep_ratio_final=0.05,

@@ -128,10 +128,6 @@ def variance_tie_tolerance(
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
 
 
-def population_variance(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return values.var(dim=dim, unbiased=False)
-
-
 def select_samples(
     advantages: torch.Tensor,
     rewards: torch.Tensor,
@@ -243,18 +239,18 @@ def token_scores(advantages: torch.Tensor, entropies: torch.Tensor, rule: TokenR
     return adv.abs().to(entropies.dtype) * entropies
 
 
-def _keep_count(keep_ratio: float, valid_count: torch.Tensor) -> torch.Tensor:
+def _keep_count(token_keep_ratio: float, valid_count: torch.Tensor) -> torch.Tensor:
     # ceil(K * n) without floating error turning 0.2 * 50 into 11
-    return torch.ceil(keep_ratio * valid_count.to(torch.float64) - 1e-9).long()
+    return torch.ceil(token_keep_ratio * valid_count.to(torch.float64) - 1e-9).long()
 
 
 def token_keep_mask(
     scores: torch.Tensor,
     valid_mask: torch.Tensor,
-    keep_ratio: float,
+    token_keep_ratio: float,
     scope: TokenScope = "batch",
 ) -> torch.Tensor:
-    """Boolean (B, T) mask of the top ``keep_ratio`` of valid tokens by score.
+    """Boolean (B, T) mask of the top ``token_keep_ratio`` of valid tokens by score.
 
     ``batch`` ranks all valid tokens of the batch together, ``sequence`` ranks within each sequence. The
     count kept is ceil(K * valid) (exact by rank, not a quantile threshold, so ties never inflate it; ties
@@ -262,8 +258,8 @@ def token_keep_mask(
     least its best-scoring one.
     """
     _check_choice("token_scope", scope, TOKEN_SCOPES)
-    if not 0.0 < keep_ratio <= 1.0:
-        raise ValueError(f"token_keep_ratio must be in (0, 1]; got {keep_ratio}")
+    if not 0.0 < token_keep_ratio <= 1.0:
+        raise ValueError(f"token_keep_ratio must be in (0, 1]; got {token_keep_ratio}")
     if scores.shape != valid_mask.shape or scores.dim() != 2:
         raise ValueError(
             f"scores and mask must both be (B, T); got {tuple(scores.shape)}, {tuple(valid_mask.shape)}"
@@ -276,13 +272,13 @@ def token_keep_mask(
         order = torch.sort(flat, descending=True, stable=True).indices
         ranks = torch.empty_like(order)
         ranks[order] = torch.arange(flat.numel(), device=flat.device)
-        keep = (ranks < _keep_count(keep_ratio, valid.sum())).view_as(valid)
+        keep = (ranks < _keep_count(token_keep_ratio, valid.sum())).view_as(valid)
     else:
         order = torch.sort(masked, dim=1, descending=True, stable=True).indices
         ranks = torch.empty_like(order).scatter_(
             1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order)
         )
-        keep = ranks < _keep_count(keep_ratio, valid.sum(dim=1)).unsqueeze(1)
+        keep = ranks < _keep_count(token_keep_ratio, valid.sum(dim=1)).unsqueeze(1)
     keep &= valid
     has_valid = valid.any(dim=1)
     best = masked.argmax(dim=1)
@@ -315,10 +311,10 @@ class Schedule:
     """
 
     kind: ScheduleKind
-    keep_init: int
-    keep_final: int
-    token_ratio_init: float
-    token_ratio_final: float
+    keep_per_prompt_init: int
+    keep_per_prompt_final: int
+    token_keep_ratio_init: float
+    token_keep_ratio_final: float
 
     def __post_init__(self) -> None:
         _check_choice("schedule", self.kind, SCHEDULES)
@@ -331,18 +327,18 @@ class Schedule:
     def keep_per_prompt(self, progress: float) -> int:
         p = self._progress(progress)
         if self.kind == "constant":
-            return self.keep_init
-        return round_half_up((1 - p) * self.keep_init + p * self.keep_final)
+            return self.keep_per_prompt_init
+        return round_half_up((1 - p) * self.keep_per_prompt_init + p * self.keep_per_prompt_final)
 
     def token_keep_ratio(self, progress: float) -> float:
         p = self._progress(progress)
         if self.kind == "constant":
-            return self.token_ratio_init
-        return (1 - p) * self.token_ratio_init + p * self.token_ratio_final
+            return self.token_keep_ratio_init
+        return (1 - p) * self.token_keep_ratio_init + p * self.token_keep_ratio_final
 
     def reachable_keep_values(self) -> range:
         """Every keep_per_prompt the schedule can produce (for up-front validation)."""
         if self.kind == "constant":
-            return range(self.keep_init, self.keep_init + 1)
-        low, high = sorted((self.keep_init, self.keep_final))
+            return range(self.keep_per_prompt_init, self.keep_per_prompt_init + 1)
+        low, high = sorted((self.keep_per_prompt_init, self.keep_per_prompt_final))
         return range(low, high + 1)

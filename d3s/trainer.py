@@ -7,7 +7,7 @@ TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds
 With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
 
 The compute savings (log-prob passes on the kept rollouts only; the LM head only at the kept tokens) are
-mixins in d3s/savings/, switched by D3SConfig; checkpoint state is a callback in d3s/checkpoints.py. The TRL
+mixins in d3s/savings/, switched by D3SConfig; checkpoint state is a callback in d3s/runs/checkpoints.py. The TRL
 internals used are listed and checked in d3s/trl_contract.py.
 """
 
@@ -21,9 +21,15 @@ import torch
 from trl import GRPOTrainer
 
 from d3s import trl_contract
-from d3s.checkpoints import CpuRanksOptimizerLoad, D3SCheckpointState
 from d3s.rewards import bind_answer_policy
-from d3s.run_logs import JsonlMetricsCallback, NanGuardCallback, append_anatomy, sample_anatomy, token_anatomy
+from d3s.runs.checkpoints import CpuRanksOptimizerLoad, D3SCheckpointState
+from d3s.runs.logs import (
+    JsonlMetricsCallback,
+    NanGuardCallback,
+    append_anatomy,
+    sample_anatomy,
+    token_anatomy,
+)
 from d3s.savings import DeferredLogprobPasses, KeptTokenHead
 from d3s.selection import renormalize_advantages, select_samples, token_keep_mask, token_scores
 from d3s.trainer_config import D3SConfig
@@ -119,7 +125,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
 
     def _select_tokens(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         scores = token_scores(self._hook_state.loss_inputs["advantages"], entropies, self.args.token_rule)
-        keep_ratio, scope = self.top_entropy_quantile, self.args.token_scope
+        token_keep_ratio, scope = self.top_entropy_quantile, self.args.token_scope
         if scope == "batch" and self.accelerator.num_processes > 1:
             # Rank over the micro-batch of every rank, exactly as a single process would see it.
             rows, cols = scores.shape
@@ -127,11 +133,11 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
             all_mask = self.accelerator.gather(pad(mask, dim=1, pad_index=0))
             rank = self.accelerator.process_index
-            keep = token_keep_mask(all_scores, all_mask, keep_ratio, scope)[
+            keep = token_keep_mask(all_scores, all_mask, token_keep_ratio, scope)[
                 rank * rows : (rank + 1) * rows, :cols
             ]
         else:
-            keep = token_keep_mask(scores, mask, keep_ratio, scope)
+            keep = token_keep_mask(scores, mask, token_keep_ratio, scope)
         self._hook_state.token_mask = keep
         self._log_token_selection(entropies, scores, keep, mask)
         return keep
@@ -177,7 +183,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
 
     @property
     def _last_token_mask(self) -> torch.Tensor | None:
-        """The token mask of the latest loss call (None: all tokens trained); benchmarks/update_cost.py reads it."""
+        """The token mask of the latest loss call (None: all tokens trained); perf/update_cost.py reads it."""
         return self._hook_state.token_mask
 
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:

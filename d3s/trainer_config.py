@@ -7,10 +7,10 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from d3s.checkpoints import FULL_STATE_CHECKPOINTS
-from d3s.config_types import check_trainer_ranges
 from d3s.methods import get_method
 from d3s.rewards import ANSWER_POLICIES
+from d3s.runs.checkpoints import FULL_STATE_CHECKPOINTS
+from d3s.runs.config import check_trainer_ranges
 from d3s.selection import SAMPLE_RULES, SAMPLE_SCOPES, SCHEDULES, TOKEN_RULES, TOKEN_SCOPES, Schedule
 
 _FROM_METHOD = "default: from the method registry (d3s/methods.py)"
@@ -153,7 +153,7 @@ class D3SConfig(GRPOConfig):
         return cls(method=method, **settings)
 
     def __post_init__(self) -> None:
-        # ranges first: TRL's own __post_init__ divides by some of these (d3s/config_types.py TRAINER_RANGES)
+        # ranges first: TRL's own __post_init__ divides by some of these (d3s/runs/config.py TRAINER_RANGES)
         check_trainer_ranges({f.name: getattr(self, f.name) for f in fields(self)})
         method = get_method(self.method)
         for name, value in method.trl_settings.items():
@@ -168,13 +168,13 @@ class D3SConfig(GRPOConfig):
         self._validate()
 
     def _resolve_from_method(self, method) -> None:
-        keep_init, keep_final = method.keep_per_prompt(self.num_generations)
+        keep_per_prompt_init, keep_per_prompt_final = method.keep_per_prompt(self.num_generations)
         defaults = {
             "sample_rule": method.sample_rule,
             "sample_scope": method.sample_scope,
             "renormalize": method.renormalize,
-            "keep_per_prompt": keep_init,
-            "keep_per_prompt_final": keep_final,
+            "keep_per_prompt": keep_per_prompt_init,
+            "keep_per_prompt_final": keep_per_prompt_final,
             "token_rule": method.token_rule,
             "token_scope": method.token_scope,
             "token_keep_ratio": method.token_keep_ratio_init,
@@ -254,8 +254,8 @@ class D3SConfig(GRPOConfig):
     def selection_schedule(self) -> Schedule:
         return Schedule(
             kind=self.schedule,
-            keep_init=self.keep_per_prompt,
-            keep_final=self.keep_per_prompt_final,
-            token_ratio_init=self.token_keep_ratio,
-            token_ratio_final=self.token_keep_ratio_final,
+            keep_per_prompt_init=self.keep_per_prompt,
+            keep_per_prompt_final=self.keep_per_prompt_final,
+            token_keep_ratio_init=self.token_keep_ratio,
+            token_keep_ratio_final=self.token_keep_ratio_final,
         )

@@ -27,7 +27,7 @@ def tiny_sft_model(tmp_path_factory) -> Path:
     """The tiny model after a short SFT on one-step sums of digits: ~20-40 % sampled accuracy, so GRPO
     groups have mixed rewards. Built once per session (~15 s) and saved; tests load it from disk."""
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+    from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -97,13 +97,13 @@ def in_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def no_model_may_load(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
-    import d3s.toy
+    import d3s.tiny_model
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built or loaded before the bad input was refused")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    monkeypatch.setattr(d3s.toy, "build_model", refuse)
+    monkeypatch.setattr(d3s.tiny_model, "build_model", refuse)
 
 
 @pytest.mark.parametrize(("command", "message"), BAD_INPUT, ids=[c for c, _ in BAD_INPUT])

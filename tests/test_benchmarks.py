@@ -26,7 +26,7 @@ from d3s.data.benchmarks import (
     parse_benchmark_list,
 )
 from d3s.data.synthetic import arithmetic_problems
-from d3s.toy import build_tokenizer
+from d3s.tiny_model import build_tokenizer
 
 SEVEN = ["aime24", "aime25", "amc23", "math500", "gsm8k", "minerva_math", "olympiadbench"]
 

@@ -35,7 +35,7 @@ from d3s.evaluation.runner import (
     load_completed_samples,
 )
 from d3s.rewards import Grader
-from d3s.toy import save_tiny
+from d3s.tiny_model import save_tiny
 
 TINY_SETTINGS = GenerationSettings(samples=4, temperature=0.6, top_p=0.95, max_new_tokens=16, seed=0)
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 from helpers import ANALYSIS_RULES, REPO_ROOT, dry_run_jobs
 
-from d3s.launch import resolved_trainer_configs, train_launch, training_processes
+from d3s.orchestration.launch import resolved_trainer_configs, train_launch, training_processes
 
 CONFIG = REPO_ROOT / "config" / "gpu-smoke.yaml"
 ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
@@ -29,7 +29,7 @@ def cfg() -> dict:
 
 
 def test_base_model_has_about_100m_parameters_as_the_comment_says(cfg):
-    from d3s.toy import build_model, build_tokenizer
+    from d3s.tiny_model import build_model, build_tokenizer
 
     base = cfg["base_model"]
     assert base["kind"] == "tiny"  # built in code: nothing downloaded
@@ -72,7 +72,7 @@ def test_every_method_resolves_to_bf16_transformers_generation(cfg):
 def test_completions_fit_in_the_generation_budget(cfg):
     """A completion cut off at max_completion_length earns no reward: the SFT targets must fit, with the EOS."""
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.toy import build_tokenizer
+    from d3s.tiny_model import build_tokenizer
 
     tokenizer, task, base = build_tokenizer(), cfg["task"], cfg["base_model"]
     problems = arithmetic_problems(base["sft_problems"], seed=1000 + base["seed"], **task)
@@ -80,7 +80,7 @@ def test_completions_fit_in_the_generation_budget(cfg):
     assert longest <= cfg["train"]["trainer"]["max_completion_length"]
     assert longest <= cfg["eval"]["max_tokens"]
     prompt = max(len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems)
-    positions = base["model"].get("max_positions", 256)  # d3s.toy.build_model's default
+    positions = base["model"].get("max_positions", 256)  # d3s.tiny_model.build_model's default
     assert prompt + cfg["train"]["trainer"]["max_completion_length"] <= positions
 
 

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from d3s.analysis.figures import kl_figure
 from d3s.analysis.io import load_kl
-from d3s.analysis.provenance import MixedSettingsError
 from d3s.data.synthetic import arithmetic_problems
 from d3s.evaluation.kl import (
     KL_FILE,
@@ -30,6 +29,7 @@ from d3s.evaluation.kl import (
     probe_prompts,
     truncate_at_eos,
 )
+from d3s.orchestration.settings_check import MixedSettingsError
 
 PROBE = dict(completions_per_prompt=3, max_new_tokens=24, temperature=1.0, top_p=1.0, seed=7, batch_size=5)
 
@@ -183,7 +183,7 @@ def test_bad_settings_fail_before_any_model_loads(tmp_path):
 
 
 def test_probe_prompts_are_the_first_training_prompts(models):
-    from d3s.train import _training_rows
+    from d3s.runs.run import _training_rows
 
     tokenizer = models[3]
     config = {"seed": 2, "dataset": {"name": "synthetic", "count": 50, "max_ops": 1, "max_operand": 9}}

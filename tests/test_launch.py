@@ -1,4 +1,4 @@
-"""d3s.launch: the accelerate command, launch settings, the vLLM server lifecycle and GPU assignment.
+"""d3s.orchestration.launch: the accelerate command, launch settings, the vLLM server lifecycle and GPU assignment.
 
 The vLLM server is played by a tiny HTTP server script answering /health; "python" for the training job
 by a script that records how it was called. No GPU is used; the last test runs the workflow's train job
@@ -21,7 +21,7 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
-from d3s.launch import (
+from d3s.orchestration.launch import (
     TRL_CLI,
     GpuSlots,
     TrainLaunch,
@@ -471,7 +471,7 @@ JOB = textwrap.dedent(
     """
     # A workflow job holding a vLLM server, as train_run.py does.
     import sys, time
-    from d3s.launch import VllmServer, signals_raise_system_exit
+    from d3s.orchestration.launch import VllmServer, signals_raise_system_exit
 
     command, port, ready = sys.argv[1].split(), int(sys.argv[2]), sys.argv[3]
     with signals_raise_system_exit(), VllmServer(command, host="127.0.0.1", port=port, log_path=ready + ".log"):
@@ -606,7 +606,7 @@ def test_assign_gpus_locally_and_under_slurm(tmp_path):
 HOLDER = textwrap.dedent(
     """
     import json, sys, time
-    from d3s.launch import GpuSlots
+    from d3s.orchestration.launch import GpuSlots
 
     lock_dir, count, hold, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     with GpuSlots(["0", "1", "2", "3"], lock_dir).acquire(count, poll_s=0.02) as lease:

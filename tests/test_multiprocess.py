@@ -1,7 +1,7 @@
 """Selection across two processes on the CPU (gloo): same decision on every rank, no row lost.
 
 Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP config
-(workflow/accelerate/ddp.yaml, built by d3s.launch.accelerate_command, as GPU training jobs are); PODS
+(workflow/accelerate/ddp.yaml, built by d3s.orchestration.launch.accelerate_command, as GPU training jobs are); PODS
 under plain torchrun.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import REPO_ROOT
 
-from d3s.launch import accelerate_command, free_port
+from d3s.orchestration.launch import accelerate_command, free_port
 from d3s.selection import select_samples
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")

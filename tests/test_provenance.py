@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from d3s.analysis import io, tables
-from d3s.analysis.provenance import (
+from d3s.methods import METHODS
+from d3s.orchestration.settings_check import (
     AGREE,
     EVALUATION_RULES,
     FREE,
@@ -25,7 +26,6 @@ from d3s.analysis.provenance import (
     check_results,
     rule_for,
 )
-from d3s.methods import METHODS
 
 LISTED_FIELDS = {
     "config",
@@ -60,7 +60,7 @@ def eval_args(model: Path, out: Path) -> list[str]:
 def real_results(tmp_path_factory, tiny_sft_model) -> Path:
     """results/ in the workflow's layout: grpo seed 0 trained 1 step, its final model and the base evaluated."""
     from d3s.cli import main
-    from d3s.train import train
+    from d3s.runs.run import train
 
     root = tmp_path_factory.mktemp("results")
     train(

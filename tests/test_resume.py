@@ -18,15 +18,15 @@ import yaml
 from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
-from d3s.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
-from d3s.launch import (
+from d3s.orchestration.launch import (
     SERVER_FIELDS_SET_BY_WORKFLOW,
     TrainLaunch,
     VllmServerSettings,
     build_run_config,
     prepare_training_job,
 )
-from d3s.train import (
+from d3s.runs.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
+from d3s.runs.run import (
     PER_ATTEMPT_TRAINER_KEYS,
     checkpoint_config_changes,
     config_differences,
@@ -221,7 +221,7 @@ def test_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path, tiny_sf
 
 @pytest.mark.slow
 def test_same_seed_and_threads_give_bitwise_identical_runs(tmp_path):
-    from d3s.train import load_config, train
+    from d3s.runs.run import load_config, train
 
     for name in ("first", "second"):
         config = load_config(run_config(tmp_path, name, max_steps=3, save_strategy="no"))
@@ -423,7 +423,7 @@ def test_checkpoint_state_is_restored_from_trainer_state_or_from_an_older_checkp
 
     from transformers import TrainerState
 
-    from d3s.checkpoints import D3SCheckpointState
+    from d3s.runs.checkpoints import D3SCheckpointState
 
     args = SimpleNamespace(output_dir=str(tmp_path))
     saved = TrainerState(global_step=4, stateful_callbacks=[D3SCheckpointState(update_tokens_total=123)])

@@ -26,7 +26,7 @@ import yaml
 from helpers import REPO_ROOT, SNAKEMAKE
 from safetensors.torch import load_file
 
-from d3s.launch import accelerate_command, free_port, training_env
+from d3s.orchestration.launch import accelerate_command, free_port, training_env
 
 RUN = Path("results/smoke/runs/d3s/seed0")
 LOG = Path("results/smoke/logs/train/d3s_seed0.log")
@@ -60,9 +60,9 @@ STAND_IN = textwrap.dedent(
     elif "-m" in _argv and _argv[_argv.index("-m") + 1 :][:2] == ["d3s.cli", "train"]:
         import urllib.request
 
-        import d3s.train
+        import d3s.runs.run
 
-        _resolve_config = d3s.train.resolve_config
+        _resolve_config = d3s.runs.run.resolve_config
 
         def resolve_config(config, **kwargs):
             trainer = dict(config.get("trainer") or {})
@@ -72,7 +72,7 @@ STAND_IN = textwrap.dedent(
             trainer["use_vllm"] = False
             return _resolve_config({**config, "trainer": trainer}, **kwargs)
 
-        d3s.train.resolve_config = resolve_config
+        d3s.runs.run.resolve_config = resolve_config
     """
 )
 

@@ -177,7 +177,7 @@ def test_adversarial_inputs_return_within_the_limit(grader: Grader) -> None:
     brace_soup = "{" * 5000 + "5" + "}" * 5000
     completions = [*HANGING, nested, long_correct, long_wrong, brace_soup]
     # How long these take (time charged per answer, the batch against the limit) is measured by
-    # benchmarks/grading_time_limit.py; here, what comes back.
+    # perf/grading_time_limit.py; here, what comes back.
     results = grader.grade_many(completions, ["5"] * len(completions))
     assert len(results) == len(completions)
     for result in results:
@@ -304,7 +304,7 @@ def test_make_accuracy_reward_uses_its_grader() -> None:
 
 def test_accuracy_reward_on_a_batch_of_the_tiny_task() -> None:
     # Answers per second of this path (the default grader's worker) are measured by
-    # benchmarks/eval_throughput.py ("synthetic", subprocess x1).
+    # perf/eval_throughput.py ("synthetic", subprocess x1).
     from d3s.data.synthetic import arithmetic_problems
 
     problems = arithmetic_problems(200, seed=3, split="test")
@@ -429,7 +429,7 @@ def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from d3s.toy import save_tiny
+    from d3s.tiny_model import save_tiny
     from d3s.trainer import D3SConfig, D3STrainer
 
     model_path = save_tiny(tmp_path / "tiny")

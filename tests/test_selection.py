@@ -133,7 +133,7 @@ def test_lemma_standardised_group_has_subset_with_variance_at_least_one(rewards)
 
 
 def test_a_million_values_grouped_and_pooled():
-    # Speed at this size is measured by benchmarks/selection_overhead.py; that no Python loop runs over
+    # Speed at this size is measured by perf/selection_overhead.py; that no Python loop runs over
     # groups is checked by tests/test_selection_vectorised.py. Here: the picks at scale.
     g = torch.Generator().manual_seed(0)
     values = torch.randn(2**20, generator=g)
@@ -516,13 +516,13 @@ def test_token_scores_rules():
     )
 
 
-def brute_force_token_mask(scores, valid, keep_ratio, scope):
+def brute_force_token_mask(scores, valid, token_keep_ratio, scope):
     keep = torch.zeros_like(valid, dtype=torch.bool)
     groups = [list(range(scores.shape[0]))] if scope == "batch" else [[r] for r in range(scores.shape[0])]
     for rows in groups:
         cells = [(r, t) for r in rows for t in range(scores.shape[1]) if valid[r, t]]
         cells.sort(key=lambda rt: (-scores[rt].item(), rt))  # stable: earlier position first on ties
-        for rt in cells[: math.ceil(keep_ratio * len(cells) - 1e-9)]:
+        for rt in cells[: math.ceil(token_keep_ratio * len(cells) - 1e-9)]:
             keep[rt] = True
     for r in range(scores.shape[0]):
         cells = [t for t in range(scores.shape[1]) if valid[r, t]]
@@ -535,12 +535,12 @@ def brute_force_token_mask(scores, valid, keep_ratio, scope):
 @given(
     rows=st.integers(1, 5),
     cols=st.integers(1, 7),
-    keep_ratio=st.sampled_from([0.05, 0.2, 0.25, 0.5, 0.9, 1.0]),
+    token_keep_ratio=st.sampled_from([0.05, 0.2, 0.25, 0.5, 0.9, 1.0]),
     scope=st.sampled_from(["batch", "sequence"]),
     ties=st.booleans(),
     seed=st.integers(0, 10_000),
 )
-def test_token_keep_mask_matches_brute_force(rows, cols, keep_ratio, scope, ties, seed):
+def test_token_keep_mask_matches_brute_force(rows, cols, token_keep_ratio, scope, ties, seed):
     g = torch.Generator().manual_seed(seed)
     scores = (
         torch.randint(0, 3, (rows, cols), generator=g).float()
@@ -549,8 +549,8 @@ def test_token_keep_mask_matches_brute_force(rows, cols, keep_ratio, scope, ties
     )
     lengths = torch.randint(0, cols + 1, (rows,), generator=g)
     valid = torch.arange(cols).unsqueeze(0) < lengths.unsqueeze(1)  # right padding
-    keep = token_keep_mask(scores, valid, keep_ratio, scope)
-    assert torch.equal(keep, brute_force_token_mask(scores, valid, keep_ratio, scope))
+    keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
+    assert torch.equal(keep, brute_force_token_mask(scores, valid, token_keep_ratio, scope))
     assert not (keep & ~valid).any(), "padding must never be selected"
     assert torch.equal(keep.any(1), valid.any(1)), "every sequence with tokens keeps at least one"
 
@@ -574,7 +574,7 @@ def test_token_keep_mask_bad_ratio():
 
 
 def test_linear_schedule_endpoints_and_rounding():
-    s = Schedule("linear", keep_init=8, keep_final=32, token_ratio_init=0.05, token_ratio_final=0.20)
+    s = Schedule("linear", keep_per_prompt_init=8, keep_per_prompt_final=32, token_keep_ratio_init=0.05, token_keep_ratio_final=0.20)
     assert s.keep_per_prompt(0.0) == 8 and s.keep_per_prompt(1.0) == 32
     assert s.keep_per_prompt(0.5) == 20
     assert s.keep_per_prompt(1 / 48) == 9  # 8.5 rounds up
@@ -587,7 +587,7 @@ def test_linear_schedule_endpoints_and_rounding():
 
 
 def test_constant_schedule():
-    s = Schedule("constant", keep_init=4, keep_final=16, token_ratio_init=0.3, token_ratio_final=1.0)
+    s = Schedule("constant", keep_per_prompt_init=4, keep_per_prompt_final=16, token_keep_ratio_init=0.3, token_keep_ratio_final=1.0)
     assert {s.keep_per_prompt(p / 10) for p in range(11)} == {4}
     assert {s.token_keep_ratio(p / 10) for p in range(11)} == {0.3}
     assert list(s.reachable_keep_values()) == [4]
@@ -601,12 +601,12 @@ def test_constant_schedule():
 def test_keep_counts_round_halves_up_in_the_registry_and_the_schedule():
     # G = 10 at 25 % is 2.5: 3 in both (Python's round, halves to even, gave 2 in the registry)
     assert get_method("pods").keep_per_prompt(10) == (3, 3)
-    assert Method("x", keep_fraction_init=0.25, keep_fraction_final=1.0).keep_per_prompt(10) == (3, 10)
+    assert Method("x", keep_per_prompt_fraction_init=0.25, keep_per_prompt_fraction_final=1.0).keep_per_prompt(10) == (3, 10)
     assert Schedule("linear", 0, 10, 1.0, 1.0).keep_per_prompt(0.25) == 3
     assert Schedule("linear", 2, 3, 1.0, 1.0).keep_per_prompt(0.5) == 3
     assert [round_half_up(x) for x in (0.5, 1.5, 2.5, 2.4999, -0.5)] == [1, 2, 3, 2, 0]
     # halves in exact arithmetic whose floats land a hair below: 14.499999999999998, 4.499999999999999
-    assert Method("x", keep_fraction_init=0.58).keep_per_prompt(25) == (15, 25)
+    assert Method("x", keep_per_prompt_fraction_init=0.58).keep_per_prompt(25) == (15, 25)
     assert Schedule("linear", 1, 6, 1.0, 1.0).keep_per_prompt(0.7) == 5
 
 
@@ -615,7 +615,7 @@ def test_keep_counts_round_halves_up_in_the_registry_and_the_schedule():
 def test_registry_and_schedule_round_a_keep_fraction_alike(percent, group):
     fraction = percent / 100
     expected = max(1, math.floor(Fraction(percent, 100) * group + Fraction(1, 2)))
-    method = Method("x", keep_fraction_init=fraction, keep_fraction_final=fraction)
+    method = Method("x", keep_per_prompt_fraction_init=fraction, keep_per_prompt_fraction_final=fraction)
     assert method.keep_per_prompt(group) == (expected, expected)
     # a schedule from 0 to G is at fraction x G at progress = fraction
     assert max(1, Schedule("linear", 0, group, 1.0, 1.0).keep_per_prompt(fraction)) == expected
@@ -625,10 +625,10 @@ def test_schedule_rounds_the_exact_interpolation_half_up():
     # every step of short schedules between the paper's range of N: the float interpolation of an exact half
     # often lands below it (1 -> 6 at step 7 of 10 gives 4.499999999999999)
     mismatches = []
-    for keep_init, keep_final, max_steps in itertools.product(range(1, 9), range(1, 33), (7, 10, 48, 100)):
-        schedule = Schedule("linear", keep_init, keep_final, 1.0, 1.0)
+    for keep_per_prompt_init, keep_per_prompt_final, max_steps in itertools.product(range(1, 9), range(1, 33), (7, 10, 48, 100)):
+        schedule = Schedule("linear", keep_per_prompt_init, keep_per_prompt_final, 1.0, 1.0)
         for step in range(max_steps + 1):
-            exact = keep_init + (keep_final - keep_init) * Fraction(step, max_steps)
+            exact = keep_per_prompt_init + (keep_per_prompt_final - keep_per_prompt_init) * Fraction(step, max_steps)
             if schedule.keep_per_prompt(step / max_steps) != math.floor(exact + Fraction(1, 2)):
-                mismatches.append((keep_init, keep_final, step, max_steps))
+                mismatches.append((keep_per_prompt_init, keep_per_prompt_final, step, max_steps))
     assert mismatches == []

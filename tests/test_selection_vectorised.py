@@ -175,9 +175,9 @@ def loopy_select_samples(advantages: torch.Tensor, num_generations: int, keep: i
     return torch.cat(picks)
 
 
-def loopy_token_mask(scores: torch.Tensor, valid: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+def loopy_token_mask(scores: torch.Tensor, valid: torch.Tensor, token_keep_ratio: float) -> torch.Tensor:
     """A per-token loop (what the test must reject): keep tokens whose score reaches the K-quantile."""
-    threshold = torch.quantile(scores[valid], 1 - keep_ratio)
+    threshold = torch.quantile(scores[valid], 1 - token_keep_ratio)
     keep = torch.zeros_like(valid)
     for row in range(scores.shape[0]):
         for col in range(scores.shape[1]):

@@ -1,6 +1,6 @@
 """Readers of the workflow's logged files (layout: docs/workflow.md).
 
-Each loader first checks the manifests of what it reads (d3s.analysis.provenance): results made with
+Each loader first checks the manifests of what it reads (d3s.orchestration.settings_check): results made with
 settings that must agree but differ are refused with MixedSettingsError unless ``allow_mixed=True``. Rows
 carry a ``manifest`` column, the manifest of the run or evaluation they came from (relative path).
 """
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from d3s.analysis import layout
-from d3s.analysis.provenance import MixedSettingsError, check_results
+from d3s import results_layout
 from d3s.evaluation.kl import KL_FILE
+from d3s.orchestration.settings_check import MixedSettingsError, check_results
 
-_runs = layout.runs
-RUN_RE = layout.RUN_RE
+_runs = results_layout.runs
+RUN_RE = results_layout.RUN_RE
 # What load_kl reads of each kl.json (d3s.evaluation.kl)
 KL_COLUMNS = [
     "k1",
@@ -45,7 +45,7 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
     """Every training step of every run: method, seed, step and the trainer's logged metrics.
 
     Adds ``wall_clock`` (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``.
-    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.analysis.provenance).
+    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.orchestration.settings_check).
     """
     results = Path(results)
     check_results(results, allow_mixed, groups=("training",))
@@ -63,7 +63,7 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
         df = df.sort_values("step").drop_duplicates("step", keep="last")
         df.insert(0, "seed", seed)
         df.insert(0, "method", method)
-        df["manifest"] = str((run / layout.MANIFEST).relative_to(results))
+        df["manifest"] = str((run / results_layout.MANIFEST).relative_to(results))
         if "step_time" in df:
             df["wall_clock"] = df["step_time"].fillna(0).cumsum()
         if "selection/update_tokens_cumulative" in df:
@@ -104,7 +104,7 @@ def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool
 
     Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
     0 so learning curves start from it. Refuses evaluations with differing settings (final and base
-    models; checkpoints) unless ``allow_mixed`` (d3s.analysis.provenance).
+    models; checkpoints) unless ``allow_mixed`` (d3s.orchestration.settings_check).
     """
     results = Path(results)
     check_results(results, allow_mixed, groups=("final", "checkpoints"))
@@ -115,7 +115,7 @@ def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool
         if summary.is_file():
             steps_of[(method, seed)] = int(json.loads(summary.read_text()).get("steps", 0))
     base = None
-    for point in layout.eval_points(results):
+    for point in results_layout.eval_points(results):
         if point.method == "base":
             base = point
             continue
@@ -206,7 +206,9 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
     check_results(results, allow_mixed, groups=("final",))
     path = results / "eval" / "base" / "summary.json"
     rows = _summary_rows(path, method="base", seed=0, step=0, final=False)
-    return pd.DataFrame([row | {"manifest": _rel(path.with_name(layout.MANIFEST), results)} for row in rows])
+    return pd.DataFrame(
+        [row | {"manifest": _rel(path.with_name(results_layout.MANIFEST), results)} for row in rows]
+    )
 
 
 def load_train_summaries(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:

@@ -2,7 +2,7 @@
 and the manifests every number came from.
 
 Reads only the workflow's tables (results/<experiment>/tables/*.csv, written by the notebooks), logs and
-manifests. Results whose settings must agree but differ are refused (d3s.analysis.provenance) unless
+manifests. Results whose settings must agree but differ are refused (d3s.orchestration.settings_check) unless
 ``analysis.allow_mixed_settings`` is true; then a warning at the top of the report states the mix.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 
 from d3s.analysis.io import load_metrics
-from d3s.analysis.provenance import check_results
 from d3s.analysis.tables import mean_ci
-from d3s.provenance import git_state
+from d3s.manifest import git_state
+from d3s.orchestration.settings_check import check_results
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),

@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pandas as pd
 
-from d3s.analysis.provenance import Provenance
-from d3s.provenance import atomic_write_text
+from d3s.manifest import atomic_write_text
+from d3s.orchestration.settings_check import Provenance
 
 # Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency).
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}

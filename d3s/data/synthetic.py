@@ -1,7 +1,7 @@
 """The synthetic task of the tiny default: chained integer arithmetic with a short chain of thought.
 
 Prompt ``Q: 23+45-17=\\nA:``; target completion `` 23+45=68, 68-17=51. \\boxed{51}`` (15-40 tokens with
-the character-level tokenizer of :mod:`d3s.toy`), so many tokens carry entropy and token-level selection
+the character-level tokenizer of :mod:`d3s.tiny_model`), so many tokens carry entropy and token-level selection
 matters. Problems are a pure function of (seed, index): the held-out split never overlaps training.
 """
 

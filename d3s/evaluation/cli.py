@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-from d3s.config_types import check_model_dir, one_line
 from d3s.data.benchmarks import (
     BENCHMARKS,
     DATA_DIR_ENV,
@@ -25,6 +24,7 @@ from d3s.data.benchmarks import (
 from d3s.data.templates import TEMPLATES
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
 from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S
+from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
 EVAL_DTYPES = ("auto", "bfloat16", "float16", "float32")

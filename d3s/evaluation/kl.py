@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from d3s.provenance import atomic_write_text, now
+from d3s.manifest import atomic_write_text, now
 
 if TYPE_CHECKING:  # torch is imported where it is used: the analysis reads KL_FILE without it
     import torch
@@ -317,7 +317,7 @@ def write_kl_result(path: str | os.PathLike[str], result: dict) -> Path:
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
     """The first ``count`` prompts of the run's training data, templated exactly as training templated them."""
-    from d3s.train import _training_rows  # the training job's own prompt construction
+    from d3s.runs.run import _training_rows  # the training job's own prompt construction
 
     rows = _training_rows(train_config, tokenizer)
     if len(rows) < count:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,12 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from d3s import provenance
 from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, Sample, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
-from d3s.provenance import atomic_write_text
+from d3s.manifest import (
+    atomic_write_text,
+    build_manifest,
+    git_state,
+    hardware,
+    model_files,
+    now,
+    package_versions,
+    sha256_file,
+    write_manifest,
+)
 from d3s.rewards import (
     ANSWER_POLICIES,
     DEFAULT_ANSWER_POLICY,
@@ -245,10 +253,6 @@ def _rewrite_samples(path: Path, completed: dict[str, list[dict[str, Any]]]) -> 
     _atomic_write_lines(path, lines)
 
 
-def package_versions() -> dict[str, str | None]:
-    return {**provenance.package_versions(), "python": platform.python_version()}
-
-
 def evaluate_benchmark(
     backend: GenerationBackend,
     grader: Grader,
@@ -278,7 +282,7 @@ def evaluate_benchmark(
     manifest = _start_manifest(run, resolved_template, grader, backend.name)
     manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
     manifest["problems_generated"] = len(todo)
-    provenance.write_manifest(run.out_dir / MANIFEST_FILE, manifest)
+    write_manifest(run.out_dir / MANIFEST_FILE, manifest)
     started = time.perf_counter()
     with (
         samples_path.open("a", encoding="utf-8") as handle,
@@ -323,8 +327,8 @@ def evaluate_benchmark(
     summary = summarize_benchmark(run, completed, resolved_template, grader, backend.name)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
     atomic_write_json(run.out_dir / SUMMARY_FILE, summary)
-    manifest["finished"] = provenance.now()
-    provenance.write_manifest(run.out_dir / MANIFEST_FILE, manifest)
+    manifest["finished"] = now()
+    write_manifest(run.out_dir / MANIFEST_FILE, manifest)
     return summary
 
 
@@ -338,7 +342,7 @@ def problems_sha256(problems: Sequence[Problem]) -> str:
 def _eval_inputs(run: BenchmarkRun) -> dict[str, Path]:
     """Checksummed inputs: the model's files, the benchmark file, and the manifest of the training run
     the model came from (``<run>/final`` or ``<run>/checkpoint-N``), which names its method settings."""
-    inputs: dict[str, Path] = dict(provenance.model_files(run.model_path))
+    inputs: dict[str, Path] = dict(model_files(run.model_path))
     if run.data_source and Path(run.data_source).is_file():
         inputs[f"benchmark/{run.benchmark}"] = Path(run.data_source)
     run_manifest = Path(run.model_path).expanduser().parent / MANIFEST_FILE
@@ -374,10 +378,9 @@ def _start_manifest(
         "problems_sha256": problems_sha256(run.problems),
         **run.extra_provenance,
     }
-    manifest = {"kind": "evaluation"} | provenance.build_manifest(
+    manifest = {"kind": "evaluation"} | build_manifest(
         config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
     )
-    manifest["versions"]["python"] = platform.python_version()
     manifest["model_run"] = _model_run(manifest["inputs"])
     return manifest
 
@@ -424,7 +427,7 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
         "problems_resumed": {name: part.get("problems_resumed") for name, part in parts.items()},
         "parts": {name: f"{name}/{MANIFEST_FILE}" for name in names},
     }
-    provenance.write_manifest(out_dir / MANIFEST_FILE, manifest)
+    write_manifest(out_dir / MANIFEST_FILE, manifest)
     return manifest
 
 
@@ -521,11 +524,9 @@ def summarize_benchmark(
         "grading_time_limit_s": grader.time_limit,
         "data_source": run.data_source,
         "versions": package_versions(),
-        "git": provenance.git_state(),
-        "hardware": provenance.hardware(),
-        "data_sha256": provenance.sha256_file(run.data_source)
-        if Path(str(run.data_source)).is_file()
-        else None,
+        "git": git_state(),
+        "hardware": hardware(),
+        "data_sha256": sha256_file(run.data_source) if Path(str(run.data_source)).is_file() else None,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **run.extra_provenance,
     }

@@ -31,7 +31,7 @@ def build_base(
     device: str = "cpu",
 ) -> dict:
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+    from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--model", default="{}", help="JSON dict of d3s.toy.build_model keyword arguments")
+    parser.add_argument(
+        "--model", default="{}", help="JSON dict of d3s.tiny_model.build_model keyword arguments"
+    )
     parser.add_argument("--device", default="cpu", help="where the SFT runs: cpu, cuda or cuda:<index>")
     args = parser.parse_args(argv)
     summary = build_base(

@@ -6,7 +6,7 @@ The request (JSON on stdin): {"config": the workflow config, "task": the synthet
 workflow/accelerate, "checks": names from CHECKS below}. The checks:
 
 - trainer_settings: every method's trainer settings as its training job resolves them
-  (d3s.launch.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
+  (d3s.orchestration.launch.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
   schedule, the method's TRL settings);
 - base_model: a local directory with config.json, or a hub id the Hub can serve or the local Hugging Face
   cache holds (the kind tiny model is built by rule base_model);
@@ -29,11 +29,11 @@ from d3s.data.benchmarks import (
     parse_benchmark_list,
     resolve_data_dir,
 )
-from d3s.provenance import atomic_write_text, now
+from d3s.manifest import atomic_write_text, now
 
 
 def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
-    from d3s.launch import resolved_trainer_configs
+    from d3s.orchestration.launch import resolved_trainer_configs
 
     config = request["config"]
     resolved_trainer_configs(config, request["accelerate_dir"], request["task"], check_inputs=False)
@@ -83,7 +83,7 @@ def check_train_dataset(request: dict[str, Any]) -> dict[str, Any]:
     name = dict(train.get("dataset") or {}).get("name", "synthetic")
     if name == "synthetic":
         return {"name": name, "found": "generated (d3s.data.synthetic)"}
-    # the first row, as `d3s train` checks it (d3s.train): malformed rows are skipped with a warning there
+    # the first row, as `d3s train` checks it (d3s.runs.run): malformed rows are skipped with a warning there
     return {"name": name, **_benchmark("train.dataset", name, train.get("data_dir"), limit=1)}
 
 

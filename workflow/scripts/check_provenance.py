@@ -1,7 +1,7 @@
 """Snakemake script of rule provenance: compare every run's and evaluation's manifest before the analysis.
 
 Writes provenance.json (the check, machine-readable) and provenance.md (the report's provenance section).
-Results whose settings must agree but differ stop the workflow here with d3s.analysis.provenance's
+Results whose settings must agree but differ stop the workflow here with d3s.orchestration.settings_check's
 message (keys, values, runs, and how to proceed; in the log and on the terminal), unless
 analysis.allow_mixed_settings is true.
 """
@@ -9,8 +9,8 @@ analysis.allow_mixed_settings is true.
 import json
 from pathlib import Path
 
-from d3s.analysis.provenance import MixedSettingsError, check_results
-from d3s.provenance import atomic_write_text
+from d3s.manifest import atomic_write_text
+from d3s.orchestration.settings_check import MixedSettingsError, check_results
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 log = Path(smk.log[0])

@@ -24,19 +24,20 @@ headline = ["grpo", "pods", "d3s"]
 ablation = ["grpo", "d1s", "d1s_cross", "d2s", "d3s"]
 allow_mixed = False  # analysis.allow_mixed_settings: combine results made with different settings, stating it"""
 
-# The manifests each notebook's tables come from (d3s.analysis.provenance groups); __SCOPE__ is filled in.
+# The manifests each notebook's tables come from (d3s.orchestration.settings_check groups); __SCOPE__ is filled in.
 SETUP = """from pathlib import Path
 
 import pandas as pd
 from IPython.display import Markdown, display
 
-from d3s.analysis import figures, io, provenance, tables
+from d3s.analysis import figures, io, tables
+from d3s.orchestration import settings_check
 
 results, out = Path(results_dir), Path(out_dir)
 (out / "tables").mkdir(parents=True, exist_ok=True)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 # Refuses results made with different settings unless allow_mixed; the tables' sidecars name the manifests.
-prov = provenance.check_results(results, allow_mixed=allow_mixed, groups=__SCOPE__)
+prov = settings_check.check_results(results, allow_mixed=allow_mixed, groups=__SCOPE__)
 display(Markdown("**Provenance** (details: tables/*.provenance.json)\\n\\n" + prov.summary() + "\\n\\n" + prov.banner()))
 metrics = io.load_metrics(results, allow_mixed=allow_mixed)
 methods = list(dict.fromkeys([m for m in [reference, *headline, *ablation] if m in set(metrics["method"])] + sorted(metrics["method"].unique())))

@@ -1,7 +1,7 @@
 """Snakemake script of rule train: write the run's `d3s train` config (train.yaml) and run it.
 
 A job without GPUs trains in this process (the CPU default). A job with `resources.gpu` gets that many
-GPUs (d3s.launch.assign_gpus: exclusive on a shared machine, the allocation's own under Slurm) and runs
+GPUs (d3s.orchestration.launch.assign_gpus: exclusive on a shared machine, the allocation's own under Slurm) and runs
 `d3s train` under `accelerate launch`, one process per training GPU, with `trl vllm-serve` on the
 remaining GPUs in vLLM server mode.
 """
@@ -10,7 +10,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from d3s.launch import (
+from d3s.orchestration.launch import (
     assign_gpus,
     build_run_config,
     job_gpus,
@@ -19,7 +19,7 @@ from d3s.launch import (
     train_launch,
     write_yaml,
 )
-from d3s.train import config_differences, describe_changes, supersede_run
+from d3s.runs.run import config_differences, describe_changes, supersede_run
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 method, seed = smk.wildcards.method, int(smk.wildcards.seed)
@@ -50,7 +50,7 @@ run_dir.mkdir(parents=True, exist_ok=True)
 # A job cut off midway resumes from its last checkpoint (d3s train, resume: auto, which also restores the logs).
 # A job rerun because its configuration really changed starts over: the old run's checkpoints and logs are moved
 # aside with the reason, never deleted. `config` holds the per-process thread count, as resolved_config.yaml
-# does, and the per-attempt values (ports, hosts) never count (d3s.train.PER_ATTEMPT_KEYS).
+# does, and the per-attempt values (ports, hosts) never count (d3s.runs.run.PER_ATTEMPT_KEYS).
 restart_reason = None
 changes = config_differences(run_dir, config)
 if changes:
@@ -64,7 +64,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 if launch.job_gpus == 0:
     write_yaml(smk.output.config, config)
-    from d3s.train import train
+    from d3s.runs.run import train
 
     with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         if restart_reason:

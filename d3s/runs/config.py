@@ -472,11 +472,11 @@ def coerce_run_config(config: Any, *, source: str | None = None) -> dict[str, An
     """A ``d3s train`` config with every value coerced and range-checked; ConfigError (one line) otherwise.
 
     Checks the top-level keys' types and values (method, seed, threads, resume, template, dataset, tiny,
-    output_dir) and every trainer option. Needs no model and no data: paths are checked by d3s.train.
+    output_dir) and every trainer option. Needs no model and no data: paths are checked by d3s.runs.run.
     """
     from d3s.data.templates import TEMPLATES
     from d3s.methods import METHODS
-    from d3s.train import TOP_LEVEL_KEYS
+    from d3s.runs.run import TOP_LEVEL_KEYS
 
     if not isinstance(config, Mapping):
         raise ConfigError(

@@ -1,6 +1,6 @@
 """Where the workflow writes what (docs/workflow.md): run directories and evaluation points.
 
-One place for the layout so the loaders (io.py) and the provenance check (provenance.py) read the same
+One place for the layout so the loaders (io.py) and the settings check (d3s.orchestration.settings_check) read the same
 runs and evaluations.
 """
 

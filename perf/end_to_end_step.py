@@ -1,9 +1,9 @@
 """End-to-end training step per method: where the time goes, and how many tokens are forwarded and trained.
 
-    .venv/bin/python benchmarks/end_to_end_step.py            # 10 methods x 2 settings x 2 rounds, ~3 min
-    .venv/bin/python benchmarks/end_to_end_step.py --quick    # grpo and d3s, 2 steps: a smoke run
+    .venv/bin/python perf/end_to_end_step.py            # 10 methods x 2 settings x 2 rounds, ~3 min
+    .venv/bin/python perf/end_to_end_step.py --quick    # grpo and d3s, 2 steps: a smoke run
 
-Writes results/benchmarks/end_to_end_step.{json,md} (``--out`` elsewhere).
+Writes results/perf/end_to_end_step.{json,md} (``--out`` elsewhere).
 
 Every method trains the same SFT-warm-started tiny model in the geometry of step_time_per_method.py
 (8 prompts x 8 rollouts, completions <= 24 tokens, 1 torch thread), in two settings:

@@ -3,7 +3,7 @@
 ``D3SCheckpointState`` is a transformers callback. Its counters are an ``ExportableState``: Trainer saves
 them in each checkpoint's trainer_state.json (``stateful_callbacks``), and the callback reads them back when training
 resumes. ``on_save``, after Trainer wrote the checkpoint on every rank, copies the run's logs into it, writes
-d3s_state.json (what ``d3s.train.latest_checkpoint`` takes as "complete") and, with ``full_state_checkpoints:
+d3s_state.json (what ``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with ``full_state_checkpoints:
 latest``, cuts the older checkpoints to their weights.
 """
 
@@ -19,7 +19,7 @@ from accelerate import PartialState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from d3s.provenance import atomic_write_text
+from d3s.manifest import atomic_write_text
 
 D3S_STATE_FILE = "d3s_state.json"
 # Marks a checkpoint cut to its weights (full_state_checkpoints: latest); written before anything is removed.
@@ -106,7 +106,7 @@ class D3SCheckpointState(TrainerCallback, ExportableState):
 
     def on_save(self, args, state, control, **kwargs):
         # Every rank has written its part (DeepSpeed shards, rng_state_<rank>.pth) before the checkpoint is
-        # marked complete: d3s.train.latest_checkpoint resumes only from checkpoints with D3S_STATE_FILE.
+        # marked complete: d3s.runs.run.latest_checkpoint resumes only from checkpoints with D3S_STATE_FILE.
         PartialState().wait_for_everyone()
         if not args.should_save:
             return

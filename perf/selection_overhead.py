@@ -1,9 +1,9 @@
 """Selection overhead: the vectorised max-variance selection against per-group / per-split Python loops.
 
-    .venv/bin/python benchmarks/selection_overhead.py            # 2^20 rollouts, groups of 32, keep 8
-    .venv/bin/python benchmarks/selection_overhead.py --quick    # 2^14 rollouts, a smoke run
+    .venv/bin/python perf/selection_overhead.py            # 2^20 rollouts, groups of 32, keep 8
+    .venv/bin/python perf/selection_overhead.py --quick    # 2^14 rollouts, a smoke run
 
-Writes results/benchmarks/selection_overhead.{json,md} (``--out`` elsewhere).
+Writes results/perf/selection_overhead.{json,md} (``--out`` elsewhere).
 
 Inputs: binary rewards with a per-prompt success rate drawn from U(0, 1) (many all-correct / all-wrong
 groups, many ties, as in RL on math), advantages normalised per group as TRL does.

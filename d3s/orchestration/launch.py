@@ -46,7 +46,7 @@ LOCALHOST = "127.0.0.1"
 TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
 # Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
 # They differ between attempts of one run, so a resumed job never counts them as a configuration change
-# (d3s.train.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
+# (d3s.runs.run.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
@@ -800,13 +800,13 @@ def resolved_trainer_configs(
 ) -> dict[str, Any]:
     """Every method's D3SConfig as its training job builds it (first seed), checked without GPUs.
 
-    Runs d3s.train.resolve_config with check_hardware=False on the CPU (use_cpu forced, so nothing touches
+    Runs d3s.runs.run.resolve_config with check_hardware=False on the CPU (use_cpu forced, so nothing touches
     CUDA): unknown trainer fields, batch geometry for the job's process count, the schedule's keep
     values, the method's TRL settings and (unless ``check_inputs=False``: the workflow's input check reads
     them itself) the model path and training data all fail here, before any job is queued.
     ``generation_batch_size`` comes out per process; the job's is that times its training GPUs.
     """
-    from d3s.train import resolve_config
+    from d3s.runs.run import resolve_config
 
     train_cfg = config["train"]
     processes = training_processes(train_cfg, accelerate_dir)

@@ -30,9 +30,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from d3s.analysis import layout
+from d3s import results_layout
+from d3s.manifest import atomic_write_text, stable_hash
 from d3s.methods import METHODS
-from d3s.provenance import atomic_write_text, stable_hash
 
 AGREE = "must agree"
 WARN = "may differ, stated"
@@ -293,13 +293,13 @@ def collect(results: str | Path) -> dict[str, list[ManifestRecord]]:
     """The manifests of every run and evaluation whose results the analysis reads, by group."""
     results = Path(results)
     groups: dict[str, list[ManifestRecord]] = {name: [] for name in GROUPS}
-    for method, seed, run in layout.runs(results):
+    for method, seed, run in results_layout.runs(results):
         if (run / "metrics.jsonl").is_file() or (run / "train_summary.json").is_file():
-            path = run / layout.MANIFEST
+            path = run / results_layout.MANIFEST
             groups["training"].append(
                 ManifestRecord(f"{method} seed {seed}", str(path.relative_to(results)), _read(path))
             )
-    for point in layout.eval_points(results):
+    for point in results_layout.eval_points(results):
         label = "base model" if point.method == "base" else f"{point.method} seed {point.seed} {point.name}"
         record = ManifestRecord(label, str(point.manifest.relative_to(results)), _read(point.manifest))
         groups["checkpoints" if point.step is not None else "final"].append(record)
@@ -332,7 +332,7 @@ class Provenance:
             "allow_mixed": self.allow_mixed,
             "groups": [c.to_dict() for c in self.checks],
             "notes": self.notes,
-            "rules": "d3s.analysis.provenance (TRAINING_RULES, EVALUATION_RULES); docs/workflow.md",
+            "rules": "d3s.orchestration.settings_check (TRAINING_RULES, EVALUATION_RULES); docs/workflow.md",
         }
 
     def write_sidecar(self, table: str | Path) -> Path:
@@ -374,7 +374,7 @@ class Provenance:
             "Every number in this report comes from the runs and evaluations below. Each manifest holds the "
             "resolved configuration, method settings, package versions, git commit and dirty flag, seed, torch "
             "threads, hardware, start and end time, and the input files' checksums. Within each group the "
-            "settings that must agree were checked (rule table: `d3s.analysis.provenance`, docs/workflow.md); "
+            "settings that must agree were checked (rule table: `d3s.orchestration.settings_check`, docs/workflow.md); "
             "the settings hash is a hash of those settings, equal across a consistent group.",
             "",
             "| group | manifests | settings hash | settings |",

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 import yaml
 
-from d3s import provenance
-from d3s.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
+from d3s.runs.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
 from d3s.methods import get_method
-from d3s.provenance import atomic_write_text, build_manifest, now, write_manifest
+from d3s.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
 
 TOP_LEVEL_KEYS = {
     "method",
@@ -60,7 +59,7 @@ CPU_DEFAULTS: dict[str, Any] = {
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The YAML run config at ``path``; a missing, empty or malformed file raises ConfigError (one line)."""
-    from d3s.config_types import read_config_file
+    from d3s.runs.config import read_config_file
 
     return read_config_file(path)
 
@@ -73,7 +72,7 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
     ``check_inputs=False`` skips the model path and training data (the workflow's input check before its
     jobs, which checks them on its own: workflow/scripts/check_inputs.py).
     """
-    from d3s.config_types import coerce_run_config
+    from d3s.runs.config import coerce_run_config
     from d3s.trainer import D3SConfig
 
     # every value typed and range-checked (YAML reads 1e-4 as a string), unknown keys refused
@@ -114,7 +113,7 @@ def _check_hardware(settings: dict[str, Any]) -> None:
 
 def _check_inputs(config: dict[str, Any]) -> None:
     """Model path and training data must exist before any compute is spent."""
-    from d3s.config_types import check_model_dir
+    from d3s.runs.config import check_model_dir
 
     model = str(config.get("model", "tiny"))
     if model != "tiny":
@@ -171,7 +170,7 @@ def _load_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str
         model = AutoModelForCausalLM.from_pretrained(model_name, **(model_kwargs or {}))
         return model, AutoTokenizer.from_pretrained(model_name)
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+    from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
     tiny = {"sft_steps": 150, "sft_problems": 2000, "max_ops": 1, "max_operand": 9} | dict(
         config.get("tiny") or {}
@@ -190,7 +189,7 @@ def _load_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str
 
 # Values that legitimately differ between attempts of one run, so they never count as a configuration change:
 # the resume policy, where the run directory is, and the vLLM server's host and ports, which the workflow picks
-# afresh for each attempt (d3s.launch.prepare_training_job; accelerate's main_process_port is a command-line
+# afresh for each attempt (d3s.orchestration.launch.prepare_training_job; accelerate's main_process_port is a command-line
 # argument, never in the config). `threads` is compared, per training process, as `d3s train` runs it.
 PER_ATTEMPT_KEYS = frozenset({"resume", "output_dir"})
 PER_ATTEMPT_TRAINER_KEYS = frozenset(
@@ -415,7 +414,7 @@ def _input_files(config: dict[str, Any]) -> dict[str, Path]:
         root = resolve_data_dir(config.get("data_dir"))
         if root is not None and (root / get_benchmark(name).local_path).is_file():
             files["dataset"] = root / get_benchmark(name).local_path
-    files |= provenance.model_files(str(config.get("model", "tiny")))  # weights, config, tokenizer
+    files |= model_files(str(config.get("model", "tiny")))  # weights, config, tokenizer
     return files
 
 

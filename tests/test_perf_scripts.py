@@ -1,6 +1,6 @@
 """The benchmark scripts run (``--quick``) and write the JSON and Markdown they promise.
 
-The scripts run in this process (``runpy``, as ``python benchmarks/<name>.py`` would run them), so the
+The scripts run in this process (``runpy``, as ``python perf/<name>.py`` would run them), so the
 ~5 s import of torch/transformers/TRL is paid once, not once per script.
 """
 
@@ -39,8 +39,8 @@ SCRIPTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    script = REPO_ROOT / "benchmarks" / f"{name}.py"
-    monkeypatch.syspath_prepend(str(script.parent))  # what `python benchmarks/<name>.py` does
+    script = REPO_ROOT / "perf" / f"{name}.py"
+    monkeypatch.syspath_prepend(str(script.parent))  # what `python perf/<name>.py` does
     monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--out", str(tmp_path)])
     threads, bars = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()
     try:
@@ -86,12 +86,12 @@ def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest
         assert len(gaps) == 4 and all(gap <= 1.0 for gap in gaps), gaps
 
 
-# ---- benchmarks/update_cost.py: one update as training runs it -------------------------------------------
+# ---- perf/update_cost.py: one update as training runs it -------------------------------------------
 
 
 @pytest.fixture()
 def update_cost(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
     import update_cost
 
     threads = torch.get_num_threads()
@@ -115,7 +115,7 @@ def _assert_same_gradients(left: dict, right: dict) -> None:
 def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cost, tmp_path: Path) -> None:
     """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S (kept-token
     head, checkpointed) has the gradient of the masked head without checkpointing on the same micro-batches."""
-    from d3s.toy import save_tiny
+    from d3s.tiny_model import save_tiny
 
     model_dir = save_tiny(tmp_path / "model", seed=3)
     batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
@@ -170,7 +170,7 @@ def test_tail_after_last_selected_by_hand(update_cost) -> None:
     entropies = torch.tensor([[0.9, 0.1, 0.1, 0.1], [0.1, 0.1, 0.8, 0.1]])
     mask = torch.ones(2, 4, dtype=torch.long)
     fractions = update_cost.tail_after_last_selected(
-        entropies, mask, torch.tensor([1.0, 1.0]), torch.tensor([2, 2]), keep_ratio=0.25, micro_batch_rows=2
+        entropies, mask, torch.tensor([1.0, 1.0]), torch.tensor([2, 2]), token_keep_ratio=0.25, micro_batch_rows=2
     )
     assert fractions["token_fraction_after_last_selected"] == pytest.approx(4 / 12)  # 3 + 1 of 2 x 6 tokens
     assert fractions["padded_micro_batch_fraction"] == pytest.approx(2 / 12)  # column 4 of 6, both rows
@@ -179,7 +179,7 @@ def test_tail_after_last_selected_by_hand(update_cost) -> None:
 
 @pytest.mark.slow
 def test_update_cost_quick_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    script = REPO_ROOT / "benchmarks" / "update_cost.py"
+    script = REPO_ROOT / "perf" / "update_cost.py"
     monkeypatch.syspath_prepend(str(script.parent))
     monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--skip-cpu-memory", "--out", str(tmp_path)])
     threads, bars = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()

@@ -1,9 +1,9 @@
 """Evaluation throughput: math-verify grading (answers/s) and transformers-backend generation (tokens/s).
 
-    .venv/bin/python benchmarks/eval_throughput.py            # ~1-2 min on a 2-core machine
-    .venv/bin/python benchmarks/eval_throughput.py --quick    # small sizes, a smoke run
+    .venv/bin/python perf/eval_throughput.py            # ~1-2 min on a 2-core machine
+    .venv/bin/python perf/eval_throughput.py --quick    # small sizes, a smoke run
 
-Writes results/benchmarks/eval_throughput.{json,md} (``--out`` elsewhere).
+Writes results/perf/eval_throughput.{json,md} (``--out`` elsewhere).
 
 Grading: ``d3s.rewards.Grader`` (the evaluation's and the training reward's grader) with 1 and 2 worker
 subprocesses, and in-process without a time limit (no IPC, no protection: the lower bound of the

@@ -1,8 +1,8 @@
 """Benchmark 2: one policy update as training runs it, GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
 
-    .venv/bin/python benchmarks/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
-    .venv/bin/python benchmarks/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
-    .venv/bin/python benchmarks/update_cost.py --quick         # CPU smoke run (the test suite runs it)
+    .venv/bin/python perf/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
+    .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
+    .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
 
 One update is what ``Trainer.train`` does per optimizer step: gradient checkpointing on (the HF Trainer turns it on
 only inside ``train()``, so this script turns it on the same way), the batch split by TRL's ``split_tensor_dict``
@@ -463,13 +463,13 @@ def tail_after_last_selected(
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     prompt_lengths: torch.Tensor,
-    keep_ratio: float,
+    token_keep_ratio: float,
     micro_batch_rows: int,
 ) -> dict[str, float]:
     """What stopping every rollout at its last selected token would save, under D3S's token selection.
 
     Rows are taken ``micro_batch_rows`` at a time (TRL's micro-batches); in each, ``d3s.selection`` keeps the top
-    ``keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens (prompt + completion)
+    ``token_keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens (prompt + completion)
     after each row's last selected token, the same weighted by the 1.5B model's per-position FLOPs, and the
     fraction of a padded micro-batch's positions that cutting its columns at the latest last-selected token
     removes (what a padded, non-packed batch can save).
@@ -481,7 +481,7 @@ def tail_after_last_selected(
         part = slice(start, start + micro_batch_rows)
         mask, prompt = completion_mask[part], prompt_lengths[part]
         scores = token_scores(advantages[part], entropies[part], "adv_entropy")
-        keep = token_keep_mask(scores, mask, keep_ratio, "batch")
+        keep = token_keep_mask(scores, mask, token_keep_ratio, "batch")
         positions = torch.arange(mask.shape[1])
         last = torch.where(keep, positions, torch.full_like(positions, -1)).amax(dim=1)  # -1: nothing kept
         lengths = mask.sum(dim=1)

@@ -1,9 +1,9 @@
 """Grading under the per-answer time limit: what a hanging answer costs.
 
-    .venv/bin/python benchmarks/grading_time_limit.py            # ~10 s on a 2-core machine
-    .venv/bin/python benchmarks/grading_time_limit.py --quick    # a smaller limit, a smoke run
+    .venv/bin/python perf/grading_time_limit.py            # ~10 s on a 2-core machine
+    .venv/bin/python perf/grading_time_limit.py --quick    # a smaller limit, a smoke run
 
-Writes results/benchmarks/grading_time_limit.{json,md} (``--out`` elsewhere).
+Writes results/perf/grading_time_limit.{json,md} (``--out`` elsewhere).
 
 ``d3s.rewards.Grader`` with 2 worker subprocesses grades a batch of adversarial answers (power towers that
 sympy tries to evaluate, deeply nested braces, 100k-character answers) under ``--limit`` seconds per answer.

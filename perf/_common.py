@@ -1,11 +1,11 @@
 """Shared helpers of the performance benchmarks: machine description, timing, result files.
 
-Scripts are run as files, ``.venv/bin/python benchmarks/<name>.py``: Python puts ``benchmarks/`` first
+Scripts are run as files, ``.venv/bin/python perf/<name>.py``: Python puts ``perf/`` first
 on ``sys.path``, so they import this module as ``from _common import ...`` (no package, no path hacks).
 
 Every benchmark writes ``<out>/<name>.json`` (settings, rows, machine, versions, git state) and
 ``<out>/<name>.md`` (the same as a Markdown table) atomically, ``<out>`` defaulting to
-``results/benchmarks/``. Results are compared as ratios measured in one run: the development machines
+``results/perf/``. Results are compared as ratios measured in one run: the development machines
 are shared and noisy, so absolute times mean little off a dedicated GPU node.
 """
 
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from d3s.provenance import atomic_write_text, git_state, hardware, now, package_versions
+from d3s.manifest import atomic_write_text, git_state, hardware, now, package_versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "results" / "benchmarks"
+DEFAULT_OUT = REPO_ROOT / "results" / "perf"
 
 
 def base_parser(doc: str | None) -> argparse.ArgumentParser:
@@ -201,7 +201,7 @@ def write_results(
 
 
 # --------------------------------------------------------------------------------------------------
-# The tiny model and trainer, in the geometry of benchmarks/step_time_per_method.py: 8 prompts x 8
+# The tiny model and trainer, in the geometry of perf/step_time_per_method.py: 8 prompts x 8
 # rollouts per step, completions up to 24 tokens, one-step sums of digits, SFT warm start 150 steps.
 
 TINY_TRAINER: dict[str, Any] = {
@@ -218,7 +218,7 @@ TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
 def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
     """The tiny model warm-started exactly as ``d3s train`` does for ``model: tiny``, saved to ``path``."""
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.toy import build_model, build_tokenizer, sft_warm_start
+    from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed)
@@ -232,7 +232,7 @@ def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
 def build_tiny_trainer(
     method: str, model_dir: Path | Any, output_dir: Path, max_steps: int, **trainer_overrides: Any
 ) -> Any:
-    """A D3STrainer for ``method`` on the saved tiny model, configured through ``d3s.train.resolve_config``
+    """A D3STrainer for ``method`` on the saved tiny model, configured through ``d3s.runs.run.resolve_config``
     (so it gets the same CPU defaults as ``d3s train``), with math-verify accuracy rewards.
 
     ``model_dir`` may also be a model object built in the process (its tokenizer: the tiny one).
@@ -242,8 +242,8 @@ def build_tiny_trainer(
 
     from d3s.data.synthetic import arithmetic_problems
     from d3s.rewards import accuracy_reward, default_grader
-    from d3s.toy import build_tokenizer
-    from d3s.train import resolve_config
+    from d3s.runs.run import resolve_config
+    from d3s.tiny_model import build_tokenizer
     from d3s.trainer import D3STrainer
 
     in_memory = not isinstance(model_dir, (str, Path))

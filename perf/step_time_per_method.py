@@ -1,6 +1,6 @@
-"""Wall time of one training step per method on the tiny model (CPU), written to results/benchmarks/.
+"""Wall time of one training step per method on the tiny model (CPU), written to results/perf/.
 
-    .venv/bin/python benchmarks/step_time_per_method.py [--steps 20] [--threads 1]
+    .venv/bin/python perf/step_time_per_method.py [--steps 20] [--threads 1]
 
 Each method trains the same SFT-warm-started tiny model on the same prompts (8 prompts x 8 rollouts
 per step, completions up to 24 tokens). Reported: mean wall seconds per step over all steps after the
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from d3s.methods import METHODS
-from d3s.train import train
+from d3s.runs.run import train
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "benchmarks"
+OUT = Path(__file__).resolve().parents[1] / "results" / "perf"
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from helpers import REPO_ROOT
 
 from d3s.data.synthetic import arithmetic_problems
 from d3s.rewards import accuracy_reward
-from d3s.toy import build_tokenizer
+from d3s.tiny_model import build_tokenizer
 
 
 def _default_task():
@@ -46,7 +46,7 @@ def test_saved_tokenizer_reloads_identically_through_auto_tokenizer(tmp_path):
     """transformers rebuilds a qwen2 model's tokenizer as Qwen2Tokenizer; ours must survive that."""
     from transformers import AutoTokenizer
 
-    from d3s.toy import save_tiny
+    from d3s.tiny_model import save_tiny
 
     save_tiny(tmp_path, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
     tok, reloaded = build_tokenizer(), AutoTokenizer.from_pretrained(tmp_path)

@@ -45,7 +45,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 
 def package_versions() -> dict[str, str | None]:
-    versions = {}
+    versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
