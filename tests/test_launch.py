@@ -25,7 +25,6 @@ from d3s.orchestration.launch import (
     TRL_CLI,
     GpuSlots,
     TrainLaunch,
-    VllmServer,
     VllmServerSettings,
     accelerate_command,
     assign_gpus,
@@ -41,6 +40,7 @@ from d3s.orchestration.launch import (
     train_launch,
     visible_gpu_ids,
     vllm_serve_command,
+    vllm_server,
 )
 
 ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
@@ -404,7 +404,7 @@ def test_stop_process_group_kills_the_whole_group(tmp_path, fake_server):
 
 def test_server_is_started_waited_for_and_stopped(tmp_path, fake_server):
     port = free_port()
-    server = VllmServer(
+    server = vllm_server(
         fake_server(port, "--delay", "1.0", "--child-pid-file", str(tmp_path / "child.pid")),
         host="127.0.0.1",
         port=port,
@@ -412,9 +412,11 @@ def test_server_is_started_waited_for_and_stopped(tmp_path, fake_server):
         log_path=tmp_path / "server.log",
         startup_timeout_s=60,
     )
-    with server:  # the server listens only after its 1 s delay: entering waited for /health, not the process
+    with (
+        server as url
+    ):  # the server listens only after its 1 s delay: entering waited for /health, not the process
         assert "fake server listening" in (tmp_path / "server.log").read_text()
-        assert _get(server.health_url) == 200
+        assert url == f"http://127.0.0.1:{port}/health" and _get(url) == 200
         pid = int((tmp_path / "server.pid").read_text())
         child = int((tmp_path / "child.pid").read_text())
         assert _alive(pid) and _alive(child)
@@ -426,7 +428,7 @@ def test_server_is_stopped_when_the_job_raises(tmp_path, fake_server):
     port = free_port()
     with (
         pytest.raises(RuntimeError, match="training failed"),
-        VllmServer(fake_server(port), host="127.0.0.1", port=port, log_path=tmp_path / "log"),
+        vllm_server(fake_server(port), host="127.0.0.1", port=port, log_path=tmp_path / "log"),
     ):
         pid = int((tmp_path / "server.pid").read_text())
         raise RuntimeError("training failed")
@@ -436,7 +438,7 @@ def test_server_is_stopped_when_the_job_raises(tmp_path, fake_server):
 def test_server_ignoring_sigterm_is_killed(tmp_path, fake_server):
     port = free_port()
     command = fake_server(port, "--ignore-term", "--child-pid-file", str(tmp_path / "child.pid"))
-    with VllmServer(command, host="127.0.0.1", port=port, log_path=tmp_path / "log", stop_grace_s=1.0):
+    with vllm_server(command, host="127.0.0.1", port=port, log_path=tmp_path / "log", stop_grace_s=1.0):
         pid = int((tmp_path / "server.pid").read_text())
         child = int((tmp_path / "child.pid").read_text())
     assert _gone(pid) and _gone(child)
@@ -444,37 +446,41 @@ def test_server_ignoring_sigterm_is_killed(tmp_path, fake_server):
 
 def test_server_that_never_answers_times_out_and_is_stopped(tmp_path, fake_server):
     port = free_port()
-    server = VllmServer(
+    server = vllm_server(
         fake_server(port, "--delay", "60"),
         host="127.0.0.1",
         port=port,
         log_path=tmp_path / "log",
         startup_timeout_s=1.5,
     )
-    with pytest.raises(
-        TimeoutError, match=r"did not answer http://127\.0\.0\.1:\d+/health within 1\.5 s .*startup_timeout_s"
+    with (
+        pytest.raises(
+            TimeoutError,
+            match=r"did not answer http://127\.0\.0\.1:\d+/health within 1\.5 s .*startup_timeout_s",
+        ),
+        server,
     ):
-        server.__enter__()
-    assert _gone(int((tmp_path / "server.pid").read_text())) and server.process is None
+        pytest.fail("the block ran without a server")
+    assert _gone(int((tmp_path / "server.pid").read_text()))
 
 
 def test_server_that_exits_early_is_reported_with_its_log(tmp_path, fake_server):
     port = free_port()
-    server = VllmServer(
+    server = vllm_server(
         fake_server(port, "--exit-code", "3"), host="127.0.0.1", port=port, log_path=tmp_path / "log"
     )
-    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 .*failing on purpose"):
-        server.__enter__()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 .*failing on purpose"), server:
+        pytest.fail("the block ran without a server")
 
 
 JOB = textwrap.dedent(
     """
     # A workflow job holding a vLLM server, as train_run.py does.
     import sys, time
-    from d3s.orchestration.launch import VllmServer, signals_raise_system_exit
+    from d3s.orchestration.launch import signals_raise_system_exit, vllm_server
 
     command, port, ready = sys.argv[1].split(), int(sys.argv[2]), sys.argv[3]
-    with signals_raise_system_exit(), VllmServer(command, host="127.0.0.1", port=port, log_path=ready + ".log"):
+    with signals_raise_system_exit(), vllm_server(command, host="127.0.0.1", port=port, log_path=ready + ".log"):
         open(ready, "w").write("ready")
         time.sleep(600)
     """

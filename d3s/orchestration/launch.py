@@ -7,7 +7,7 @@ The workflow's train and evaluate jobs use this module; it is importable and tes
 - ``assign_gpus``: Snakemake never sets CUDA_VISIBLE_DEVICES for local jobs, so concurrent jobs would all
   land on GPU 0. Each job takes exclusive GPU ids through one lock file per GPU (``flock``: the kernel
   releases it when the holder exits, however it exits). Under Slurm the allocation already is the job's.
-- ``VllmServer``: ``trl vllm-serve`` on its own GPUs for TRL's server mode: started in its own process
+- ``vllm_server``: ``trl vllm-serve`` on its own GPUs for TRL's server mode: started in its own process
   group, polled on ``/health`` until it answers, and always stopped (SIGTERM to the group, then SIGKILL).
 - ``run_training_job``: all of the above for one training job.
 - ``check_workflow_config``: the launch settings of a workflow config, checked when Snakemake parses it.
@@ -19,7 +19,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
-import errno
+import functools
 import os
 import signal
 import socket
@@ -359,24 +359,19 @@ def start_process_group(
     *,
     env: Mapping[str, str] | None = None,
     log_path: str | os.PathLike[str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
 ) -> subprocess.Popen:
     """Start ``command`` as the leader of a new process group (so it and all its children can be stopped)."""
-    log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child owns it
-    try:
+    # The child gets its own copy of the log's descriptor; this process closes its copy at once.
+    with open(log_path, "ab") if log_path is not None else contextlib.nullcontext() as log:
         return subprocess.Popen(
             list(command),
             env=dict(env) if env is not None else None,
-            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT if log is not None else None,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-    finally:
-        if log is not None:
-            log.close()  # the child has its own copy of the descriptor
 
 
 def _group_alive(pgid: int) -> bool:
@@ -394,26 +389,22 @@ def stop_process_group(process: subprocess.Popen, *, grace_s: float = 30.0) -> i
 
     Safe to call twice and on a process that already exited (its children may not have).
     """
-    pgid = process.pid
-    if _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
+    pgid, deadline = process.pid, time.monotonic() + grace_s
+    with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+        os.killpg(pgid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        process.wait(timeout=grace_s)
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)  # the leader is gone; give its children the rest of the grace period
-    if _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
     return process.wait()
 
 
 @contextlib.contextmanager
-def signals_raise_system_exit(signums: Sequence[int] | None = None) -> Iterator[None]:
+def signals_raise_system_exit() -> Iterator[None]:
     """Turn SIGTERM/SIGHUP (Snakemake or Slurm stopping the job) into SystemExit so ``finally`` blocks run."""
-    if signums is None:
-        signums = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    signums = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
 
     def handler(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -429,106 +420,58 @@ def signals_raise_system_exit(signums: Sequence[int] | None = None) -> Iterator[
 def _tail(path: str | os.PathLike[str] | None, lines: int = 20) -> str:
     if path is None or not Path(path).is_file():
         return ""
-    text = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
-    return "\n".join(text)
+    return "\n".join(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-def wait_until_healthy(
-    url: str,
+@contextlib.contextmanager
+def vllm_server(
+    command: Sequence[str],
     *,
-    timeout_s: float,
-    process: subprocess.Popen | None = None,
-    poll_s: float = 1.0,
+    host: str,
+    port: int,
+    gpu_ids: Sequence[str] = (),
     log_path: str | os.PathLike[str] | None = None,
-) -> float:
-    """Poll ``url`` until it answers 200; returns the seconds waited.
+    startup_timeout_s: float = 1200.0,
+    stop_grace_s: float = 30.0,
+    poll_s: float = 1.0,
+) -> Iterator[str]:
+    """A vLLM server process for TRL's server mode, alive exactly as long as the ``with`` block; yields its URL.
 
-    Raises RuntimeError if ``process`` exits first and TimeoutError after ``timeout_s``, both with the
-    last lines of ``log_path``.
+    Starts ``command`` with CUDA_VISIBLE_DEVICES = ``gpu_ids`` and polls ``/health`` until it answers 200
+    (RuntimeError if the process exits first, TimeoutError after ``startup_timeout_s``, both with the end of
+    its log); leaving the block, an exception, SystemExit from a signal, or interpreter exit (atexit) stops it.
     """
+    env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else {})
+    process = start_process_group(command, env=env, log_path=log_path)
+    stop = functools.partial(stop_process_group, process, grace_s=stop_grace_s)
+    atexit.register(stop)
+    url = f"http://{host}:{port}/health"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP proxy
     start = time.monotonic()
-    while True:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(
-                f"the vLLM server exited with code {process.returncode} before answering {url}; "
-                f"its log ({log_path}) ends with:\n{_tail(log_path)}"
-            )
-        with (
-            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError),
-            opener.open(url, timeout=5) as response,
-        ):
-            if response.status == 200:
-                return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(
-                f"the vLLM server did not answer {url} within {timeout_s:g} s "
-                f"(train.launch.vllm_server.startup_timeout_s); its log ({log_path}) ends with:\n{_tail(log_path)}"
-            )
-        time.sleep(poll_s)
-
-
-class VllmServer:
-    """A vLLM server process for TRL's server mode, alive exactly as long as the ``with`` block.
-
-    ``__enter__`` starts ``command`` with CUDA_VISIBLE_DEVICES = ``gpu_ids`` and waits for ``/health``;
-    leaving the block, an exception, SystemExit from a signal, or interpreter exit (atexit) stops it.
-    """
-
-    def __init__(
-        self,
-        command: Sequence[str],
-        *,
-        host: str,
-        port: int,
-        gpu_ids: Sequence[str] = (),
-        log_path: str | os.PathLike[str] | None = None,
-        startup_timeout_s: float = 1200.0,
-        env: Mapping[str, str] | None = None,
-        stop_grace_s: float = 30.0,
-    ) -> None:
-        self.command = list(command)
-        self.host, self.port = host, port
-        self.gpu_ids = [str(g) for g in gpu_ids]
-        self.log_path = log_path
-        self.startup_timeout_s = startup_timeout_s
-        self.env = dict(env) if env is not None else dict(os.environ)
-        self.stop_grace_s = stop_grace_s
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def health_url(self) -> str:
-        return f"http://{self.host}:{self.port}/health"
-
-    def start(self) -> None:
-        env = dict(self.env)
-        if self.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_ids)
-        self.process = start_process_group(self.command, env=env, log_path=self.log_path)
-        atexit.register(self.stop)
-
-    def wait_until_ready(self) -> float:
-        return wait_until_healthy(
-            self.health_url, timeout_s=self.startup_timeout_s, process=self.process, log_path=self.log_path
-        )
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None:
-            stop_process_group(process, grace_s=self.stop_grace_s)
-        atexit.unregister(self.stop)
-
-    def __enter__(self) -> VllmServer:
-        self.start()
-        try:
-            self.wait_until_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM server exited with code {process.returncode} before answering {url}; "
+                    f"its log ({log_path}) ends with:\n{_tail(log_path)}"
+                )
+            with (
+                contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError),
+                opener.open(url, timeout=5) as response,
+            ):
+                if response.status == 200:
+                    break
+            if time.monotonic() - start > startup_timeout_s:
+                raise TimeoutError(
+                    f"the vLLM server did not answer {url} within {startup_timeout_s:g} s "
+                    f"(train.launch.vllm_server.startup_timeout_s); its log ({log_path}) ends with:\n"
+                    f"{_tail(log_path)}"
+                )
+            time.sleep(poll_s)
+        yield url
+    finally:
+        stop()
+        atexit.unregister(stop)
 
 
 # ---- GPU assignment ---------------------------------------------------------------------------------------
@@ -553,27 +496,16 @@ def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def default_lock_dir() -> Path:
-    """Node-local lock directory ($D3S_GPU_LOCK_DIR or <tmp>/d3s-gpu-locks-<uid>)."""
-    if os.environ.get("D3S_GPU_LOCK_DIR"):
-        return Path(os.environ["D3S_GPU_LOCK_DIR"])
-    return Path(tempfile.gettempdir()) / f"d3s-gpu-locks-{os.getuid()}"
-
-
+@dataclasses.dataclass
 class GpuLease:
-    """GPU ids held by this process until ``release`` (or until the process exits)."""
+    """GPU ids held by this process until ``release`` (or until the process exits: the kernel drops its locks)."""
 
-    def __init__(self, ids: list[str], fds: list[int]) -> None:
-        self.ids, self._fds = ids, fds
+    ids: list[str]
+    fds: list[int]
 
     def release(self) -> None:
-        import fcntl  # POSIX only; imported here so the workflow still parses elsewhere
-
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        while self.fds:
+            os.close(self.fds.pop())  # closing the only descriptor of a lock file releases its flock
 
     def __enter__(self) -> GpuLease:
         return self
@@ -587,11 +519,15 @@ class GpuSlots:
 
     A lock belongs to an open file description, so two processes (or two leases in one process) never
     hold the same GPU, and the kernel drops the locks of a process that dies, whatever kills it.
+    ``lock_dir`` defaults to the node-local $D3S_GPU_LOCK_DIR or <tmp>/d3s-gpu-locks-<uid>.
     """
 
     def __init__(self, gpu_ids: Sequence[str], lock_dir: str | os.PathLike[str] | None = None) -> None:
         self.gpu_ids = [str(g) for g in gpu_ids]
-        self.lock_dir = Path(lock_dir) if lock_dir is not None else default_lock_dir()
+        default = (
+            os.environ.get("D3S_GPU_LOCK_DIR") or Path(tempfile.gettempdir()) / f"d3s-gpu-locks-{os.getuid()}"
+        )
+        self.lock_dir = Path(lock_dir if lock_dir is not None else default)
 
     def try_acquire(self, count: int, *, label: str = "") -> GpuLease | None:
         """``count`` free GPUs now, or None (taking none) if fewer are free."""
@@ -607,30 +543,25 @@ class GpuSlots:
         guard = os.open(self.lock_dir / ".allocate.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(guard, fcntl.LOCK_EX)
-            ids: list[str] = []
-            fds: list[int] = []
+            lease = GpuLease([], [])
             for gpu in self.gpu_ids:
-                if len(ids) == count:
+                if len(lease.ids) == count:
                     break
                 fd = os.open(self.lock_dir / f"gpu{gpu}.lock", os.O_RDWR | os.O_CREAT, 0o644)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as err:
+                except BlockingIOError:  # another lease holds it
                     os.close(fd)
-                    if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                        raise
                     continue
                 os.ftruncate(fd, 0)
                 os.write(fd, f"pid {os.getpid()} {label}\n".encode())
-                ids.append(gpu)
-                fds.append(fd)
-            lease = GpuLease(ids, fds)
-            if len(ids) < count:
+                lease.ids.append(gpu)
+                lease.fds.append(fd)
+            if len(lease.ids) < count:
                 lease.release()
                 return None
             return lease
         finally:
-            fcntl.flock(guard, fcntl.LOCK_UN)
             os.close(guard)
 
     def acquire(
@@ -638,26 +569,17 @@ class GpuSlots:
     ) -> GpuLease:
         """Wait for ``count`` free GPUs (TimeoutError after ``timeout_s``; None waits for ever)."""
         start = time.monotonic()
-        announced = False
-        while True:
-            lease = self.try_acquire(count, label=label)
-            if lease is not None:
-                return lease
+        lease = self.try_acquire(count, label=label)
+        if lease is None:
+            print(
+                f"waiting for {count} free GPU(s) among {self.gpu_ids} (locks in {self.lock_dir})", flush=True
+            )
+        while lease is None:
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"no {count} free GPU(s) among {self.gpu_ids} within {timeout_s:g} s")
-            if not announced:
-                print(
-                    f"waiting for {count} free GPU(s) among {self.gpu_ids} (locks in {self.lock_dir})",
-                    flush=True,
-                )
-                announced = True
             time.sleep(poll_s)
-
-
-def scheduler_assigns_gpus(env: Mapping[str, str] | None = None) -> bool:
-    """True inside a Slurm job (its GPUs are its own) or when D3S_GPU_ASSIGNMENT=off."""
-    env = os.environ if env is None else env
-    return "SLURM_JOB_ID" in env or env.get("D3S_GPU_ASSIGNMENT", "").lower() in ("off", "0", "false", "no")
+            lease = self.try_acquire(count, label=label)
+        return lease
 
 
 @contextlib.contextmanager
@@ -675,7 +597,8 @@ def assign_gpus(
         return
     env = os.environ if env is None else env
     ids = visible_gpu_ids(env)
-    if scheduler_assigns_gpus(env):
+    # Inside a Slurm job (or with D3S_GPU_ASSIGNMENT=off) the scheduler has assigned the GPUs already.
+    if "SLURM_JOB_ID" in env or env.get("D3S_GPU_ASSIGNMENT", "").lower() in ("off", "0", "false", "no"):
         if len(ids) < count:
             raise ValueError(
                 f"the job needs {count} GPU(s) but its allocation shows {len(ids)} "
@@ -773,7 +696,7 @@ def run_training_job(
                 flush=True,
             )
             stack.enter_context(
-                VllmServer(
+                vllm_server(
                     server_command,
                     host=LOCALHOST,
                     port=int(config["trainer"]["vllm_server_port"]),
