@@ -1,0 +1,393 @@
+"""The papers' claims as verdicts with intervals (``tables/claims.csv``).
+
+Every comparison is paired by seed: a seed fixes the base model, the data order and the evaluation set, so
+method differences are measured within a seed and the seed-to-seed spread cancels. A verdict is decided by the
+95 % interval alone:
+
+- ``supported``: the whole interval lies on the side the paper claims (above 0 for a gain, below 1 for a cost
+  ratio, above 1 for a speedup);
+- ``refuted``: the whole interval lies on the other side;
+- ``inconclusive``: the interval holds the null; ``min_detectable_effect`` then says how large an effect the
+  run could have detected (80 % power at the observed seed variance, two-sided 5 % test).
+
+Intervals: paired Student-t for Pass@k gains and per-run means (gradient norm, entropy); paired t on log
+ratios for costs (update tokens, seconds per step); a seed bootstrap for the speedups to 99 % of the
+reference's best, where a resample in which the method never reaches the target counts as speedup 0. The
+intervals are not adjusted for multiplicity; ``verdict_holm`` gives the verdict after Holm's step-down
+adjustment of the rows' p-values (family: the whole table), for readers who want the family-wise view.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import optimize, stats
+
+LEVEL = 0.95
+POWER = 0.80
+BOOTSTRAP_RESAMPLES = 2000
+COLUMNS = [
+    "claim",
+    "method",
+    "reference",
+    "estimate",
+    "ci_low",
+    "ci_high",
+    "seeds",
+    "verdict",
+    "min_detectable_effect",
+    "unit",
+    "null",
+    "p_value",
+    "verdict_holm",
+    "statement",
+    "note",
+]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of the papers: the direction it asserts for a method against the reference."""
+
+    name: str
+    statement: str
+    unit: str
+    direction: int  # +1: the paper claims the estimate above the null; -1: below
+    kind: str  # "difference" (null 0), "ratio" (null 1, paired t on logs), "speedup" (null 1, bootstrap)
+
+    @property
+    def null(self) -> float:
+        return 0.0 if self.kind == "difference" else 1.0
+
+
+CLAIMS = {
+    c.name: c
+    for c in (
+        Claim(
+            "gain_over_base",
+            "training lifts held-out Pass@1 above the base model",
+            "points",
+            +1,
+            "difference",
+        ),
+        Claim("pass_at_1", "higher held-out Pass@1 than the reference", "points", +1, "difference"),
+        Claim("pass_at_k", "higher held-out Pass@k than the reference", "points", +1, "difference"),
+        Claim(
+            "grad_norm", "larger policy-gradient norm than the reference (run mean)", "norm", +1, "difference"
+        ),
+        Claim(
+            "entropy",
+            "lower policy entropy than the reference (run mean; the paper's Qwen runs, Llama rises)",
+            "nats",
+            -1,
+            "difference",
+        ),
+        Claim("update_tokens", "fewer tokens in the update per step", "ratio", -1, "ratio"),
+        Claim("step_time", "less wall-clock per training step", "ratio", -1, "ratio"),
+        Claim(
+            "speedup_steps", "reaches 99 % of the reference's best Pass@1 in fewer steps", "x", +1, "speedup"
+        ),
+        Claim(
+            "speedup_wall_clock",
+            "reaches 99 % of the reference's best Pass@1 in less wall-clock",
+            "x",
+            +1,
+            "speedup",
+        ),
+    )
+}
+
+
+def verdict(low: float, high: float, direction: int, null: float) -> str:
+    """``supported`` / ``refuted`` / ``inconclusive`` from the interval alone."""
+    if math.isnan(low) or math.isnan(high):
+        return "inconclusive"
+    if low > null:
+        return "supported" if direction > 0 else "refuted"
+    if high < null:
+        return "supported" if direction < 0 else "refuted"
+    return "inconclusive"
+
+
+def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = POWER) -> float:
+    """Smallest true mean difference that a paired two-sided t-test at ``level`` detects with ``power``
+    (exact, from the noncentral t distribution of the test statistic)."""
+    if n < 2 or math.isnan(sd):
+        return float("nan")
+    df, critical = n - 1, stats.t.ppf(1 - (1 - level) / 2, n - 1)
+
+    def shortfall(shift: float) -> float:
+        lower_tail = np.nan_to_num(stats.nct.cdf(-critical, df, shift))  # NaN where it underflows to 0
+        return stats.nct.sf(critical, df, shift) + lower_tail - power
+
+    return float(optimize.brentq(shortfall, 0.0, 100.0) * sd / math.sqrt(n))
+
+
+def paired_t(differences: Iterable[float], level: float = LEVEL) -> dict[str, float]:
+    """Mean of paired differences, its t-interval, two-sided p-value (null 0) and minimum detectable effect."""
+    d = np.asarray([x for x in differences if not math.isnan(x)], dtype=float)
+    n = len(d)
+    mean = float(d.mean()) if n else float("nan")
+    if n < 2:
+        return {
+            "estimate": mean,
+            "ci_low": math.nan,
+            "ci_high": math.nan,
+            "p_value": math.nan,
+            "mde": math.nan,
+            "n": n,
+        }
+    sd = float(d.std(ddof=1))
+    half = float(stats.t.ppf(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n))
+    p = (
+        1.0
+        if sd == 0 and mean == 0
+        else (0.0 if sd == 0 else float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)))
+    )
+    return {
+        "estimate": mean,
+        "ci_low": mean - half,
+        "ci_high": mean + half,
+        "p_value": p,
+        "mde": min_detectable_effect(sd, n, level),
+        "n": n,
+    }
+
+
+def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
+    """Holm's step-down rejections (NaN p-values are never rejected and do not count in the family)."""
+    p = list(p_values)
+    order = sorted((v, i) for i, v in enumerate(p) if not math.isnan(v))
+    rejected = [False] * len(p)
+    for rank, (value, index) in enumerate(order):
+        if value > alpha / (len(order) - rank):
+            break
+        rejected[index] = True
+    return rejected
+
+
+def _paired(per_seed: pd.DataFrame, method: str, reference: str) -> pd.DataFrame:
+    """Rows of seeds where both ``method`` and ``reference`` have a value: columns method, reference."""
+    wide = per_seed.pivot_table(index="seed", columns="method", values="value", aggfunc="mean")
+    if method not in wide or reference not in wide:
+        return pd.DataFrame(columns=[method, reference])
+    return wide[[method, reference]].dropna()
+
+
+def _row(claim: Claim, method: str, reference: str, result: Mapping[str, float], note: str = "") -> dict:
+    return {
+        "claim": claim.name,
+        "method": method,
+        "reference": reference,
+        "estimate": result["estimate"],
+        "ci_low": result["ci_low"],
+        "ci_high": result["ci_high"],
+        "seeds": int(result["n"]),
+        "verdict": verdict(result["ci_low"], result["ci_high"], claim.direction, claim.null),
+        "min_detectable_effect": result["mde"],
+        "unit": claim.unit,
+        "null": claim.null,
+        "p_value": result["p_value"],
+        "statement": claim.statement,
+        "note": note,
+    }
+
+
+def difference_row(
+    claim: Claim, per_seed: pd.DataFrame, method: str, reference: str, scale: float = 1.0
+) -> dict:
+    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points)."""
+    pairs = _paired(per_seed, method, reference)
+    return _row(claim, method, reference, paired_t(scale * (pairs[method] - pairs[reference])))
+
+
+def ratio_row(claim: Claim, per_seed: pd.DataFrame, method: str, reference: str) -> dict:
+    """A paired-ratio claim: the t-interval of the log ratios, reported as ratios (geometric mean)."""
+    pairs = _paired(per_seed, method, reference)
+    pairs = pairs[(pairs[method] > 0) & (pairs[reference] > 0)]
+    logs = paired_t(np.log(pairs[method] / pairs[reference]))
+    result = {k: math.exp(logs[k]) for k in ("estimate", "ci_low", "ci_high")} | {
+        "p_value": logs["p_value"],
+        "n": logs["n"],
+        # detectable ratio below 1 (the claimed side of a cost), from the detectable log ratio
+        "mde": 1 - math.exp(-logs["mde"]) if not math.isnan(logs["mde"]) else math.nan,
+    }
+    return _row(claim, method, reference, result, "geometric mean of the per-seed ratios")
+
+
+def _curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> tuple[np.ndarray, np.ndarray]:
+    """(seeds, steps) arrays of Pass@1 and of ``x`` for ``method``'s trained checkpoints (step > 0)."""
+    rows = curves[(curves["method"] == method) & (curves["step"] > 0)]  # step 0 is the base model
+    value = rows.pivot_table(index="seed", columns="step", values="value").reindex(seeds)
+    where = rows.pivot_table(index="seed", columns="step", values=x) if x != "step" else None
+    at = (
+        where.reindex(seeds).to_numpy()
+        if where is not None
+        else np.broadcast_to(value.columns.to_numpy(float), value.shape)
+    )
+    return value.to_numpy(), np.asarray(at, dtype=float)
+
+
+def _first_reach(value: np.ndarray, at: np.ndarray, target: float) -> float:
+    hit = np.flatnonzero(value >= target - 1e-12)
+    return float(at[hit[0]]) if hit.size else math.inf
+
+
+def speedup(
+    method: tuple[np.ndarray, np.ndarray],
+    reference: tuple[np.ndarray, np.ndarray],
+    draw: np.ndarray,
+    fraction: float,
+) -> float:
+    """Reference time / method time to ``fraction`` of the reference's best seed-mean Pass@1, for the seeds
+    ``draw`` (indices, repeats allowed); 0 when the method never reaches it."""
+    ref_value, ref_at = (a[draw].mean(axis=0) for a in reference)
+    target = fraction * np.nanmax(ref_value)
+    t_method = _first_reach(*(a[draw].mean(axis=0) for a in method), target)
+    return 0.0 if math.isinf(t_method) else _first_reach(ref_value, ref_at, target) / t_method
+
+
+def speedup_row(
+    claim: Claim,
+    curves: pd.DataFrame,
+    method: str,
+    reference: str,
+    x: str,
+    fraction: float = 0.99,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> dict:
+    """Speedup to ``fraction`` of the reference's best, with a percentile bootstrap over seeds (paired: a
+    resample draws whole seeds, the same for both methods). ``x``: "step" or "wall_clock"."""
+    seeds = sorted(
+        set(curves.loc[curves["method"] == method, "seed"])
+        & set(curves.loc[curves["method"] == reference, "seed"])
+    )
+    empty = {
+        "estimate": math.nan,
+        "ci_low": math.nan,
+        "ci_high": math.nan,
+        "p_value": math.nan,
+        "mde": math.nan,
+        "n": 0,
+    }
+    if not seeds:
+        return _row(claim, method, reference, empty)
+    arrays = _curve_arrays(curves, method, seeds, x), _curve_arrays(curves, reference, seeds, x)
+    estimate = speedup(*arrays, np.arange(len(seeds)), fraction)
+    result = empty | {"estimate": estimate, "n": len(seeds)}
+    note = "never reached the target (speedup 0)" if estimate == 0 else ""
+    if len(seeds) > 1:
+        rng = np.random.default_rng(seed)
+        draws = np.array(
+            [speedup(*arrays, rng.integers(len(seeds), size=len(seeds)), fraction) for _ in range(resamples)]
+        )
+        tail = (1 - LEVEL) / 2
+        result["ci_low"], result["ci_high"] = (float(v) for v in np.quantile(draws, [tail, 1 - tail]))
+        result["p_value"] = min(1.0, 2 * min(float((draws <= 1).mean()), float((draws >= 1).mean())))
+        if (draws > 0).all():  # detectable speedup from the bootstrap spread of log speedups
+            spread = float(np.log(draws).std(ddof=1))
+            result["mde"] = math.exp((stats.norm.ppf(1 - tail) + stats.norm.ppf(POWER)) * spread) - 1
+        never = float((draws == 0).mean())
+        if never:
+            note = "; ".join(
+                filter(None, [note, f"never reached in {never:.0%} of bootstrap resamples (counted as 0)"])
+            )
+    return _row(claim, method, reference, result, note)
+
+
+def claims_table(
+    curves: pd.DataFrame,
+    metrics: pd.DataFrame,
+    pass_at_k: pd.DataFrame,
+    methods: list[str],
+    reference: str = "grpo",
+    fraction: float = 0.99,
+) -> pd.DataFrame:
+    """Every claim for every method against ``reference``, plus GRPO-style gains over the base model.
+
+    ``curves``: method, seed, step, value (Pass@1, a fraction; step 0 = base model), wall_clock;
+    ``metrics``: method, seed, step and the logged metrics (grad_norm, entropy, selection/update_tokens,
+    step_time); ``pass_at_k``: method, seed, value (final Pass@k, a fraction) for the largest k evaluated.
+    """
+    final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()][["method", "seed", "value"]]
+    base = curves[curves["step"] == 0][["method", "seed", "value"]]
+    rows = [
+        difference_row(
+            CLAIMS["gain_over_base"],
+            pd.concat([final[final["method"] == m], base[base["method"] == m].assign(method="base")]),
+            m,
+            "base",
+            100,
+        )
+        for m in methods
+    ]
+    run_means = metrics.groupby(["method", "seed"], as_index=False).mean(numeric_only=True)
+
+    def per_seed(column: str) -> pd.DataFrame:
+        return (
+            run_means[["method", "seed", column]].rename(columns={column: "value"})
+            if column in run_means
+            else pd.DataFrame(columns=["method", "seed", "value"])
+        )
+
+    for method in (m for m in methods if m != reference):
+        rows += [
+            difference_row(CLAIMS["pass_at_1"], final, method, reference, 100),
+            difference_row(CLAIMS["pass_at_k"], pass_at_k, method, reference, 100),
+            difference_row(CLAIMS["grad_norm"], per_seed("grad_norm"), method, reference),
+            difference_row(CLAIMS["entropy"], per_seed("entropy"), method, reference),
+            ratio_row(CLAIMS["update_tokens"], per_seed("selection/update_tokens"), method, reference),
+            ratio_row(CLAIMS["step_time"], per_seed("step_time"), method, reference),
+            speedup_row(CLAIMS["speedup_steps"], curves, method, reference, "step", fraction),
+            speedup_row(CLAIMS["speedup_wall_clock"], curves, method, reference, "wall_clock", fraction),
+        ]
+    table = pd.DataFrame(rows)
+    holm_rejects = holm(table["p_value"])
+    table["verdict_holm"] = [
+        v if r else "inconclusive" for v, r in zip(table["verdict"], holm_rejects, strict=True)
+    ]
+    return table[COLUMNS]
+
+
+def ordering_agreement(
+    final: pd.DataFrame, paper: Mapping[str, float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> dict:
+    """Fraction of method pairs that our seed-mean Pass@1 orders as the paper does (0.5: chance), with a
+    seed-bootstrap interval. ``final``: method, seed, value; ``paper``: method -> the paper's Pass@1."""
+    wide = final.pivot_table(index="seed", columns="method", values="value")
+    methods = [m for m in paper if m in wide]
+    wide = wide[methods].dropna()
+    pairs = [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :] if paper[a] != paper[b]]
+    row = {
+        "claim": "ordering_agrees_with_paper",
+        "method": ",".join(methods),
+        "reference": "paper",
+        "seeds": len(wide),
+    }
+    if not pairs or wide.empty:
+        return row | {"estimate": math.nan, "ci_low": math.nan, "ci_high": math.nan}
+    sign = np.array([np.sign(paper[a] - paper[b]) for a, b in pairs])
+    index = {m: i for i, m in enumerate(methods)}
+    values = wide.to_numpy()
+
+    def agreement(draw: np.ndarray) -> float:
+        mean = values[draw].mean(axis=0)
+        ours = np.array([np.sign(mean[index[a]] - mean[index[b]]) for a, b in pairs])
+        return float((ours == sign).mean())
+
+    rng = np.random.default_rng(seed)
+    draws = np.array([agreement(rng.integers(len(wide), size=len(wide))) for _ in range(resamples)])
+    low, high = np.quantile(draws, [(1 - LEVEL) / 2, 1 - (1 - LEVEL) / 2])
+    estimate = agreement(np.arange(len(wide)))
+    return row | {
+        "estimate": estimate,
+        "ci_low": float(low),
+        "ci_high": float(high),
+        "verdict": verdict(float(low), float(high), +1, 0.5),
+        "pairs": len(pairs),
+    }
