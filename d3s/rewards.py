@@ -27,27 +27,26 @@ How an answer is graded:
 * **Time limit.** math-verify's own timeouts use ``signal.alarm``, which fails off the main thread and
   cannot stop everything, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``)
   and every answer is graded in a persistent worker *subprocess* that is killed and replaced when it
-  overruns its wall-clock limit. A subprocess (not ``multiprocessing``) is used so that grading also
-  works inside daemonic pool workers, which may not have children of their own. Timed-out answers
-  count as wrong and are reported as ``timed_out``.
+  overruns its wall-clock limit. The worker is started with ``subprocess`` and spoken to through
+  ``multiprocessing.connection`` (pickled messages, ``wait`` with a timeout): a process pool
+  (``concurrent.futures``, pebble) cannot be used, because daemonic pool workers, where grading must also
+  work, may not start ``multiprocessing`` children. Timed-out answers count as wrong and are reported
+  as ``timed_out``.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
+import functools
 import os
-import pickle
 import re
-import select
-import struct
 import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any, Literal
 
 AnswerExtraction = Literal["boxed_first", "boxed_only"]
@@ -72,9 +71,6 @@ class GradeResult:
     seconds: float  # wall-clock time spent grading this answer
     error: str | None = None  # unexpected exception inside the grader (counted as wrong)
     gold_as_text: bool = False  # gold parsed only as a string (no math): compared by exact string match
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,8 +165,7 @@ def _last_box(completion: str) -> str | None | object:
         last = match
     if last is None:
         return _NO_BOX
-    content = _box_content(completion, last.end())
-    return content if content and content.strip() else None
+    return (_box_content(completion, last.end()) or "").strip() or None
 
 
 def count_boxes(completion: str) -> int:
@@ -191,24 +186,15 @@ class _MathVerifyGrader:
         logging.getLogger("math_verify").setLevel(logging.ERROR)
         self._parse, self._verify = parse, verify
         self._gold_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-        if answer_extraction == "boxed_first":
-            self._pred_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-        elif answer_extraction == "boxed_only":
-            self._pred_config = [
-                LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
-            ]
-        else:
-            raise ValueError(
-                f"answer_extraction must be 'boxed_first' or 'boxed_only', got {answer_extraction!r}"
-            )
-        self._gold_cache: OrderedDict[tuple[str, ...], list[list[Any]]] = OrderedDict()
+        self._pred_config = (
+            self._gold_config
+            if answer_extraction == "boxed_first"
+            else [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+        )
+        self.parse_gold = functools.lru_cache(maxsize=_GOLD_CACHE_SIZE)(self._parse_gold)
 
-    def parse_gold(self, golds: tuple[str, ...]) -> list[list[Any]]:
+    def _parse_gold(self, golds: tuple[str, ...]) -> list[list[Any]]:
         """One parsed list per gold string that parses; [] when none does."""
-        cached = self._gold_cache.get(golds)
-        if cached is not None:
-            self._gold_cache.move_to_end(golds)
-            return cached
         parsed_golds = []
         for gold in golds:
             for form in gold_candidates(gold):
@@ -216,85 +202,51 @@ class _MathVerifyGrader:
                 if parsed:
                     parsed_golds.append(parsed)
                     break
-        self._gold_cache[golds] = parsed_golds
-        if len(self._gold_cache) > _GOLD_CACHE_SIZE:
-            self._gold_cache.popitem(last=False)
         return parsed_golds
 
-    def grade(
-        self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
-    ) -> tuple[bool, str | None, bool, str | None, bool]:
-        """(correct, extracted, gold parsed, error, gold as text): a plain tuple, so it pickles across modules."""
-        gold_as_text = False
+    def grade(self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy) -> dict[str, Any]:
+        """The fields of a GradeResult but ``timed_out`` and ``seconds``: a plain dict, so it pickles
+        across modules."""
+        out = {"correct": False, "extracted": None, "gold_parsed": True, "error": None, "gold_as_text": False}
         try:
             parsed_golds = self.parse_gold(golds)
             if not parsed_golds:
-                return False, None, False, None, False
-            gold_as_text = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
+                return out | {"gold_parsed": False}
+            out["gold_as_text"] = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
             answer_text = completion
             if policy == "last_boxed":
                 last = _last_box(completion)
                 if last is None:  # the last box is empty or cut off: no answer
-                    return False, None, True, None, gold_as_text
+                    return out
                 if last is not _NO_BOX:  # without any box, the completion is read as math_verify reads it
                     answer_text = f"\\boxed{{{last}}}"
-            elif policy != "math_verify":
-                raise ValueError(f"unknown answer policy {policy!r}")
             pred = self._parse(answer_text, self._pred_config, parsing_timeout=None)
-            extracted = None
             if pred:
                 # parse() returns [sympy_object, matched_string]; the string is what the model wrote.
                 extracted = pred[-1] if isinstance(pred[-1], str) else str(pred[0])
-            correct = bool(pred) and any(
-                self._verify(gold, pred, timeout_seconds=None) for gold in parsed_golds
-            )
-            return correct, extracted, True, None, gold_as_text
+                correct = any(self._verify(gold, pred, timeout_seconds=None) for gold in parsed_golds)
+                out |= {"extracted": extracted, "correct": correct}
+            return out
         except (Exception, RecursionError) as exc:  # a parser bug must not kill training
-            return False, None, True, f"{type(exc).__name__}: {exc}"[:500], gold_as_text
+            return out | {"correct": False, "extracted": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 # --------------------------------------------------------------------------------------------------
-# Worker subprocess: length-prefixed pickles over two pipes.
+# Worker subprocess, spoken to over a multiprocessing.connection.Connection (pickled messages).
 # --------------------------------------------------------------------------------------------------
 
-_HEADER = struct.Struct("<Q")
 
-
-def _write_message(fd: int, obj: Any) -> None:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    data = memoryview(_HEADER.pack(len(payload)) + payload)
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
-
-
-def _read_exact(fd: int, size: int) -> bytes:
-    chunks, remaining = [], size
-    while remaining:
-        chunk = os.read(fd, remaining)
-        if not chunk:
-            raise EOFError("grading pipe closed")
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-def _read_message(fd: int) -> Any:
-    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
-    return pickle.loads(_read_exact(fd, size))
-
-
-def _worker_main(read_fd: int, write_fd: int, answer_extraction: AnswerExtraction) -> None:
-    """Loop of the grading subprocess: read (completion, golds, policy), write the grade tuple."""
+def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:
+    """Loop of the grading subprocess: receive (completion, golds, policy), send the grade."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))  # deeply nested LaTeX
     grader = _MathVerifyGrader(answer_extraction)
-    _write_message(write_fd, "ready")
+    conn = Connection(fd)
+    conn.send("ready")
     while True:
         try:
-            completion, golds, policy = _read_message(read_fd)
-        except EOFError:  # the parent closed the pipe or exited
+            conn.send(grader.grade(*conn.recv()))
+        except (EOFError, OSError):  # the parent closed the connection or exited
             return
-        _write_message(write_fd, grader.grade(completion, golds, policy))
 
 
 # Loads this file by path, so the worker imports neither d3s/__init__ nor anything heavy.
@@ -304,7 +256,7 @@ _BOOTSTRAP = (
     "module = importlib.util.module_from_spec(spec)\n"
     "sys.modules[spec.name] = module\n"
     "spec.loader.exec_module(module)\n"
-    "module._worker_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])\n"
+    "module._worker_main(int(sys.argv[2]), sys.argv[3])\n"
 )
 
 
@@ -312,53 +264,32 @@ class _WorkerProcess:
     """One grading subprocess; killed (never reused) when an answer overruns its limit."""
 
     def __init__(self, answer_extraction: AnswerExtraction) -> None:
-        to_child_r, self._to_child = os.pipe()
-        self._from_child, from_child_w = os.pipe()
+        self.conn, child = Pipe()
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _BOOTSTRAP,
-                __file__,
-                str(to_child_r),
-                str(from_child_w),
-                answer_extraction,
-            ],
-            pass_fds=(to_child_r, from_child_w),
+            [sys.executable, "-c", _BOOTSTRAP, __file__, str(child.fileno()), answer_extraction],
+            pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
-        os.close(to_child_r)
-        os.close(from_child_w)
+        child.close()
         self.started_at = time.perf_counter()
         self.ready = False
-
-    def fileno(self) -> int:
-        return self._from_child
+        self.job: tuple[int, float] | None = None  # (job index, start time) of the answer being graded
 
     def finish_start(self) -> None:
-        """Read the worker's "ready" message (call when its pipe is readable)."""
+        """Receive the worker's "ready" message (call when its connection is readable)."""
         try:
-            message = _read_message(self._from_child)
-        except EOFError:
+            message = self.conn.recv()
+        except (EOFError, OSError):
             code = self.process.wait()
             raise RuntimeError(f"grading worker exited during start-up (exit code {code})") from None
         if message != "ready":
             raise RuntimeError(f"grading worker sent {message!r} instead of 'ready'")
         self.ready = True
 
-    def send(self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy) -> None:
-        _write_message(self._to_child, (completion, golds, policy))
-
-    def receive(self) -> tuple[bool, str | None, bool, str | None, bool]:
-        return _read_message(self._from_child)
-
     def kill(self) -> None:
-        for fd in (self._to_child, self._from_child):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if self.process.poll() is None:
-            self.process.kill()
+        self.conn.close()
+        self.process.kill()  # a no-op once it has exited
         self.process.wait()
 
 
@@ -454,76 +385,56 @@ class Grader:
         if self._inline is None:
             self._inline = _MathVerifyGrader(self.answer_extraction)
         results = []
-        for completion, golds, policy in jobs:
+        for job in jobs:
             start = time.perf_counter()
-            if not golds:
-                results.append(GradeResult(False, None, False, False, 0.0))
-                continue
-            correct, extracted, gold_parsed, error, as_text = self._inline.grade(completion, golds, policy)
-            seconds = time.perf_counter() - start
-            results.append(GradeResult(correct, extracted, gold_parsed, False, seconds, error, as_text))
+            outcome = self._inline.grade(*job)
+            results.append(GradeResult(**outcome, timed_out=False, seconds=time.perf_counter() - start))
         return results
 
     def _grade_in_workers(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
         assert self.time_limit is not None
-        results: list[GradeResult | None] = [None] * len(jobs)
-        for index, (_, golds, _) in enumerate(jobs):  # empty gold is unparsable by definition
-            if not golds:
-                results[index] = GradeResult(False, None, False, False, 0.0)
-        pending = [i for i in range(len(jobs)) if results[i] is None][::-1]  # popped from the end
+        results: list[GradeResult] = [None] * len(jobs)  # type: ignore[list-item]
+        pending = list(range(len(jobs)))[::-1]  # popped from the end
         while len(self._workers) < self.num_workers:
             self._workers.append(_WorkerProcess(self.answer_extraction))
-        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (job index, start time)
-        while pending or busy:
+        while pending or any(w.job for w in self._workers):
             for slot, worker in enumerate(self._workers):
-                if worker.ready and slot not in busy and pending:
+                if worker.ready and worker.job is None and pending:
                     index = pending.pop()
                     try:
-                        worker.send(*jobs[index])
+                        worker.conn.send(jobs[index])
                     except OSError:  # the worker died while idle (killed, out of memory): replace, retry
                         pending.append(index)
                         self._replace(slot)
                         continue
-                    busy[slot] = (index, time.perf_counter())
+                    worker.job = (index, time.perf_counter())
             # Wait for an answer, a deadline, or a (re)starting worker; start-up is charged to no answer.
-            starting = [w for w in self._workers if not w.ready]
+            watched = [w for w in self._workers if w.job or not w.ready]
+            deadlines = [
+                w.job[1] + self.time_limit if w.job else w.started_at + WORKER_START_TIMEOUT_S
+                for w in watched
+            ]
+            readable = wait([w.conn for w in watched], max(0.0, min(deadlines) - time.perf_counter()))
             now = time.perf_counter()
-            deadlines = [start + self.time_limit for _, start in busy.values()]
-            deadlines += [w.started_at + WORKER_START_TIMEOUT_S for w in starting]
-            wait = max(0.0, min(deadlines) - now)
-            watched = [self._workers[s] for s in busy] + starting
-            readable = {id(w) for w in select.select(watched, [], [], wait)[0]}
-            now = time.perf_counter()
-            for worker in starting:
-                if id(worker) in readable:
+            for slot, worker in enumerate(self._workers):
+                if not worker.ready and worker.conn in readable:
                     worker.finish_start()
-                elif now - worker.started_at >= WORKER_START_TIMEOUT_S:
+                elif not worker.ready and now - worker.started_at >= WORKER_START_TIMEOUT_S:
                     worker.kill()
                     raise RuntimeError(f"grading worker did not start within {WORKER_START_TIMEOUT_S:.0f} s")
-            for slot in list(busy):
-                index, start = busy[slot]
-                if id(self._workers[slot]) in readable:
+                elif worker.job and worker.conn in readable:
+                    (index, start), worker.job = worker.job, None
                     try:
-                        correct, extracted, gold_parsed, error, as_text = self._workers[slot].receive()
-                    except EOFError:  # the worker died (e.g. out of memory): wrong, and replace it
-                        correct, extracted, gold_parsed, error, as_text = (
-                            False,
-                            None,
-                            True,
-                            "grading worker died",
-                            False,
-                        )
+                        result = GradeResult(**worker.conn.recv(), timed_out=False, seconds=now - start)
+                    except (EOFError, OSError):  # died (out of memory, killed): counted wrong, replaced
+                        result = GradeResult(False, None, True, False, now - start, "grading worker died")
                         self._replace(slot)
-                    results[index] = GradeResult(
-                        correct, extracted, gold_parsed, False, now - start, error, as_text
-                    )
-                    del busy[slot]
-                elif now - start >= self.time_limit:
+                    results[index] = result
+                elif worker.job and now - worker.job[1] >= self.time_limit:
                     self.timeouts += 1
+                    results[worker.job[0]] = GradeResult(False, None, True, True, now - worker.job[1])
                     self._replace(slot)
-                    results[index] = GradeResult(False, None, True, True, now - start)
-                    del busy[slot]
-        return [r for r in results if r is not None]
+        return results
 
     def _replace(self, slot: int) -> None:
         # The replacement starts importing now, while the other workers keep grading.
@@ -563,7 +474,7 @@ def grade_detailed(
     grader: Grader | None = None,
 ) -> GradeResult:
     """Grade one completion; the full :class:`GradeResult` (extracted answer, timeout, gold status)."""
-    return (grader or default_grader()).grade(completion, gold, check_answer_policy(policy))
+    return (grader or default_grader()).grade(completion, gold, policy)
 
 
 def grade(
@@ -579,17 +490,6 @@ def grade(
     behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention).
     """
     return grade_detailed(completion, gold, policy, grader=grader).correct
-
-
-def grade_many(
-    completions: Sequence[str],
-    golds: Sequence[Gold],
-    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
-    *,
-    grader: Grader | None = None,
-) -> list[GradeResult]:
-    """Grade many answers at once (uses all of the grader's workers)."""
-    return (grader or default_grader()).grade_many(completions, golds, check_answer_policy(policy))
 
 
 def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:

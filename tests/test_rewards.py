@@ -3,6 +3,7 @@ limit, threads and worker processes, and the TRL reward function."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 from collections.abc import Iterator
@@ -158,7 +159,7 @@ def test_extracted_answer_reported(grader: Grader) -> None:
     result = grader.grade(r"so $x = \boxed{\frac{3}{4}}$", "0.75")
     assert result.correct and result.extracted == r"\frac{3}{4}"
     assert grader.grade("no answer here", "3").extracted is None
-    assert result.to_dict()["correct"] is True
+    assert dataclasses.asdict(result)["correct"] is True
 
 
 # ------------------------------------------------------------------------------ adversarial inputs
@@ -380,10 +381,8 @@ def test_module_grade_takes_a_policy() -> None:
     assert grade(ISSUE_EXAMPLE, "20", "last_boxed")
     assert grade(ISSUE_EXAMPLE, "20", policy="last_boxed")
     assert grade_detailed(ISSUE_EXAMPLE, "20", "last_boxed").extracted == "20"
-    assert [r.correct for r in rewards.grade_many([ISSUE_EXAMPLE] * 2, ["20", "18"], "last_boxed")] == [
-        True,
-        False,
-    ]
+    results = rewards.default_grader().grade_many([ISSUE_EXAMPLE] * 2, ["20", "18"], "last_boxed")
+    assert [r.correct for r in results] == [True, False]
     with pytest.raises(ValueError, match="math_verify, last_boxed"):
         grade(ISSUE_EXAMPLE, "20", "first_boxed")  # type: ignore[arg-type]
 
