@@ -1,27 +1,30 @@
 """Where the workflow writes what (docs/workflow.md): run directories and evaluation points.
 
-One place for the layout so the loaders (io.py) and the settings check (d3s.orchestration.settings_check) read the same
-runs and evaluations.
+One place for the layout so the loaders (d3s.analysis.io) and the settings check
+(d3s.orchestration.settings_check) read the same runs and evaluations.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-RUN_RE = re.compile(r"^seed(\d+)$")
 MANIFEST = "manifest.json"
+
+
+def _seed_dirs(method_dir: Path) -> Iterator[tuple[int, Path]]:
+    """(seed, folder) of every ``seed<N>`` folder in ``method_dir``."""
+    for seed_dir in sorted(method_dir.glob("seed*")):
+        if seed_dir.name[4:].isdigit() and seed_dir.is_dir():
+            yield int(seed_dir.name[4:]), seed_dir
 
 
 def runs(results: Path) -> Iterator[tuple[str, int, Path]]:
     """(method, seed, run directory) of every ``runs/<method>/seed<seed>`` folder."""
     for method_dir in sorted((results / "runs").glob("*")):
-        for seed_dir in sorted(method_dir.glob("seed*")):
-            match = RUN_RE.match(seed_dir.name)
-            if match and seed_dir.is_dir():
-                yield method_dir.name, int(match.group(1)), seed_dir
+        for seed, seed_dir in _seed_dirs(method_dir):
+            yield method_dir.name, seed, seed_dir
 
 
 @dataclass(frozen=True)
@@ -46,18 +49,14 @@ class EvalPoint:
         return int(self.name[4:]) if self.name.startswith("step") else None
 
 
-def eval_points(results: Path) -> Iterator[EvalPoint]:
-    """Every evaluation with a summary: ``eval/<method>/seed<seed>/{final,step<N>}`` and ``eval/base``."""
+def eval_points(results: Path, file: str = "summary.json") -> Iterator[EvalPoint]:
+    """Every evaluation holding ``file``: ``eval/<method>/seed<seed>/{final,step<N>}`` and ``eval/base``."""
     eval_root = results / "eval"
     for method_dir in sorted(p for p in eval_root.glob("*") if p.is_dir() and p.name != "base"):
-        for seed_dir in sorted(method_dir.glob("seed*")):
-            match = RUN_RE.match(seed_dir.name)
-            if not match:
-                continue
-            for summary in sorted(seed_dir.glob("*/summary.json")):
-                name = summary.parent.name
+        for seed, seed_dir in _seed_dirs(method_dir):
+            for path in sorted(seed_dir.glob(f"*/{file}")):
+                name = path.parent.name
                 if name == "final" or (name.startswith("step") and name[4:].isdigit()):
-                    yield EvalPoint(method_dir.name, int(match.group(1)), name, summary.parent)
-    base = eval_root / "base"
-    if (base / "summary.json").is_file():
-        yield EvalPoint("base", None, "base", base)
+                    yield EvalPoint(method_dir.name, seed, name, path.parent)
+    if (eval_root / "base" / file).is_file():
+        yield EvalPoint("base", None, "base", eval_root / "base")

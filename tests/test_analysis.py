@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +13,7 @@ from helpers import REPO_ROOT
 
 from d3s.analysis import figures, io, tables
 from d3s.analysis.report import claims, write_report
-from d3s.orchestration.settings_check import MixedSettingsError
+from d3s.orchestration.settings_check import MixedSettingsError, load_provenance, write_provenance
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -118,12 +119,12 @@ def test_load_evals_has_base_at_step_zero_and_final_at_last_step(results):
 def test_mean_ci_matches_t_interval():
     mean, half, n = tables.mean_ci([1.0, 2.0, 3.0])
     assert (mean, n) == (2.0, 3)
-    assert half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert half == pytest.approx(4.302653 * 1.0 / math.sqrt(3))  # t quantile 0.975 at 2 degrees of freedom
     assert math.isnan(tables.mean_ci([5.0])[1])
 
 
-def test_pass_at_k_table_and_paper_layout(results):
-    long = tables.pass_at_k_table(io.load_evals(results), ["grpo", "d3s"])
+def test_pass_at_k_across_seeds_and_paper_layout(results):
+    long = tables.pass_at_k_across_seeds(io.load_evals(results), ["grpo", "d3s"])
     row = long[(long["method"] == "d3s") & (long["k"] == 1) & (long["benchmark"] == "synthetic")]
     assert row["mean"].iloc[0] == pytest.approx(40.5)
     assert row["seeds"].iloc[0] == 2
@@ -168,7 +169,7 @@ def test_figures_write_png_and_pdf(results, tmp_path):
     metrics = io.load_metrics(results)
     groups, token_records = io.load_anatomy(results)
     curves = tables.learning_curves(io.load_evals(results), metrics)
-    long = tables.pass_at_k_table(io.load_evals(results))
+    long = tables.pass_at_k_across_seeds(io.load_evals(results))
     made = [
         figures.training_dynamics(metrics, ["grpo", "d3s"], smooth=1),
         figures.learning_curve_figure(curves, ["grpo", "d3s"]),
@@ -197,7 +198,7 @@ def _write_tables(results: Path) -> None:
     metrics, evals = io.load_metrics(results), io.load_evals(results)
     curves = tables.learning_curves(evals, metrics)
     (results / "tables").mkdir(exist_ok=True)
-    tables.pass_at_k_table(evals).to_csv(results / "tables" / "pass_at_k.csv", index=False)
+    tables.pass_at_k_across_seeds(evals).to_csv(results / "tables" / "pass_at_k.csv", index=False)
     tables.efficiency_table(curves, metrics).to_csv(results / "tables" / "efficiency.csv", index=False)
     curves.to_csv(results / "tables" / "learning_curves.csv", index=False)
 
@@ -253,3 +254,32 @@ def test_report_refuses_mixed_settings_unless_allowed(results):
     assert "> **Warning: mixed settings.** `analysis.allow_mixed_settings` is true" in head
     assert "`config.resolved_trainer.learning_rate`: 0.0003 (" in head and "0.001 (d3s seed 1)" in head
     assert "**MIXED**: `config.resolved_trainer.learning_rate`" in report
+
+
+def test_the_check_runs_once_and_its_provenance_json_is_read_while_up_to_date(results):
+    """Rule provenance writes provenance.json; loaders and notebooks read it until a manifest is newer."""
+    _write_manifest(results / "runs" / "d3s" / "seed1" / "manifest.json", _train_manifest("d3s", 1, 1e-3))
+    with pytest.raises(MixedSettingsError) as refused:
+        write_provenance(results, allow_mixed=False)
+    assert not (results / "provenance.json").exists()  # nothing written when refused
+    write_provenance(results, allow_mixed=True)
+    saved = json.loads((results / "provenance.json").read_text())
+    assert saved["settings"].startswith("MIXED") and (results / "provenance.md").is_file()
+    # the refusal read from the file is the check's own, word for word
+    with pytest.raises(MixedSettingsError) as from_file:
+        io.load_metrics(results)
+    assert str(from_file.value) == str(refused.value)
+    saved["notes"] = ["read from provenance.json"]
+    (results / "provenance.json").write_text(json.dumps(saved))
+    assert load_provenance(results, allow_mixed=True).notes == ["read from provenance.json"]
+    assert load_provenance(results, allow_mixed=True, groups=("training",)).notes == []  # notes on evals
+    assert [c["group"] for c in load_provenance(results, True, groups=("final",)).checks] == ["final"]
+    # a manifest newer than the file, or one it does not list: checked again
+    later = (results / "provenance.json").stat().st_mtime + 10
+    os.utime(results / "eval" / "base" / "manifest.json", (later, later))
+    assert load_provenance(results, allow_mixed=True).notes == []
+    os.utime(results / "eval" / "base" / "manifest.json", (later - 20, later - 20))
+    assert load_provenance(results, allow_mixed=True).notes == ["read from provenance.json"]
+    _summary(results / "eval" / "grpo" / "seed0" / "step3" / "summary.json", 0.2, 0.4)
+    os.utime(results / "eval" / "grpo" / "seed0" / "step3" / "manifest.json", (later - 20, later - 20))
+    assert load_provenance(results, allow_mixed=True).notes == []

@@ -6,24 +6,15 @@ turn it into the tables, figures and report of the reproduction. Nothing here tr
     evals = load_evals("results/tiny")          # one row per (method, seed, step, benchmark, k)
 """
 
-from d3s.analysis.io import load_anatomy, load_evals, load_metrics, load_paper, load_train_summaries
-from d3s.analysis.tables import (
-    efficiency_table,
-    mean_ci,
-    pass_at_k_table,
-    speedup_to_target,
-    summarise_dynamics,
-)
+from d3s.analysis.io import load_anatomy, load_evals, load_metrics
+from d3s.analysis.tables import efficiency_table, mean_ci, pass_at_k_across_seeds, summarise_dynamics
 
 __all__ = [
     "efficiency_table",
     "load_anatomy",
     "load_evals",
     "load_metrics",
-    "load_paper",
-    "load_train_summaries",
     "mean_ci",
-    "pass_at_k_table",
-    "speedup_to_target",
+    "pass_at_k_across_seeds",
     "summarise_dynamics",
 ]

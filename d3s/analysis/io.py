@@ -1,8 +1,9 @@
 """Readers of the workflow's logged files (layout: docs/workflow.md).
 
-Each loader first checks the manifests of what it reads (d3s.orchestration.settings_check): results made with
-settings that must agree but differ are refused with MixedSettingsError unless ``allow_mixed=True``. Rows
-carry a ``manifest`` column, the manifest of the run or evaluation they came from (relative path).
+Each loader first checks the manifests of what it reads (d3s.orchestration.settings_check.load_provenance:
+the workflow's provenance.json while it is up to date, else the check run then): results made with settings
+that must agree but differ are refused with MixedSettingsError unless ``allow_mixed=True``. Rows carry a
+``manifest`` column, the manifest of the run or evaluation they came from (relative path).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import pandas as pd
 
 from d3s import results_layout
 from d3s.evaluation.kl import KL_FILE
-from d3s.orchestration.settings_check import MixedSettingsError, check_results
+from d3s.orchestration.settings_check import MixedSettingsError, load_provenance
 
-_runs = results_layout.runs
-RUN_RE = results_layout.RUN_RE
 # What load_kl reads of each kl.json (d3s.evaluation.kl)
 KL_COLUMNS = [
     "k1",
@@ -32,13 +31,9 @@ KL_COLUMNS = [
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    rows = []
+    """The records of a JSON-lines file (blank lines skipped)."""
     with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
-    return rows
+        return [json.loads(line) for line in fh if line.strip()]
 
 
 def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
@@ -48,13 +43,11 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
     Refuses runs with differing training settings unless ``allow_mixed`` (d3s.orchestration.settings_check).
     """
     results = Path(results)
-    check_results(results, allow_mixed, groups=("training",))
+    load_provenance(results, allow_mixed, groups=("training",))
     frames = []
-    for method, seed, run in _runs(results):
+    for method, seed, run in results_layout.runs(results):
         path = run / "metrics.jsonl"
-        if not path.is_file():
-            continue
-        rows = [r for r in read_jsonl(path) if "loss" in r or "reward" in r]
+        rows = [r for r in read_jsonl(path) if "loss" in r or "reward" in r] if path.is_file() else []
         if not rows:
             continue
         df = pd.DataFrame(rows)
@@ -63,7 +56,7 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
         df = df.sort_values("step").drop_duplicates("step", keep="last")
         df.insert(0, "seed", seed)
         df.insert(0, "method", method)
-        df["manifest"] = str((run / results_layout.MANIFEST).relative_to(results))
+        df["manifest"] = _rel(run / results_layout.MANIFEST, results)
         if "step_time" in df:
             df["wall_clock"] = df["step_time"].fillna(0).cumsum()
         if "selection/update_tokens_cumulative" in df:
@@ -93,10 +86,21 @@ def _summary_rows(path: Path, **labels) -> list[dict]:
                     "n_problems": info.get("n_problems"),
                 }
             )
-    for k, value in (summary.get("average") or {}).items():
-        if len(summary.get("benchmarks", {})) > 1:
-            rows.append(labels | {"benchmark": "average", "k": int(k), "value": value})
+    if len(summary.get("benchmarks", {})) > 1:
+        rows += [
+            labels | {"benchmark": "average", "k": int(k), "value": value}
+            for k, value in (summary.get("average") or {}).items()
+        ]
     return rows
+
+
+def _steps_of(results: Path) -> dict[tuple[str, int], int]:
+    """(method, seed) -> the run's step count (train_summary.json): the step of its final model."""
+    return {
+        (method, seed): int(json.loads((run / "train_summary.json").read_text()).get("steps", 0))
+        for method, seed, run in results_layout.runs(results)
+        if (run / "train_summary.json").is_file()
+    }
 
 
 def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool = False) -> pd.DataFrame:
@@ -107,13 +111,9 @@ def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool
     models; checkpoints) unless ``allow_mixed`` (d3s.orchestration.settings_check).
     """
     results = Path(results)
-    check_results(results, allow_mixed, groups=("final", "checkpoints"))
+    load_provenance(results, allow_mixed, groups=("final", "checkpoints"))
     rows: list[dict] = []
-    steps_of: dict[tuple[str, int], int] = {}
-    for method, seed, run in _runs(results):
-        summary = run / "train_summary.json"
-        if summary.is_file():
-            steps_of[(method, seed)] = int(json.loads(summary.read_text()).get("steps", 0))
+    steps_of = _steps_of(results)
     base = None
     for point in results_layout.eval_points(results):
         if point.method == "base":
@@ -124,20 +124,12 @@ def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool
         labels = {"method": point.method, "seed": point.seed, "step": step, "final": final}
         rows += _summary_rows(point.summary, **labels, manifest=_rel(point.manifest, results))
     if include_base and base is not None:
-        pairs = sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]
-        for method, seed in pairs:
-            rows += _summary_rows(
-                base.summary,
-                method=method,
-                seed=seed,
-                step=0,
-                final=False,
-                manifest=_rel(base.manifest, results),
-            )
-    df = pd.DataFrame(rows)
-    if df.empty:
+        for method, seed in sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]:
+            labels = {"method": method, "seed": seed, "step": 0, "final": False}
+            rows += _summary_rows(base.summary, **labels, manifest=_rel(base.manifest, results))
+    if not rows:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
-    return df.sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
+    return pd.DataFrame(rows).sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
 
 
 def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
@@ -149,31 +141,23 @@ def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     different probe prompts, are refused with MixedSettingsError unless ``allow_mixed``.
     """
     results = Path(results)
-    steps_of: dict[tuple[str, int], int] = {}
-    for method, seed, run in _runs(results):
-        summary = run / "train_summary.json"
-        if summary.is_file():
-            steps_of[(method, seed)] = int(json.loads(summary.read_text()).get("steps", 0))
+    steps_of = _steps_of(results)
     rows: list[dict] = []
-    for method_dir in sorted(p for p in (results / "eval").glob("*") if p.is_dir() and p.name != "base"):
-        for path in sorted(method_dir.glob(f"seed*/*/{KL_FILE}")):
-            match, point = RUN_RE.match(path.parent.parent.name), path.parent.name
-            if not match or not (point == "final" or (point.startswith("step") and point[4:].isdigit())):
-                continue
-            record = json.loads(path.read_text())
-            seed = int(match.group(1))
-            final = point == "final"
-            step = steps_of.get((method_dir.name, seed)) if final else int(point[4:])
-            values = {key: record.get(key) for key in KL_COLUMNS}
-            rows.append(
-                {"method": method_dir.name, "seed": seed, "step": step, "final": final}
-                | values
-                | {
-                    "settings": json.dumps(record.get("settings"), sort_keys=True),
-                    "probe_sha256": record.get("probe_sha256"),
-                    "file": _rel(path, results),
-                }
-            )
+    for point in results_layout.eval_points(results, file=KL_FILE):
+        if point.method == "base":
+            continue
+        record = json.loads((point.directory / KL_FILE).read_text())
+        final = point.name == "final"
+        step = steps_of.get((point.method, point.seed)) if final else point.step
+        rows.append(
+            {"method": point.method, "seed": point.seed, "step": step, "final": final}
+            | {key: record.get(key) for key in KL_COLUMNS}
+            | {
+                "settings": json.dumps(record.get("settings"), sort_keys=True),
+                "probe_sha256": record.get("probe_sha256"),
+                "file": _rel(point.directory / KL_FILE, results),
+            }
+        )
     columns = ["method", "seed", "step", "final", *KL_COLUMNS, "settings", "probe_sha256", "file"]
     df = pd.DataFrame(rows, columns=columns)
     if df.empty:
@@ -201,24 +185,15 @@ def _rel(path: Path, results: Path) -> str:
 
 
 def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """The base model's evaluation, one row per benchmark and k (checked with the final evaluations)."""
+    """The base model's evaluation, one row per benchmark and k (checked with the final evaluations); empty
+    when the base model was not evaluated."""
     results = Path(results)
-    check_results(results, allow_mixed, groups=("final",))
+    load_provenance(results, allow_mixed, groups=("final",))
     path = results / "eval" / "base" / "summary.json"
-    rows = _summary_rows(path, method="base", seed=0, step=0, final=False)
-    return pd.DataFrame(
-        [row | {"manifest": _rel(path.with_name(results_layout.MANIFEST), results)} for row in rows]
-    )
-
-
-def load_train_summaries(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    check_results(results, allow_mixed, groups=("training",))
-    rows = []
-    for method, seed, run in _runs(Path(results)):
-        path = run / "train_summary.json"
-        if path.is_file():
-            rows.append({"method": method, "seed": seed} | json.loads(path.read_text()))
-    return pd.DataFrame(rows)
+    if not path.is_file():
+        return pd.DataFrame()
+    manifest = _rel(path.with_name(results_layout.MANIFEST), results)
+    return pd.DataFrame(_summary_rows(path, method="base", seed=0, step=0, final=False, manifest=manifest))
 
 
 def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:
@@ -232,51 +207,35 @@ def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.Dat
     records (method, seed, step, token_keep_ratio, examples). Refuses runs with differing training settings
     unless ``allow_mixed``.
     """
-    check_results(results, allow_mixed, groups=("training",))
+    load_provenance(results, allow_mixed, groups=("training",))
     groups, tokens = [], []
-    for method, seed, run in _runs(Path(results)):
+    for method, seed, run in results_layout.runs(Path(results)):
         path = run / "anatomy.jsonl"
-        if not path.is_file():
-            continue
-        for record in read_jsonl(path):
+        for record in read_jsonl(path) if path.is_file() else []:
             labels = {"method": method, "seed": seed, "step": record.get("step")}
-            if record.get("kind") == "samples":
-                for index, group in enumerate(record.get("groups", [])):
-                    adv = [a for a, keep in zip(group["advantages"], group["kept"], strict=True) if keep]
-                    n = len(adv)
-                    var = _var(adv)
-                    groups.append(
-                        labels
-                        | {
-                            "group": index,
-                            "keep_per_prompt": record.get("keep_per_prompt"),
-                            "num_generations": record.get("num_generations"),
-                            "rewards": group["rewards"],
-                            "advantages": group["advantages"],
-                            "kept": group["kept"],
-                            "n_kept": n,
-                            "var_kept": var,
-                            "var_all": _var(group["advantages"]),
-                            "var_ratio": var / _var(group["advantages"])
-                            if _var(group["advantages"]) > 0
-                            else float("nan"),
-                            "reward_std": _var(group["rewards"]) ** 0.5,
-                        }
-                    )
-            elif record.get("kind") == "tokens":
+            if record.get("kind") == "tokens":
                 tokens.append(labels | {k: v for k, v in record.items() if k not in ("kind", "step")})
+            if record.get("kind") != "samples":
+                continue
+            for index, group in enumerate(record.get("groups", [])):
+                kept = [a for a, keep in zip(group["advantages"], group["kept"], strict=True) if keep]
+                var_kept, var_all = _var(kept), _var(group["advantages"])
+                groups.append(
+                    labels
+                    | {key: record.get(key) for key in ("keep_per_prompt", "num_generations")}
+                    | {key: group[key] for key in ("rewards", "advantages", "kept")}
+                    | {
+                        "group": index,
+                        "n_kept": len(kept),
+                        "var_kept": var_kept,
+                        "var_all": var_all,
+                        "var_ratio": var_kept / var_all if var_all > 0 else float("nan"),
+                        "reward_std": _var(group["rewards"]) ** 0.5,
+                    }
+                )
     return pd.DataFrame(groups), tokens
 
 
 def _var(values) -> float:
     """Unbiased variance (ddof 1), the convention of TRL's advantage standardisation."""
-    values = list(values)
-    if len(values) < 2:
-        return float("nan")
-    mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-
-
-def load_paper(paper_dir: str | Path, name: str) -> pd.DataFrame:
-    """One of the paper's tables in results/paper/ (see its README)."""
-    return pd.read_csv(Path(paper_dir) / f"{name}.csv")
+    return pd.Series(values, dtype=float).var(ddof=1) if len(values) >= 2 else float("nan")

@@ -20,7 +20,7 @@ import pandas as pd
 from d3s.analysis.io import load_metrics
 from d3s.analysis.tables import mean_ci
 from d3s.manifest import git_state
-from d3s.orchestration.settings_check import check_results
+from d3s.orchestration.settings_check import load_provenance
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
@@ -143,7 +143,7 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
     reference = analysis.get("reference", "grpo")
     fraction = analysis.get("target_fraction", 0.99)
     allow_mixed = bool(analysis.get("allow_mixed_settings", False))
-    provenance = check_results(results, allow_mixed=allow_mixed)
+    provenance = load_provenance(results, allow_mixed=allow_mixed)
     methods = list(config["methods"])
     seeds = list(config["seeds"])
     metrics = load_metrics(results, allow_mixed=allow_mixed)

@@ -11,12 +11,10 @@ import os
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from d3s.manifest import atomic_write_text
 from d3s.orchestration.settings_check import Provenance
-
-# Two-sided 95 % Student-t quantiles by degrees of freedom (scipy is not a dependency).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 def mean_ci(values) -> tuple[float, float, int]:
@@ -27,8 +25,7 @@ def mean_ci(values) -> tuple[float, float, int]:
         return float("nan"), float("nan"), 0
     if n == 1:
         return float(arr[0]), float("nan"), 1
-    t = _T95.get(n - 1, 1.96 if n > 30 else 2.0)
-    return float(arr.mean()), float(t * arr.std(ddof=1) / math.sqrt(n)), n
+    return float(arr.mean()), float(stats.t.ppf(0.975, n - 1) * arr.std(ddof=1) / math.sqrt(n)), n
 
 
 def write_table(
@@ -42,20 +39,15 @@ def write_table(
     provenance.write_sidecar(path)
 
 
-def final_evals(evals: pd.DataFrame) -> pd.DataFrame:
-    return evals[evals["final"].astype(bool)]
-
-
-def pass_at_k_table(evals: pd.DataFrame, methods=None, ks=None, benchmarks=None) -> pd.DataFrame:
-    """Long table: method, benchmark, k, mean Pass@k (percent), 95 % CI half-width across seeds, seeds."""
-    final = final_evals(evals)
+def pass_at_k_across_seeds(evals: pd.DataFrame, methods=None) -> pd.DataFrame:
+    """The final models' Pass@k as a long table: method, benchmark, k, mean across seeds (percent), 95 % CI
+    half-width across seeds, seeds; methods in the order given (default: sorted)."""
+    final = evals[evals["final"].astype(bool)]
     methods = list(methods) if methods is not None else sorted(final["method"].unique())
     rows = []
-    for (method, bench, k), group in final.groupby(["method", "benchmark", "k"]):
-        if method not in methods or (ks is not None and k not in ks):
-            continue
-        if benchmarks is not None and bench not in benchmarks:
-            continue
+    for (method, bench, k), group in final[final["method"].isin(methods)].groupby(
+        ["method", "benchmark", "k"]
+    ):
         mean, half, n = mean_ci(group["value"] * 100)
         rows.append(
             {"method": method, "benchmark": bench, "k": int(k), "mean": mean, "ci95": half, "seeds": n}
@@ -110,11 +102,10 @@ def _first_reach(curve: pd.DataFrame, x: str, target: float) -> float:
     return float(hit[x].iloc[0]) if not hit.empty else float("nan")
 
 
-def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1, benchmark=None) -> pd.DataFrame:
-    """Pass@k (mean over benchmarks unless one is named) per method, seed, step, with the update tokens
-    and training wall-clock reached at that step (from metrics.jsonl; 0 at step 0)."""
-    ev = evals[evals["k"] == k]
-    ev = ev[ev["benchmark"] == benchmark] if benchmark else ev[ev["benchmark"] != "average"]
+def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1) -> pd.DataFrame:
+    """Pass@k (mean over benchmarks) per method, seed, step, with the update tokens and training wall-clock
+    reached at that step (from metrics.jsonl; 0 at step 0)."""
+    ev = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
     curve = ev.groupby(["method", "seed", "step"], as_index=False)["value"].mean()
     extra = ["update_tokens_cumulative", "wall_clock"]
     have = [c for c in extra if c in metrics]
@@ -172,18 +163,18 @@ def efficiency_table(
         for x in ("step", "update_tokens_cumulative", "wall_clock")
     }
     rows = []
-    for method, stats in per_method.iterrows():
+    for method, summary in per_method.iterrows():
         m = metrics[metrics["method"] == method]
         row = {
             "method": method,
-            "final_pass1": 100 * stats["mean"],
+            "final_pass1": 100 * summary["mean"],
             "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
-            "gain_vs_reference_pct": 100 * (stats["mean"] / ref_final - 1) if ref_final else float("nan"),
+            "gain_vs_reference_pct": 100 * (summary["mean"] / ref_final - 1) if ref_final else float("nan"),
             "update_tokens_per_step": m["selection/update_tokens"].mean()
             if "selection/update_tokens" in m
             else np.nan,
             "seconds_per_step": m["step_time"].mean() if "step_time" in m else np.nan,
-            "seeds": int(stats["count"]),
+            "seeds": int(summary["count"]),
         }
         for x, label in (("step", "steps"), ("update_tokens_cumulative", "tokens"), ("wall_clock", "time")):
             table = speed[x]

@@ -18,17 +18,22 @@ a difference that must agree.
 Git commit and dirty flag only warn: a commit that changed documentation or tests does not invalidate
 results, and refusing would force re-running every run after any commit. They are stated in the report,
 with each run's commit, so a reader can judge.
+
+The check runs once per workflow run, in rule ``provenance``, which writes ``provenance.json``;
+:func:`load_provenance` (the notebooks, the ``d3s.analysis`` loaders, the report) reads that file while it is
+up to date and runs the check itself when the file is absent or older than a manifest (a library user's
+results folder without the workflow).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from d3s import results_layout
 from d3s.manifest import atomic_write_text, stable_hash
@@ -39,13 +44,22 @@ WARN = "may differ, stated"
 FREE = "may differ"
 
 CONFIG_OPTION = "analysis.allow_mixed_settings"
+PROVENANCE_FILE = "provenance.json"  # written by the workflow's rule provenance (write_provenance)
 
 
-@dataclass(frozen=True)
-class Rule:
+class Rule(NamedTuple):
     pattern: str  # a dotted key of the flattened manifest; fnmatch wildcards (``*`` also spans dots)
     policy: str  # AGREE, WARN or FREE
     why: str
+
+
+def _rules(*table: tuple[str | Sequence[str], str, str]) -> tuple[Rule, ...]:
+    """Rules from (pattern or patterns, policy, why) rows, in order."""
+    return tuple(
+        Rule(pattern, policy, why)
+        for patterns, policy, why in table
+        for pattern in ([patterns] if isinstance(patterns, str) else patterns)
+    )
 
 
 # D3SConfig fields the method registry sets (d3s.methods), and the TRL fields any method sets (GSPO's
@@ -64,79 +78,73 @@ SELECTION_FIELDS = (
     "schedule",
 )
 METHOD_TRL_FIELDS = tuple(sorted({name for method in METHODS.values() for name in method.trl_settings}))
+TRAINER = "config.resolved_trainer."
+THREADS_WHY = "torch threads change CPU numerics and the wall-clock compared"
 
 _SHARED_TAIL = (
-    Rule("versions.*", AGREE, "package versions change what is computed"),
-    Rule("git.*", WARN, "the code's commit and dirty flag; stated, not refused (see the module docstring)"),
-    Rule("hardware.*", WARN, "different machines: wall-clock times are not comparable across them"),
-    Rule("torch_interop_threads", WARN, "follows the machine's CPU count"),
-    Rule("started", FREE, "start time"),
-    Rule("finished", FREE, "end time"),
-    Rule("kind", FREE, "training or evaluation"),
-    Rule("inputs.*.path", FREE, "where an input was read; its checksum identifies it"),
+    ("versions.*", AGREE, "package versions change what is computed"),
+    ("git.*", WARN, "the code's commit and dirty flag; stated, not refused (see the module docstring)"),
+    ("hardware.*", WARN, "different machines: wall-clock times are not comparable across them"),
+    ("torch_interop_threads", WARN, "follows the machine's CPU count"),
+    ("started", FREE, "start time"),
+    ("finished", FREE, "end time"),
+    ("kind", FREE, "training or evaluation"),
+    ("inputs.*.path", FREE, "where an input was read; its checksum identifies it"),
+    ("*", AGREE, "any other recorded setting"),
 )
 
-TRAINING_RULES: tuple[Rule, ...] = (
-    Rule("config.method", FREE, "the method is what the table compares"),
-    Rule("config.method_settings.*", FREE, "method-specific selection settings"),
-    *(
-        Rule(f"config.resolved_trainer.{name}", FREE, "method-specific selection setting")
-        for name in SELECTION_FIELDS
+TRAINING_RULES: tuple[Rule, ...] = _rules(
+    ("config.method", FREE, "the method is what the table compares"),
+    ("config.method_settings.*", FREE, "method-specific selection settings"),
+    ([TRAINER + name for name in SELECTION_FIELDS], FREE, "method-specific selection setting"),
+    ([TRAINER + name for name in METHOD_TRL_FIELDS], FREE, "TRL setting a method sets"),
+    ("seed", FREE, "seeds are what the intervals are taken over"),
+    (("config.seed", TRAINER + "seed", TRAINER + "data_seed"), FREE, "seed"),
+    (
+        ("config.output_dir", TRAINER + "output_dir", TRAINER + "logging_dir"),
+        FREE,
+        "where the run is written",
     ),
-    *(
-        Rule(f"config.resolved_trainer.{name}", FREE, "TRL setting a method sets")
-        for name in METHOD_TRL_FIELDS
-    ),
-    Rule("seed", FREE, "seeds are what the intervals are taken over"),
-    Rule("config.seed", FREE, "seed"),
-    Rule("config.resolved_trainer.seed", FREE, "seed"),
-    Rule("config.resolved_trainer.data_seed", FREE, "seed"),
-    Rule("config.output_dir", FREE, "where the run is written"),
-    Rule("config.resolved_trainer.output_dir", FREE, "where the run is written"),
-    Rule("config.resolved_trainer.logging_dir", FREE, "where the run is written"),
-    Rule("config.resolved_trainer.run_name", FREE, "the run's name"),
-    Rule(
+    (TRAINER + "run_name", FREE, "the run's name"),
+    (
         "config.trainer.*",
         FREE,
         "options as written (with per-method overrides); resolved_trainer is compared",
     ),
-    Rule("config.data_dir", FREE, "a path; the dataset file's checksum is compared"),
-    Rule("config.resume", FREE, "whether an interrupted run resumes"),
-    Rule("resumed_from", FREE, "the checkpoint an interrupted run resumed from"),
-    Rule("inputs.*.sha256", AGREE, "the base model and the training data must be the same files"),
-    Rule(
-        "config.resolved_trainer.*",
+    ("config.data_dir", FREE, "a path; the dataset file's checksum is compared"),
+    ("config.resume", FREE, "whether an interrupted run resumes"),
+    ("resumed_from", FREE, "the checkpoint an interrupted run resumed from"),
+    ("inputs.*.sha256", AGREE, "the base model and the training data must be the same files"),
+    (
+        TRAINER + "*",
         AGREE,
         "trainer setting shared by all methods (G, batch size, steps, learning rate, lengths, ...)",
     ),
-    Rule("config.model", AGREE, "the base model"),
-    Rule("config.dataset*", AGREE, "the training data"),
-    Rule("config.threads", AGREE, "torch threads change CPU numerics and the wall-clock compared"),
-    Rule("torch_threads", AGREE, "torch threads change CPU numerics and the wall-clock compared"),
+    ("config.model", AGREE, "the base model"),
+    ("config.dataset*", AGREE, "the training data"),
+    (("config.threads", "torch_threads"), AGREE, THREADS_WHY),
     *_SHARED_TAIL,
-    Rule("*", AGREE, "any other recorded setting"),
 )
 
-EVALUATION_RULES: tuple[Rule, ...] = (
-    Rule("config.model_path", FREE, "the model evaluated is what differs"),
-    Rule("inputs.model*", FREE, "the model's files and its training run's manifest differ between models"),
-    Rule("model_run*", FREE, "the training run (method, seed, method settings) the model came from"),
-    Rule("inputs.*.sha256", AGREE, "benchmark files must be the same"),
-    Rule("config.benchmarks.*.data_source", FREE, "a path; the problems' checksum is compared"),
-    Rule("config.benchmarks.*.batch_size", WARN, "problems per generate call: throughput (and padding)"),
-    Rule(
+EVALUATION_RULES: tuple[Rule, ...] = _rules(
+    ("config.model_path", FREE, "the model evaluated is what differs"),
+    ("inputs.model*", FREE, "the model's files and its training run's manifest differ between models"),
+    ("model_run*", FREE, "the training run (method, seed, method settings) the model came from"),
+    ("inputs.*.sha256", AGREE, "benchmark files must be the same"),
+    ("config.benchmarks.*.data_source", FREE, "a path; the problems' checksum is compared"),
+    ("config.benchmarks.*.batch_size", WARN, "problems per generate call: throughput (and padding)"),
+    (
         "config.benchmarks.*",
         AGREE,
-        "evaluation setting (samples per problem, temperature, top-p, max tokens, template, grader, "
-        "problems checksum, Pass@k scoring)",
+        "evaluation setting (samples per problem, temperature, top-p, max tokens, "
+        "template, grader, problems checksum, Pass@k scoring)",
     ),
-    Rule("config.benchmark_names", AGREE, "the benchmarks"),
-    Rule("seed", AGREE, "the sampling seed"),
-    Rule("torch_threads", WARN, "speed; evaluation times are not compared"),
-    Rule("problems_resumed*", FREE, "problems kept from an interrupted evaluation"),
-    Rule("parts.*", FREE, "the per-benchmark manifests"),
+    ("config.benchmark_names", AGREE, "the benchmarks"),
+    ("seed", AGREE, "the sampling seed"),
+    ("torch_threads", WARN, "speed; evaluation times are not compared"),
+    ("problems_resumed*", FREE, "problems kept from an interrupted evaluation"),
+    ("parts.*", FREE, "the per-benchmark manifests"),
     *_SHARED_TAIL,
-    Rule("*", AGREE, "any other recorded setting"),
 )
 
 # The comparison groups: results in one group may share a table; rules per group.
@@ -173,98 +181,30 @@ def _show(value: Any, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-@dataclass
-class ManifestRecord:
-    """One run's or evaluation's manifest (``manifest`` None when the file is missing)."""
-
-    label: str  # e.g. "d3s seed 0", "d3s seed 0 final", "base model"
-    path: str  # relative to the results folder
-    manifest: dict[str, Any] | None
-
-    @property
-    def commit(self) -> str | None:
-        return ((self.manifest or {}).get("git") or {}).get("commit")
-
-    @property
-    def dirty(self) -> bool | None:
-        return ((self.manifest or {}).get("git") or {}).get("dirty")
+def _one_line(difference: dict[str, Any]) -> str:
+    """A difference as `key`: value (labels); value (labels)."""
+    values = difference["values"].items()
+    return f"`{difference['key']}`: " + "; ".join(f"{v} ({', '.join(labels)})" for v, labels in values)
 
 
-@dataclass
-class Difference:
-    """One key whose values differ within a group: value (as shown) -> labels of the runs holding it."""
-
-    key: str
-    rule: Rule
-    values: dict[str, list[str]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "policy": self.rule.policy, "why": self.rule.why, "values": self.values}
-
-    def one_line(self) -> str:
-        return f"`{self.key}`: " + "; ".join(
-            f"{v} ({', '.join(labels)})" for v, labels in self.values.items()
-        )
+# One manifest of a group: its label (e.g. "d3s seed 0 final"), path relative to the results folder, and
+# content (None when the file is missing).
+Record = tuple[str, str, "dict[str, Any] | None"]
 
 
-@dataclass
-class GroupCheck:
-    """The result of comparing one group's manifests."""
-
-    group: str
-    name: str
-    records: list[ManifestRecord]
-    mismatches: list[Difference] = field(default_factory=list)  # must agree, but differ
-    warnings: list[Difference] = field(default_factory=list)  # may differ, stated
-    hashes: dict[str, str] = field(default_factory=dict)  # label -> hash of its must-agree settings
-
-    @property
-    def consistent(self) -> bool:
-        return not self.mismatches
-
-    @property
-    def settings_hash(self) -> str | None:
-        values = set(self.hashes.values())
-        return values.pop() if self.consistent and len(values) == 1 else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "name": self.name,
-            "consistent": self.consistent,
-            "settings_hash": self.settings_hash,
-            "manifests": [
-                {
-                    "label": r.label,
-                    "path": r.path,
-                    "git_commit": r.commit,
-                    "git_dirty": r.dirty,
-                    "settings_hash": self.hashes.get(r.label),
-                    "started": (r.manifest or {}).get("started"),
-                    "finished": (r.manifest or {}).get("finished"),
-                }
-                for r in self.records
-            ],
-            "mixed": [d.to_dict() for d in self.mismatches],
-            "warnings": [d.to_dict() for d in self.warnings],
-        }
-
-
-def compare(
-    group: str, records: Sequence[ManifestRecord], rules: tuple[Rule, ...] | None = None
-) -> GroupCheck:
-    """Compare the manifests of one group key by key under ``rules`` (the group's by default)."""
-    name, default_rules = GROUPS[group]
-    rules = rules or default_rules
-    check = GroupCheck(group, name, list(records))
-    flats = {r.label: flatten(r.manifest) for r in records if r.manifest is not None}
-    missing = [r.label for r in records if r.manifest is None]
+def compare(group: str, records: Sequence[Record]) -> dict[str, Any]:
+    """Compare the manifests of one group key by key under its rules: the group's entry of provenance.json
+    (its manifests, the differences that must agree (``mixed``) and those stated (``warnings``))."""
+    name, rules = GROUPS[group]
+    flats = {label: flatten(manifest) for label, _, manifest in records if manifest is not None}
+    mixed: list[dict[str, Any]] = []
+    warnings: list[dict[str, Any]] = []
+    missing = [label for label, _, manifest in records if manifest is None]
     if missing:
-        present = [r.label for r in records if r.manifest is not None]
-        values = {"missing": missing} | ({"present": present} if present else {})
-        check.mismatches.append(Difference(MISSING.pattern, MISSING, values))
+        values = {"missing": missing} | ({"present": list(flats)} if flats else {})
+        mixed.append({"key": MISSING.pattern, "policy": AGREE, "why": MISSING.why, "values": values})
     agreed: dict[str, dict[str, Any]] = {label: {} for label in flats}
-    for key in sorted(set().union(*flats.values()) if flats else ()):
+    for key in sorted(set().union(*flats.values())):
         rule = rule_for(key, rules)
         if rule.policy == FREE:
             continue
@@ -275,54 +215,70 @@ def compare(
             if rule.policy == AGREE and value is not None:
                 agreed[label][key] = value
         if len(by_value) > 1:
-            (check.mismatches if rule.policy == AGREE else check.warnings).append(
-                Difference(key, rule, by_value)
-            )
-    check.hashes = {label: stable_hash(values) for label, values in agreed.items()}
-    return check
+            difference = {"key": key, "policy": rule.policy, "why": rule.why, "values": by_value}
+            (mixed if rule.policy == AGREE else warnings).append(difference)
+    hashes = {label: stable_hash(values) for label, values in agreed.items()}
+    distinct = set(hashes.values())
+    manifests = []
+    for label, path, manifest in records:
+        git = (manifest or {}).get("git") or {}
+        manifests.append(
+            {
+                "label": label,
+                "path": path,
+                "missing": manifest is None,
+                "git_commit": git.get("commit"),
+                "git_dirty": git.get("dirty"),
+                "settings_hash": hashes.get(label),
+                "started": (manifest or {}).get("started"),
+                "finished": (manifest or {}).get("finished"),
+            }
+        )
+    return {
+        "group": group,
+        "name": name,
+        "consistent": not mixed,
+        "settings_hash": distinct.pop() if not mixed and len(distinct) == 1 else None,
+        "manifests": manifests,
+        "mixed": mixed,
+        "warnings": warnings,
+    }
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-
-
-def collect(results: str | Path) -> dict[str, list[ManifestRecord]]:
-    """The manifests of every run and evaluation whose results the analysis reads, by group."""
+def collect(results: str | Path) -> dict[str, list[tuple[str, str]]]:
+    """(label, manifest path relative to ``results``) of every run and evaluation the analysis reads, by
+    group; the manifests themselves are read by :func:`check_results`."""
     results = Path(results)
-    groups: dict[str, list[ManifestRecord]] = {name: [] for name in GROUPS}
+    groups: dict[str, list[tuple[str, str]]] = {name: [] for name in GROUPS}
     for method, seed, run in results_layout.runs(results):
         if (run / "metrics.jsonl").is_file() or (run / "train_summary.json").is_file():
             path = run / results_layout.MANIFEST
-            groups["training"].append(
-                ManifestRecord(f"{method} seed {seed}", str(path.relative_to(results)), _read(path))
-            )
+            groups["training"].append((f"{method} seed {seed}", str(path.relative_to(results))))
     for point in results_layout.eval_points(results):
         label = "base model" if point.method == "base" else f"{point.method} seed {point.seed} {point.name}"
-        record = ManifestRecord(label, str(point.manifest.relative_to(results)), _read(point.manifest))
-        groups["checkpoints" if point.step is not None else "final"].append(record)
+        group = "checkpoints" if point.step is not None else "final"
+        groups[group].append((label, str(point.manifest.relative_to(results))))
     return groups
 
 
 @dataclass
 class Provenance:
-    """The checked manifests of a results folder, for tables' sidecars and the report."""
+    """The checked manifests of a results folder (provenance.json), for tables' sidecars and the report."""
 
     results: str
-    checks: list[GroupCheck]
+    checks: list[dict[str, Any]]  # one compare() entry per group
     allow_mixed: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
     def mixed(self) -> bool:
-        return any(not c.consistent for c in self.checks)
+        return any(not check["consistent"] for check in self.checks)
 
     def select(self, *groups: str) -> Provenance:
         """The same check restricted to ``groups`` (what one table was made from)."""
+        notes = self.notes if {"final", "checkpoints"} <= set(groups) else []  # notes on joining the two
         return Provenance(
-            self.results, [c for c in self.checks if c.group in groups], self.allow_mixed, self.notes
+            self.results, [c for c in self.checks if c["group"] in groups], self.allow_mixed, notes
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -330,7 +286,7 @@ class Provenance:
             "results": self.results,
             "settings": ("MIXED (allowed by allow_mixed_settings)" if self.mixed else "consistent"),
             "allow_mixed": self.allow_mixed,
-            "groups": [c.to_dict() for c in self.checks],
+            "groups": self.checks,
             "notes": self.notes,
             "rules": "d3s.orchestration.settings_check (TRAINING_RULES, EVALUATION_RULES); docs/workflow.md",
         }
@@ -351,20 +307,19 @@ class Provenance:
             "with different settings, so differences between rows may come from the settings, not the methods:"
         ]
         for check in self.checks:
-            lines += [f"> - {check.name}: {d.one_line()}" for d in check.mismatches]
+            lines += [f"> - {check['name']}: {_one_line(d)}" for d in check["mixed"]]
         return "\n".join(lines)
 
     def summary(self) -> str:
         """One Markdown line per group: manifests, settings hash or MIXED, commits."""
         lines = []
         for check in self.checks:
-            if not check.records:
-                continue
-            commits = sorted({(r.commit or "unknown")[:7] for r in check.records})
-            state = f"settings `{check.settings_hash}`" if check.consistent else "**MIXED settings**"
+            records = check["manifests"]
+            commits = sorted({(r["git_commit"] or "unknown")[:7] for r in records})
+            state = f"settings `{check['settings_hash']}`" if check["consistent"] else "**MIXED settings**"
             lines.append(
-                f"- {check.name}: {len(check.records)} manifest(s), {state}, git {', '.join(commits)}"
-                + (", uncommitted changes" if any(r.dirty for r in check.records) else "")
+                f"- {check['name']}: {len(records)} manifest(s), {state}, git {', '.join(commits)}"
+                + (", uncommitted changes" if any(r["git_dirty"] for r in records) else "")
             )
         return "\n".join(lines)
 
@@ -374,28 +329,23 @@ class Provenance:
             "Every number in this report comes from the runs and evaluations below. Each manifest holds the "
             "resolved configuration, method settings, package versions, git commit and dirty flag, seed, torch "
             "threads, hardware, start and end time, and the input files' checksums. Within each group the "
-            "settings that must agree were checked (rule table: `d3s.orchestration.settings_check`, docs/workflow.md); "
-            "the settings hash is a hash of those settings, equal across a consistent group.",
+            "settings that must agree were checked (rule table: `d3s.orchestration.settings_check`, "
+            "docs/workflow.md); the settings hash is a hash of those settings, equal across a consistent group.",
             "",
             "| group | manifests | settings hash | settings |",
             "|---|---|---|---|",
         ]
         for check in self.checks:
-            if check.records:
-                state = (
-                    "consistent"
-                    if check.consistent
-                    else "**MIXED**: " + ", ".join(f"`{d.key}`" for d in check.mismatches)
-                )
-                out.append(
-                    f"| {check.name} | {len(check.records)} | `{check.settings_hash or '-'}` | {state} |"
-                )
+            mixed = ", ".join(f"`{d['key']}`" for d in check["mixed"])
+            state = "consistent" if check["consistent"] else f"**MIXED**: {mixed}"
+            hash_ = check["settings_hash"] or "-"
+            out.append(f"| {check['name']} | {len(check['manifests'])} | `{hash_}` | {state} |")
         out.append("")
-        stated = [(c, d) for c in self.checks for d in c.mismatches + c.warnings]
-        dirty = [r.label for c in self.checks for r in c.records if r.dirty]
+        stated = [(c, d) for c in self.checks for d in c["mixed"] + c["warnings"]]
+        dirty = [r["label"] for c in self.checks for r in c["manifests"] if r["git_dirty"]]
         if stated or dirty or self.notes:
             out += ["Differences stated:", ""]
-            out += [f"- {c.name}, {d.rule.policy}: {d.one_line()}" for c, d in stated]
+            out += [f"- {c['name']}, {d['policy']}: {_one_line(d)}" for c, d in stated]
             if dirty:
                 out.append(
                     "- made from a tree with uncommitted changes (the commit does not pin the code): "
@@ -407,55 +357,48 @@ class Provenance:
             "| manifest | run | git commit | dirty | settings hash | started | finished |",
             "|---|---|---|---|---|---|---|",
         ]
-        for check in self.checks:
-            for r in check.records:
-                manifest = r.manifest or {}
-                out.append(
-                    f"| [{r.path}]({r.path}) | {r.label} | `{(r.commit or 'unknown')[:12]}` | "
-                    f"{'missing' if r.manifest is None else ('yes' if r.dirty else 'no')} | "
-                    f"`{check.hashes.get(r.label, '-')}` | {manifest.get('started', '-')} | "
-                    f"{manifest.get('finished') or '-'} |"
-                )
+        for r in (r for check in self.checks for r in check["manifests"]):
+            dirty = "missing" if r["missing"] else ("yes" if r["git_dirty"] else "no")
+            out.append(
+                f"| [{r['path']}]({r['path']}) | {r['label']} | `{(r['git_commit'] or 'unknown')[:12]}` | "
+                f"{dirty} | `{r['settings_hash'] or '-'}` | {r['started'] or '-'} | {r['finished'] or '-'} |"
+            )
         return "\n".join(out)
 
+    def refuse_unless_allowed(self) -> Provenance:
+        """Raise :class:`MixedSettingsError` (keys, values, runs and the way out) if a group mixes settings
+        that must agree and ``allow_mixed`` is not set; else return self."""
+        if self.mixed and not self.allow_mixed:
+            raise MixedSettingsError(mixed_settings_message(self.checks))
+        return self
 
-def _cross_group_notes(checks: dict[str, GroupCheck]) -> list[str]:
+
+def _cross_group_notes(final: Sequence[Record], checkpoints: Sequence[Record]) -> list[str]:
     """Learning curves join the base and final evaluations with the checkpoint ones: say how they differ
     (by design, through eval.checkpoint_* settings) instead of refusing."""
-    final, ckpt = checks.get("final"), checks.get("checkpoints")
-    if not final or not ckpt:
-        return []
-    first = [next((r for r in c.records if r.manifest), None) for c in (final, ckpt)]
+    first = [next((m for _, _, m in records if m), None) for records in (final, checkpoints)]
     if None in first:
         return []
-    pair = compare(
-        "final",
-        [
-            ManifestRecord("final and base", "", first[0].manifest),
-            ManifestRecord("checkpoints", "", first[1].manifest),
-        ],
-    )
-    if not pair.mismatches:
+    pair = compare("final", [("final and base", "", first[0]), ("checkpoints", "", first[1])])
+    if pair["consistent"]:
         return []
     return [
         "learning curves join the final and base evaluations with the checkpoint evaluations, which differ "
-        "by design (eval.checkpoint_* settings) in: " + "; ".join(d.one_line() for d in pair.mismatches)
+        "by design (eval.checkpoint_* settings) in: " + "; ".join(_one_line(d) for d in pair["mixed"])
     ]
 
 
-def mixed_settings_message(checks: Iterable[GroupCheck], limit: int = 12) -> str:
+def mixed_settings_message(checks: Sequence[dict[str, Any]], limit: int = 12) -> str:
     """The refusal: which keys differ, their values, the runs holding them, and how to proceed."""
     lines = ["Refusing to combine results made with different settings in one table."]
-    for check in checks:
-        if check.consistent:
-            continue
-        lines.append(f"{check.name.capitalize()} differ in settings that must agree:")
-        for diff in check.mismatches[:limit]:
-            lines.append(f"  - {diff.key} ({diff.rule.why}):")
-            lines += [f"      {value}: {', '.join(labels)}" for value, labels in diff.values.items()]
-        if len(check.mismatches) > limit:
-            lines.append(f"  ... and {len(check.mismatches) - limit} more keys")
-        lines.append("  manifests: " + ", ".join(f"{r.label} = {r.path}" for r in check.records))
+    for check in (c for c in checks if not c["consistent"]):
+        lines.append(f"{check['name'].capitalize()} differ in settings that must agree:")
+        for diff in check["mixed"][:limit]:
+            lines.append(f"  - {diff['key']} ({diff['why']}):")
+            lines += [f"      {value}: {', '.join(labels)}" for value, labels in diff["values"].items()]
+        if len(check["mixed"]) > limit:
+            lines.append(f"  ... and {len(check['mixed']) - limit} more keys")
+        lines.append("  manifests: " + ", ".join(f"{r['label']} = {r['path']}" for r in check["manifests"]))
     lines.append(
         "To proceed: re-run the differing runs with the shared settings, or analyse them as separate "
         f"experiments; or combine them knowingly with `{CONFIG_OPTION}: true` in the workflow config "
@@ -463,6 +406,13 @@ def mixed_settings_message(checks: Iterable[GroupCheck], limit: int = 12) -> str
         "state the mix."
     )
     return "\n".join(lines)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
 
 
 def check_results(
@@ -473,9 +423,45 @@ def check_results(
     Raises :class:`MixedSettingsError` (naming keys, values, runs and the way out) when a group mixes
     settings that must agree, unless ``allow_mixed``; then the returned :class:`Provenance` says so.
     """
-    collected = collect(results)
-    checks = {group: compare(group, collected[group]) for group in groups if collected[group]}
-    provenance = Provenance(str(results), list(checks.values()), allow_mixed, _cross_group_notes(checks))
-    if provenance.mixed and not allow_mixed:
-        raise MixedSettingsError(mixed_settings_message(provenance.checks))
+    results = Path(results)
+    read = {
+        group: [(label, path, _read(results / path)) for label, path in records]
+        for group, records in collect(results).items()
+        if group in groups and records
+    }
+    checks = [compare(group, records) for group, records in read.items()]
+    notes = _cross_group_notes(read.get("final", []), read.get("checkpoints", []))
+    return Provenance(str(results), checks, allow_mixed, notes).refuse_unless_allowed()
+
+
+def load_provenance(
+    results: str | Path, allow_mixed: bool = False, groups: Sequence[str] = tuple(GROUPS)
+) -> Provenance:
+    """The check of ``groups`` in a results folder, as :func:`check_results` returns it: read from
+    ``provenance.json`` (rule provenance) when that file lists exactly the manifests there are now and none
+    is newer than it; else checked now. Refuses mixed settings the same way unless ``allow_mixed``."""
+    results = Path(results)
+    saved = results / PROVENANCE_FILE
+    if saved.is_file():
+        data = json.loads(saved.read_text(encoding="utf-8"))
+        listed = {r["path"] for check in data["groups"] for r in check["manifests"]}
+        current = {path for records in collect(results).values() for _, path in records}
+        newest = max(
+            ((results / p).stat().st_mtime_ns for p in current if (results / p).is_file()), default=0
+        )
+        if listed == current and newest <= saved.stat().st_mtime_ns:
+            whole = Provenance(str(results), data["groups"], allow_mixed, data["notes"])
+            return whole.select(*groups).refuse_unless_allowed()
+    return check_results(results, allow_mixed, groups)
+
+
+def write_provenance(results: str | Path, allow_mixed: bool) -> Provenance:
+    """Check every group and write ``provenance.json`` and ``provenance.md`` (the report's section) into
+    ``results``; raises :class:`MixedSettingsError` before writing anything unless ``allow_mixed``."""
+    results = Path(results)
+    provenance = check_results(results, allow_mixed)
+    atomic_write_text(results / PROVENANCE_FILE, json.dumps(provenance.to_dict(), indent=2) + "\n")
+    banner = provenance.banner()
+    markdown = "# Provenance\n\n" + (banner + "\n\n" if banner else "") + provenance.markdown() + "\n"
+    atomic_write_text(results / "provenance.md", markdown)
     return provenance

@@ -1,6 +1,7 @@
-# Stage 4: the provenance check, then the analysis notebooks, executed headless with papermill; they read
-# only the logged files (through d3s.analysis) and write tables/*.csv (each with a .provenance.json naming
-# the manifests it came from) and figures/*.png|pdf.
+# Stage 4: the provenance check, once, then the analysis notebooks (notebooks/*.ipynb), one rule each,
+# executed headless with papermill; they read only the logged files (through d3s.analysis) and the check's
+# provenance.json, and write tables/*.csv (each with a .provenance.json naming the manifests it came from)
+# and figures/*.png|pdf.
 import sys
 
 # papermill of the Python running Snakemake (works without an activated virtual environment)
@@ -19,32 +20,38 @@ NB_PARAMS = (
     f"-p reference {ANALYSIS['reference']} -p target_fraction {ANALYSIS['target_fraction']} "
     f"-y '{json.dumps(NB_YAML)}'"
 )
-TRAIN_LOGS = expand(f"{RESULTS}/runs/{{method}}/seed{{seed}}/metrics.jsonl", method=METHODS, seed=SEEDS)
+# metrics.jsonl and anatomy.jsonl are not outputs of rule train (train.smk): its train_summary.json stands
+# for the run's logs.
 TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json", method=METHODS, seed=SEEDS)
 STEP_EVALS = expand(
     f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{{step}}/summary.json", method=METHODS, seed=SEEDS, step=CKPT_STEPS
 )
-FIG = f"{RESULTS}/figures"
-TAB = f"{RESULTS}/tables"
-# eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
-KL_OUTPUTS = (
-    [report_figure("kl", "Training dynamics"), f"{FIG}/kl.pdf", f"{TAB}/kl.csv", f"{TAB}/kl.provenance.json"]
-    if config["eval"].get("kl")
-    else []
-)
+EVALS = [*all_final_evals(), *STEP_EVALS, f"{RESULTS}/eval/base/summary.json"]
 PROVENANCE = f"{RESULTS}/provenance.json"
-# The provenance file a notebook writes beside tables/<name>.csv (d3s.analysis.tables.write_table).
-SIDECAR = f"{TAB}/{{}}.provenance.json"
+# eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
+KL = ["kl"] if config["eval"].get("kl") else []
+# notebook: (report category of its figures, figures, tables, whether it reads the evaluations). Figures are
+# figures/<stem>.png (in the HTML report, caption workflow/report/<stem>.rst) and .pdf; tables are
+# tables/<stem>.csv (caption workflow/report/tables/<stem>.rst) with tables/<stem>.provenance.json.
+NOTEBOOKS = {
+    "training_dynamics": ("Training dynamics", ["training_dynamics", "grad_norm", *KL], ["dynamics", *KL], False),
+    "pass_at_k": ("Pass@k", ["pass_at_k"], ["pass_at_k", "table1_layout", "table2_layout"], True),
+    "efficiency": ("Efficiency", ["learning_curves"], ["learning_curves", "efficiency", "table3_layout"], True),
+    "selection_anatomy": (
+        "Selection anatomy",
+        ["var_after_selection", "token_selection_example"],
+        ["var_after_selection"],
+        False,
+    ),
+}
 
 
-# Every run's and evaluation's manifest (written beside the summaries below) compared before any
-# notebook runs: a mix of settings fails here, with the keys, values and runs in the error.
+# Every run's and evaluation's manifest compared, once, before any notebook runs: a mix of settings fails
+# here, with the keys, values and runs in the error; provenance.json is what the notebooks and report read.
 rule provenance:
     input:
-        train=TRAIN_SUMMARIES,
-        evals=all_final_evals(),
-        steps=STEP_EVALS,
-        base=f"{RESULTS}/eval/base/summary.json",
+        TRAIN_SUMMARIES,
+        EVALS,
     output:
         json=PROVENANCE,
         md=report(f"{RESULTS}/provenance.md", caption="../report/provenance.rst", category="Provenance"),
@@ -59,104 +66,35 @@ rule provenance:
         "../scripts/check_provenance.py"
 
 
-rule training_dynamics:
-    input:
-        notebook="notebooks/training_dynamics.ipynb",
-        logs=TRAIN_LOGS,
-        provenance=PROVENANCE,
-    output:
-        notebook=f"{RESULTS}/notebooks/training_dynamics.ipynb",
-        dynamics=report_figure("training_dynamics", "Training dynamics"),
-        grad_norm=report_figure("grad_norm", "Training dynamics"),
-        pdfs=[f"{FIG}/training_dynamics.pdf", f"{FIG}/grad_norm.pdf"],
-        table=report(f"{TAB}/dynamics.csv", caption="../report/dynamics_table.rst", category="Tables"),
-        sidecars=[SIDECAR.format("dynamics")],
-        kl=KL_OUTPUTS,
-    log:
-        f"{RESULTS}/logs/notebooks/training_dynamics.log",
-    params:
-        papermill=PAPERMILL,
-        notebook_params=NB_PARAMS,
-    conda:
-        ENV
-    shell:
-        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
-        "{params.notebook_params} > {log} 2>&1"
+for notebook, (category, figures, tables, reads_evals) in NOTEBOOKS.items():
 
-
-rule pass_at_k:
-    input:
-        notebook="notebooks/pass_at_k.ipynb",
-        logs=TRAIN_LOGS,
-        provenance=PROVENANCE,
-        evals=all_final_evals(),
-        base=f"{RESULTS}/eval/base/summary.json",
-    output:
-        notebook=f"{RESULTS}/notebooks/pass_at_k.ipynb",
-        figure=report_figure("pass_at_k", "Pass@k"),
-        pdf=f"{FIG}/pass_at_k.pdf",
-        long=report(f"{TAB}/pass_at_k.csv", caption="../report/pass_at_k_table.rst", category="Tables"),
-        table1=report(f"{TAB}/table1_layout.csv", caption="../report/table1.rst", category="Tables"),
-        table2=report(f"{TAB}/table2_layout.csv", caption="../report/table2.rst", category="Tables"),
-        sidecars=[SIDECAR.format(name) for name in ("pass_at_k", "table1_layout", "table2_layout")],
-    log:
-        f"{RESULTS}/logs/notebooks/pass_at_k.log",
-    params:
-        papermill=PAPERMILL,
-        notebook_params=NB_PARAMS,
-    conda:
-        ENV
-    shell:
-        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
-        "{params.notebook_params} > {log} 2>&1"
-
-
-rule efficiency:
-    input:
-        notebook="notebooks/efficiency.ipynb",
-        logs=TRAIN_LOGS,
-        provenance=PROVENANCE,
-        evals=all_final_evals(),
-        base=f"{RESULTS}/eval/base/summary.json",
-    output:
-        notebook=f"{RESULTS}/notebooks/efficiency.ipynb",
-        figure=report_figure("learning_curves", "Efficiency"),
-        pdf=f"{FIG}/learning_curves.pdf",
-        curves=f"{TAB}/learning_curves.csv",
-        efficiency=report(f"{TAB}/efficiency.csv", caption="../report/efficiency_table.rst", category="Tables"),
-        table3=report(f"{TAB}/table3_layout.csv", caption="../report/table3.rst", category="Tables"),
-        sidecars=[SIDECAR.format(name) for name in ("learning_curves", "efficiency", "table3_layout")],
-    log:
-        f"{RESULTS}/logs/notebooks/efficiency.log",
-    params:
-        papermill=PAPERMILL,
-        notebook_params=NB_PARAMS,
-    conda:
-        ENV
-    shell:
-        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
-        "{params.notebook_params} > {log} 2>&1"
-
-
-rule selection_anatomy:
-    input:
-        notebook="notebooks/selection_anatomy.ipynb",
-        logs=TRAIN_LOGS,
-        provenance=PROVENANCE,
-    output:
-        notebook=f"{RESULTS}/notebooks/selection_anatomy.ipynb",
-        var_after=report_figure("var_after_selection", "Selection anatomy"),
-        example=report_figure("token_selection_example", "Selection anatomy"),
-        pdfs=[f"{FIG}/var_after_selection.pdf", f"{FIG}/token_selection_example.pdf"],
-        table=report(f"{TAB}/var_after_selection.csv", caption="../report/var_table.rst", category="Tables"),
-        sidecars=[SIDECAR.format("var_after_selection")],
-    log:
-        f"{RESULTS}/logs/notebooks/selection_anatomy.log",
-    params:
-        papermill=PAPERMILL,
-        notebook_params=NB_PARAMS,
-    conda:
-        ENV
-    shell:
-        "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
-        "{params.notebook_params} > {log} 2>&1"
+    rule:
+        name:
+            notebook
+        input:
+            notebook=f"notebooks/{notebook}.ipynb",
+            provenance=PROVENANCE,
+            runs=TRAIN_SUMMARIES,
+            evals=EVALS if reads_evals else [],
+        output:
+            notebook=f"{RESULTS}/notebooks/{notebook}.ipynb",
+            figures=[
+                report(f"{RESULTS}/figures/{stem}.png", caption=f"../report/{stem}.rst", category=category)
+                for stem in figures
+            ],
+            pdfs=[f"{RESULTS}/figures/{stem}.pdf" for stem in figures],
+            tables=[
+                report(f"{RESULTS}/tables/{stem}.csv", caption=f"../report/tables/{stem}.rst", category="Tables")
+                for stem in tables
+            ],
+            sidecars=[f"{RESULTS}/tables/{stem}.provenance.json" for stem in tables],
+        log:
+            f"{RESULTS}/logs/notebooks/{notebook}.log",
+        params:
+            papermill=PAPERMILL,
+            notebook_params=NB_PARAMS,
+        conda:
+            ENV
+        shell:
+            "{params.papermill} {input.notebook} {output.notebook} -k python3 --no-progress-bar "
+            "{params.notebook_params} > {log} 2>&1"

@@ -18,7 +18,6 @@ SAVE_STEPS = int(TRAINER.get("save_steps", MAX_STEPS)) if TRAINER.get("save_stra
 CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
 TASK = {"min_ops": 1, "max_ops": 2, "max_operand": 9} | dict(config.get("task") or {})
 ANALYSIS = {"reference": "grpo", "target_fraction": 0.99} | dict(config.get("analysis") or {})
-NOTEBOOKS = ["training_dynamics", "pass_at_k", "efficiency", "selection_anatomy"]
 # What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
 INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
 
@@ -68,13 +67,6 @@ def model_param(wildcards, input):
     if config["base_model"]["kind"] == "tiny":
         return str(Path(input[0]).parent)
     return config["base_model"]["path"]
-
-
-def report_figure(name, category):
-    """A figure of the analysis stage, declared for Snakemake's HTML report (caption in workflow/report/)."""
-    return report(
-        f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category=category
-    )
 
 
 def base_model_input():

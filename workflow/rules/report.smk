@@ -8,11 +8,8 @@ report: "../report/workflow.rst"
 
 rule report:
     input:
-        tables=rules.pass_at_k.output,
-        efficiency=rules.efficiency.output,
-        dynamics=rules.training_dynamics.output,
-        anatomy=rules.selection_anatomy.output,
-        provenance=rules.provenance.output.json,
+        notebooks=[f"{RESULTS}/notebooks/{notebook}.ipynb" for notebook in NOTEBOOKS],  # and their tables
+        provenance=PROVENANCE,
         base=f"{RESULTS}/base_model/base_summary.json" if config["base_model"]["kind"] == "tiny" else [],
     output:
         report_md=f"{RESULTS}/report.md",

@@ -8,12 +8,12 @@ rule train:
         base_model_input(),
     output:
         config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
-        metrics=f"{RESULTS}/runs/{{method}}/seed{{seed}}/metrics.jsonl",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
         final=directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/final"),
-    # Checkpoints are not declared outputs: Snakemake deletes a job's outputs before re-running it, and a
-    # killed job re-run with --rerun-incomplete resumes from them (`d3s train`, resume: auto). A job whose
-    # configuration changed starts over and moves them aside, never deletes them (workflow/scripts/train_run.py).
+    # Checkpoints and the logs (metrics.jsonl, anatomy.jsonl) are not declared outputs: Snakemake deletes a
+    # job's outputs before re-running it, and a killed job re-run with --rerun-incomplete resumes from the
+    # checkpoint and cuts the logs back to it (`d3s train`, resume: auto). A job whose configuration changed
+    # starts over and moves them aside, never deletes them (workflow/scripts/train_run.py).
     params:
         model=model_param,
         train=config["train"],
