@@ -73,16 +73,6 @@ def base_model_input():
     return [f"{RESULTS}/base_model/config.json"] if config["base_model"]["kind"] == "tiny" else []
 
 
-def run_dir(method, seed):
-    return f"{RESULTS}/runs/{method}/seed{seed}"
-
-
-def checkpoint_path(wildcards):
-    """A run's checkpoint-<step> folder: not a declared output of rule train (see train.smk), so rule
-    evaluate_checkpoint takes it as a parameter (evaluate.py stops with the fix when it is missing)."""
-    return f"{run_dir(wildcards.method, wildcards.seed)}/checkpoint-{wildcards.step}"
-
-
 def all_final_evals():
     return expand(f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json", method=METHODS, seed=SEEDS)
 

@@ -7,56 +7,47 @@
 # evaluation aside, never deletes it, when the model or the settings it was made with changed. With eval.kl,
 # both rules also measure the KL to the initial policy (params.reference) on the run's training prompts
 # (input.train_config) and write kl.json beside summary.json (d3s.evaluation.kl).
+EV = config["eval"]
+# rule: (evaluated point, its model in the run's folder, samples per problem, Pass@k values, problems). A
+# checkpoint-<step> folder is not a declared output of rule train (see train.smk): evaluate.py stops with the
+# fix when it is missing.
+EVAL_POINTS = {
+    "evaluate_checkpoint": (
+        "step{step}",
+        "checkpoint-{step}",
+        EV.get("checkpoint_samples", 4),
+        EV.get("checkpoint_k", [1]),
+        EV.get("checkpoint_limit") or EV.get("limit"),
+    ),
+    "evaluate_final": ("final", "final", EV["samples"], EV["k"], EV.get("limit")),
+}
 
 
-rule evaluate_checkpoint:
-    input:
-        summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",  # the run's checkpoints exist
-        train_config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",  # the KL probe's prompts
-    output:
-        summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{{step}}/summary.json",
-    params:
-        model=checkpoint_path,
-        eval=config["eval"],
-        task=TASK,
-        samples=config["eval"].get("checkpoint_samples", 4),
-        k=config["eval"].get("checkpoint_k", [1]),
-        limit=config["eval"].get("checkpoint_limit") or config["eval"].get("limit"),
-        reference=base_model_path(),  # the initial policy of the KL (eval.kl)
-        train=config["train"],
-    threads: config["eval"].get("threads", 1)
-    resources:
-        **config["eval"].get("resources", {}),
-    log:
-        f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}_step{{step}}.log",
-    conda:
-        ENV
-    script:
-        "../scripts/evaluate.py"
+for name, (point, model, samples, k, limit) in EVAL_POINTS.items():
 
-
-rule evaluate_final:
-    input:
-        final=f"{RESULTS}/runs/{{method}}/seed{{seed}}/final",
-        summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
-        train_config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
-    output:
-        summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json",
-    params:
-        model=lambda wildcards, input: input.final,
-        eval=config["eval"],
-        task=TASK,
-        samples=config["eval"]["samples"],
-        k=config["eval"]["k"],
-        limit=config["eval"].get("limit"),
-        reference=base_model_path(),
-        train=config["train"],
-    threads: config["eval"].get("threads", 1)
-    resources:
-        **config["eval"].get("resources", {}),
-    log:
-        f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}_final.log",
-    conda:
-        ENV
-    script:
-        "../scripts/evaluate.py"
+    rule:
+        name:
+            name
+        input:
+            summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",  # the run's models exist
+            train_config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",  # the KL probe's prompts
+        output:
+            summary=f"{RESULTS}/eval/{{method}}/seed{{seed}}/{point}/summary.json",
+        params:
+            model=f"{RESULTS}/runs/{{method}}/seed{{seed}}/{model}",
+            eval=EV,
+            task=TASK,
+            samples=samples,
+            k=k,
+            limit=limit,
+            reference=base_model_path(),  # the initial policy of the KL (eval.kl)
+            train=config["train"],
+        threads: EV.get("threads", 1)
+        resources:
+            **EV.get("resources", {}),
+        log:
+            f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}_{point}.log",
+        conda:
+            ENV
+        script:
+            "../scripts/evaluate.py"

@@ -1,7 +1,5 @@
-"""Build the shared base model of the tiny default: tiny Qwen2 model + SFT warm start, saved to a folder.
-
-Usable from Snakemake (``script:``) or the command line:
-    python workflow/scripts/build_base.py OUT_DIR --sft-steps 300 --max-ops 2 --max-operand 9 --threads 2
+"""Build the shared base model of the tiny default: tiny Qwen2 model + SFT warm start, saved to a folder
+(called by base_model.py, the script of rule base_model).
 
 The SFT runs on ``device``: the CPU (the tiny default), or CUDA for models built larger through ``model``
 (config/gpu-smoke.yaml's ~100M parameters). The weights stay fp32 on either and are saved as such.
@@ -9,7 +7,6 @@ The SFT runs on ``device``: the CPU (the tiny default), or CUDA for models built
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -81,38 +78,3 @@ def build_base(
     (out / "base_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--sft-steps", type=int, default=300)
-    parser.add_argument("--sft-problems", type=int, default=4000)
-    parser.add_argument("--min-ops", type=int, default=1)
-    parser.add_argument("--max-ops", type=int, default=2)
-    parser.add_argument("--max-operand", type=int, default=9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument(
-        "--model", default="{}", help="JSON dict of d3s.tiny_model.build_model keyword arguments"
-    )
-    parser.add_argument("--device", default="cpu", help="where the SFT runs: cpu, cuda or cuda:<index>")
-    args = parser.parse_args(argv)
-    summary = build_base(
-        args.out,
-        args.sft_steps,
-        args.sft_problems,
-        args.min_ops,
-        args.max_ops,
-        args.max_operand,
-        args.seed,
-        args.threads,
-        json.loads(args.model),
-        args.lr,
-        args.device,
-    )
-    print(json.dumps(summary, indent=2))
-
-
-if __name__ == "__main__":
-    main()
