@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
 from d3s.methods import METHODS
 
@@ -21,39 +20,14 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
-def int_at_least(minimum: int, *, or_value: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (or exactly ``or_value``), with a message naming the fix."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum and value != or_value:
-            extra = f" (or {or_value})" if or_value is not None else ""
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}{extra}, got {text}")
-        return value
-
-    return parse
-
-
-def _seed(text: str) -> int:
-    value = int_at_least(0)(text)
-    if value >= 2**32:
-        raise argparse.ArgumentTypeError(f"must be below 2**32 (numpy's seed range), got {text}")
-    return value
-
-
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML run config (see d3s/runs/run.py); flags below override it")
     parser.add_argument("--method", choices=sorted(METHODS), help="method from the registry (default grpo)")
     parser.add_argument("--model", help="'tiny' (built in code, SFT warm start) or a model path / hub id")
     parser.add_argument("--output-dir", help="run directory (metrics.jsonl, resolved_config.yaml, final/)")
-    parser.add_argument("--seed", type=_seed)
-    parser.add_argument("--threads", type=int_at_least(1), help="torch threads (default 1)")
-    parser.add_argument(
-        "--max-steps", type=int_at_least(1, or_value=-1), help="shortcut for trainer.max_steps"
-    )
+    parser.add_argument("--seed", help="numpy/torch seed, 0 to 2**32 - 1 (default 0)")
+    parser.add_argument("--threads", help="torch threads (default 1)")
+    parser.add_argument("--max-steps", help="shortcut for trainer.max_steps")
     parser.add_argument(
         "--set",
         action="append",
@@ -65,7 +39,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_train_config(args: argparse.Namespace) -> dict:
-    """The run config of ``d3s train``: the --config file, then the flags, every value coerced and checked.
+    """The run config of ``d3s train``: the --config file, then the flags, every value typed and checked.
 
     Raises ConfigError (a ValueError) naming the key, where the value came from and the fix.
     """
@@ -74,14 +48,14 @@ def build_train_config(args: argparse.Namespace) -> dict:
     config = {}
     if args.config:
         config = coerce_run_config(read_config_file(args.config), source=f"from {args.config}")
-    for key in ("method", "model", "seed", "threads"):
+    for key in ("method", "model", "seed", "threads", "output_dir"):
         if getattr(args, key) is not None:
-            config[key] = getattr(args, key)
-    if args.output_dir:
-        config["output_dir"] = args.output_dir
+            flag = f"--{key.replace('_', '-')} {getattr(args, key)}"
+            config |= coerce_run_config({key: getattr(args, key)}, source=f"from {flag}")
     trainer = dict(config.get("trainer") or {})
     if args.max_steps is not None:
-        trainer["max_steps"] = args.max_steps
+        source = f"from --max-steps {args.max_steps}"
+        trainer["max_steps"] = coerce_trainer_option("max_steps", args.max_steps, source=source)
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

@@ -13,33 +13,16 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-# Qwen2's pre-tokenizer (transformers' Qwen2Tokenizer): a regex split, then byte-level symbols.
-PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # Whole words of the task's format, merged into single tokens (``\boxed`` as in Qwen's vocabulary).
 MERGED_WORDS = ["\\boxed", "boxed", "Ġ\\"]
 
 
-def _byte_symbols() -> dict[int, str]:
-    """GPT-2 / Qwen byte-to-symbol table (printable ASCII maps to itself, space to 'Ġ', newline to 'Ċ')."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _vocabulary_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    symbols = _byte_symbols()
+    symbols = bytes_to_unicode()  # GPT-2 / Qwen byte-level symbols: space is 'Ġ', newline 'Ċ'
     chars = [symbols[ord(c)] for c in string.printable if c not in "\r\x0b\x0c"]
     tokens = [PAD, EOS, UNK, *chars]
     merges: list[tuple[str, str]] = []
@@ -52,37 +35,17 @@ def _vocabulary_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}, merges
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer() -> Qwen2Tokenizer:
     """A deterministic byte-level BPE tokenizer of ~110 tokens in Qwen2's format, left padding, EOS as BOS.
 
-    Built exactly as transformers' ``Qwen2Tokenizer`` rebuilds a saved tokenizer (BPE over byte-level
-    symbols, NFC, Qwen2's split regex), so a saved copy reloaded with ``AutoTokenizer`` (which, for a
-    ``qwen2`` model, always instantiates ``Qwen2Tokenizer`` from the saved vocabulary and merges)
-    tokenises identically. Digits are single tokens, as in Qwen's tokenizer.
+    transformers' ``Qwen2Tokenizer`` built from our vocabulary and merges (BPE over byte-level symbols, NFC, Qwen2's
+    split regex): what ``AutoTokenizer`` rebuilds from a saved copy, so the copy tokenises identically. Digits are
+    single tokens, as in Qwen's tokenizer.
     """
     vocab, merges = _vocabulary_and_merges()
-    core = Tokenizer(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
         pad_token=PAD,
         eos_token=EOS,
         bos_token=EOS,
@@ -90,11 +53,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=512,
     )
-    return tok
 
 
 def build_model(
-    tokenizer: PreTrainedTokenizerFast,
+    tokenizer: Qwen2Tokenizer,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
@@ -136,7 +98,7 @@ def save_tiny(path: str | Path, seed: int = 0, **model_kwargs) -> Path:
 
 def sft_warm_start(
     model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
+    tokenizer: Qwen2Tokenizer,
     pairs: list[tuple[str, str]],
     steps: int = 300,
     batch_size: int = 32,

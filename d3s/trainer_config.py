@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -10,10 +11,54 @@ from trl import GRPOConfig
 from d3s.methods import get_method
 from d3s.rewards import ANSWER_POLICIES
 from d3s.runs.checkpoints import FULL_STATE_CHECKPOINTS
-from d3s.runs.config import check_trainer_ranges
 from d3s.selection import SAMPLE_RULES, SAMPLE_SCOPES, SCHEDULES, TOKEN_RULES, TOKEN_SCOPES, Schedule
 
-_FROM_METHOD = "default: from the method registry (d3s/methods.py)"
+# Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked before
+# TRL's own __post_init__, which divides by some of these, and by `d3s train` as it reads each option.
+TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(
+        ("learning_rate", "num_train_epochs", "repetition_penalty", "adam_epsilon", "logging_steps")
+        + ("save_steps", "eval_steps"),
+        (lambda v: v > 0, "> 0"),
+    ),
+    **dict.fromkeys(
+        ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+        + ("steps_per_generation", "generation_batch_size", "num_iterations", "max_completion_length")
+        + ("save_total_limit", "keep_per_prompt", "keep_per_prompt_final"),
+        (lambda v: v >= 1, ">= 1"),
+    ),
+    **dict.fromkeys(
+        ("top_k", "beta", "epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "warmup_steps")
+        + ("dataloader_num_workers", "anatomy_every", "anatomy_examples"),
+        (lambda v: v >= 0, ">= 0"),
+    ),
+    **dict.fromkeys(
+        ["seed", "data_seed"], (lambda v: 0 <= v < 2**32, "in [0, 2**32 - 1] (numpy's seed range)")
+    ),
+    **dict.fromkeys(["adam_beta1", "adam_beta2"], (lambda v: 0 <= v < 1, "in [0, 1)")),
+    **dict.fromkeys(
+        ["top_p", "token_keep_ratio", "token_keep_ratio_final"], (lambda v: 0 < v <= 1, "in (0, 1]")
+    ),
+    "num_generations": (lambda v: v >= 2, ">= 2 (GRPO needs two rollouts per prompt for an advantage)"),
+    "num_generations_eval": (lambda v: v >= 2, ">= 2"),
+    "max_steps": (lambda v: v >= 1 or v == -1, ">= 1, or -1 to train for num_train_epochs"),
+    "temperature": (lambda v: v > 0, "> 0 (rollouts must be sampled)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+def range_error(name: str, value: Any) -> str | None:
+    """``trainer.<name> must be <range>; got <value>`` for a number outside the option's range, else None."""
+    accepts, description = TRAINER_RANGES.get(name, (None, ""))
+    if accepts is None or isinstance(value, bool) or not isinstance(value, (int, float)) or accepts(value):
+        return None
+    return f"trainer.{name} must be {description}; got {value!r}"
+
+
+def _from_method(help_text: str, choices: Sequence[str] | None = None) -> Any:
+    """A selection field: unset (None) means the method's value (d3s/methods.py)."""
+    metadata = {"help": f"{help_text} Default: from the method registry (d3s/methods.py)."}
+    return field(default=None, metadata=metadata | ({"choices": list(choices)} if choices else {}))
 
 
 @dataclass
@@ -30,64 +75,34 @@ class D3SConfig(GRPOConfig):
             "help": "Method name from d3s.methods.METHODS (grpo, pods, d1s, d1s_cross, d2s, d3s, d3s_i, ...)."
         },
     )
-    sample_rule: str | None = field(
-        default=None,
-        metadata={"help": f"Rollout selection rule: {', '.join(SAMPLE_RULES)}. {_FROM_METHOD}."},
+    sample_rule: str | None = _from_method("Rollout selection rule.", SAMPLE_RULES)
+    sample_scope: str | None = _from_method(
+        "'group': keep exactly keep_per_prompt rollouts of every prompt; 'batch': keep keep_per_prompt x prompts "
+        "from the pooled batch (cross-group).",
+        SAMPLE_SCOPES,
     )
-    sample_scope: str | None = field(
-        default=None,
-        metadata={
-            "help": "'group': keep exactly keep_per_prompt rollouts of every prompt; 'batch': keep "
-            f"keep_per_prompt x prompts from the pooled batch (cross-group). {_FROM_METHOD}."
-        },
+    renormalize: bool | None = _from_method(
+        "Re-normalise advantages over the kept rollouts of each group (PODS); False keeps the advantages computed "
+        "over all G rollouts (D-family)."
     )
-    renormalize: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Re-normalise advantages over the kept rollouts of each group (PODS); False keeps the "
-            f"advantages computed over all G rollouts (D-family). {_FROM_METHOD}."
-        },
+    keep_per_prompt: int | None = _from_method(
+        "Rollouts kept per prompt, N (the initial value under a linear schedule)."
     )
-    keep_per_prompt: int | None = field(
-        default=None,
-        metadata={
-            "help": f"Rollouts kept per prompt, N (the initial value under a linear schedule). {_FROM_METHOD}."
-        },
+    keep_per_prompt_final: int | None = _from_method("N at the end of training under a linear schedule.")
+    token_rule: str | None = _from_method(
+        "Token score: 'adv_entropy' = |A| x entropy, 'entropy' = the 80/20 rule, 'none'.", TOKEN_RULES
     )
-    keep_per_prompt_final: int | None = field(
-        default=None,
-        metadata={"help": f"N at the end of training under a linear schedule. {_FROM_METHOD}."},
+    token_scope: str | None = _from_method(
+        "'batch': top-K% over the valid tokens of the micro-batch, gathered across ranks; 'sequence': top-K% "
+        "within each completion.",
+        TOKEN_SCOPES,
     )
-    token_rule: str | None = field(
-        default=None,
-        metadata={
-            "help": f"Token score: {', '.join(TOKEN_RULES)} ('adv_entropy' = |A| x entropy, 'entropy' = the 80/20 "
-            f"rule). {_FROM_METHOD}."
-        },
+    token_keep_ratio: float | None = _from_method(
+        "K in (0, 1], the fraction of tokens kept (initial value under linear)."
     )
-    token_scope: str | None = field(
-        default=None,
-        metadata={
-            "help": "'batch': top-K% over the valid tokens of the micro-batch, gathered across ranks; "
-            f"'sequence': top-K% within each completion. {_FROM_METHOD}."
-        },
-    )
-    token_keep_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": f"K in (0, 1], the fraction of tokens kept (initial value under linear). {_FROM_METHOD}."
-        },
-    )
-    token_keep_ratio_final: float | None = field(
-        default=None,
-        metadata={"help": f"K at the end of training under a linear schedule. {_FROM_METHOD}."},
-    )
-    schedule: str | None = field(
-        default=None,
-        metadata={
-            "help": f"{', '.join(SCHEDULES)}: linear moves N and K from their initial to final values in "
-            f"p = step / max_steps. {_FROM_METHOD}."
-        },
+    token_keep_ratio_final: float | None = _from_method("K at the end of training under a linear schedule.")
+    schedule: str | None = _from_method(
+        "linear moves N and K from their initial to final values in p = step / max_steps.", SCHEDULES
     )
     metrics_log: str | None = field(
         default="metrics.jsonl",
@@ -126,10 +141,11 @@ class D3SConfig(GRPOConfig):
     answer_policy: str = field(
         default="math_verify",
         metadata={
+            "choices": list(ANSWER_POLICIES),
             "help": "Which boxed answer the accuracy reward grades (d3s.rewards.accuracy_reward, replaced by the "
             "trainer): 'math_verify' reads every \\boxed{} of a completion as one set answer (math-verify's "
             "behaviour, the default), 'last_boxed' only the last box (the Qwen2.5-Math evaluation toolkit's "
-            "convention). Evaluation reports both."
+            "convention). Evaluation reports both.",
         },
     )
     logging_steps: float = field(
@@ -139,10 +155,11 @@ class D3SConfig(GRPOConfig):
     full_state_checkpoints: str = field(
         default="all",
         metadata={
+            "choices": list(FULL_STATE_CHECKPOINTS),
             "help": "'all': every checkpoint keeps the optimizer, scheduler, RNG and DeepSpeed state (Trainer's "
             "way). 'latest': only the newest one does; an older one is cut to its weights, tokenizer, trainer "
             "state and logs (what learning curves need) once a newer one is completely written, so a run "
-            "resumes exactly for the disk of one full state. Needs save_only_model false."
+            "resumes exactly for the disk of one full state. Needs save_only_model false.",
         },
     )
 
@@ -153,8 +170,9 @@ class D3SConfig(GRPOConfig):
         return cls(method=method, **settings)
 
     def __post_init__(self) -> None:
-        # ranges first: TRL's own __post_init__ divides by some of these (d3s/runs/config.py TRAINER_RANGES)
-        check_trainer_ranges({f.name: getattr(self, f.name) for f in fields(self)})
+        # ranges first: TRL's own __post_init__ divides by some of these
+        for error in filter(None, (range_error(f.name, getattr(self, f.name)) for f in fields(self))):
+            raise ValueError(error)
         method = get_method(self.method)
         for name, value in method.trl_settings.items():
             if getattr(self, name) != value:
@@ -191,16 +209,12 @@ class D3SConfig(GRPOConfig):
             self.keep_per_prompt = self.keep_per_prompt_final = self.num_generations
 
     def _validate(self) -> None:
-        for name, value, choices in [
-            ("sample_rule", self.sample_rule, SAMPLE_RULES),
-            ("sample_scope", self.sample_scope, SAMPLE_SCOPES),
-            ("token_rule", self.token_rule, TOKEN_RULES),
-            ("token_scope", self.token_scope, TOKEN_SCOPES),
-            ("schedule", self.schedule, SCHEDULES),
-            ("answer_policy", self.answer_policy, ANSWER_POLICIES),
-        ]:
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        for f in fields(D3SConfig):  # the choices of our own fields (TRL checks its own)
+            choices = f.metadata.get("choices") if f.name in D3SConfig.__annotations__ else None
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}"
+                )
         G = self.num_generations  # noqa: N806 - the paper's symbol
         for name in ("keep_per_prompt", "keep_per_prompt_final"):
             value = getattr(self, name)
@@ -212,22 +226,14 @@ class D3SConfig(GRPOConfig):
         for name in ("defer_logprob_passes", "kept_token_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
-        if self.full_state_checkpoints not in FULL_STATE_CHECKPOINTS:
-            raise ValueError(
-                f"full_state_checkpoints must be one of {', '.join(FULL_STATE_CHECKPOINTS)}; "
-                f"got {self.full_state_checkpoints!r}"
-            )
         if self.full_state_checkpoints == "latest" and self.save_only_model:
             raise ValueError(
                 "full_state_checkpoints: latest keeps the training state in the newest checkpoint, but "
                 "save_only_model: true saves none (such a run cannot resume): set save_only_model: false"
             )
-        if self.anatomy_every < 0 or self.anatomy_examples < 0:
-            raise ValueError("anatomy_every and anatomy_examples must be >= 0 (0 turns the anatomy log off)")
-        for name in ("token_keep_ratio", "token_keep_ratio_final"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1]; got {value!r}")
+        for name in ("token_keep_ratio", "token_keep_ratio_final"):  # their values from the method, too
+            if error := range_error(name, getattr(self, name)):
+                raise ValueError(error)
         if self.renormalize and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "renormalize=True re-normalises the summed reward per group; it needs "

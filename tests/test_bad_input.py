@@ -44,10 +44,10 @@ BAD_INPUT = [
     (f"{TRAIN} --set noequals", "--set expects FIELD=VALUE"),
     (f"{TRAIN} --set keep_per_prompt=99", "keep_per_prompt must be an integer between 1 and num_generations"),
     # d3s train: flags
-    (f"{TRAIN} --threads x", "argument --threads: expected an integer"),
-    (f"{TRAIN} --threads 0", "argument --threads: must be an integer >= 1"),
-    (f"{TRAIN} --seed -1", "argument --seed: must be an integer >= 0"),
-    (f"{TRAIN} --max-steps 0", "argument --max-steps: must be an integer >= 1"),
+    (f"{TRAIN} --threads x", "threads: expected an integer, got 'x' (from --threads x)"),
+    (f"{TRAIN} --threads 0", "threads must be >= 1 (torch threads); got 0 (from --threads 0)"),
+    (f"{TRAIN} --seed -1", "seed must be in [0, 2**32 - 1] (numpy's seed range); got -1 (from --seed -1)"),
+    (f"{TRAIN} --max-steps 0", "trainer.max_steps must be >= 1, or -1 to train for num_train_epochs; got 0"),
     (f"{TRAIN} --method bogus", "argument --method: invalid choice: 'bogus'"),
     (f"{TRAIN} --model no/such/dir/", "no model found there"),
     # d3s eval: required, files

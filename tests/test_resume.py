@@ -28,7 +28,6 @@ from d3s.orchestration.launch import (
 from d3s.runs.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
 from d3s.runs.run import (
     PER_ATTEMPT_TRAINER_KEYS,
-    checkpoint_config_changes,
     config_differences,
     latest_checkpoint,
     supersede_run,
@@ -221,10 +220,11 @@ def test_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path, tiny_sf
 
 @pytest.mark.slow
 def test_same_seed_and_threads_give_bitwise_identical_runs(tmp_path):
-    from d3s.runs.run import load_config, train
+    from d3s.runs.config import read_config_file
+    from d3s.runs.run import train
 
     for name in ("first", "second"):
-        config = load_config(run_config(tmp_path, name, max_steps=3, save_strategy="no"))
+        config = read_config_file(run_config(tmp_path, name, max_steps=3, save_strategy="no"))
         train(config)
     assert step_metrics(tmp_path / "first") == step_metrics(tmp_path / "second")
     first, second = final_weights(tmp_path / "first"), final_weights(tmp_path / "second")
@@ -303,14 +303,14 @@ def test_a_second_server_mode_attempt_with_new_ports_is_the_same_configuration(t
     _as_run_by_d3s_train(tmp_path, first)
     _, second, _ = prepare_training_job(run, tmp_path / "train.yaml", launch=launch, gpu_ids=gpus, threads=64)
     assert set(SERVER_FIELDS_SET_BY_WORKFLOW) <= PER_ATTEMPT_TRAINER_KEYS
-    assert checkpoint_config_changes(tmp_path, second) == []  # the job itself, ports set for this attempt ...
-    assert checkpoint_config_changes(tmp_path, run) == []  # ... and the workflow's view of it, before
+    assert config_differences(tmp_path, second) == {}  # the job itself, ports set for this attempt ...
+    assert config_differences(tmp_path, run) == {}  # ... and the workflow's view of it, before
     elsewhere = {"vllm_server_host": "10.0.0.2", "vllm_server_port": 1, "vllm_group_port": 2}  # another node
-    assert checkpoint_config_changes(tmp_path, second | {"trainer": second["trainer"] | elsewhere}) == []
-    assert checkpoint_config_changes(tmp_path, second | {"resume": "never"}) == []
+    assert config_differences(tmp_path, second | {"trainer": second["trainer"] | elsewhere}) == {}
+    assert config_differences(tmp_path, second | {"resume": "never"}) == {}
 
     changed = second | {"trainer": second["trainer"] | {"learning_rate": 1e-3}, "seed": 1}
-    assert checkpoint_config_changes(tmp_path, changed) == ["seed", "trainer.learning_rate"]
+    assert list(config_differences(tmp_path, changed)) == ["seed", "trainer.learning_rate"]
     assert config_differences(tmp_path, changed)["seed"] == (0, 1)
 
 
@@ -323,7 +323,7 @@ def test_threads_are_compared_per_process(tmp_path):
     )
     assert run["threads"] == job["threads"] == 2
     _as_run_by_d3s_train(tmp_path, job)
-    assert checkpoint_config_changes(tmp_path, run) == []
+    assert config_differences(tmp_path, run) == {}
     # the same job given 8 threads runs 4 per process: a real change (CPU results depend on it)
     more = _job_config(tmp_path, train_cfg, threads=8, processes=2)
     assert config_differences(tmp_path, more) == {"threads": (2, 4)}

@@ -29,23 +29,10 @@ from typing import Any
 import torch
 import yaml
 
-from d3s.runs.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
-from d3s.methods import get_method
 from d3s.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
-
-TOP_LEVEL_KEYS = {
-    "method",
-    "model",
-    "seed",
-    "threads",
-    "output_dir",
-    "dataset",
-    "template",
-    "tiny",
-    "trainer",
-    "data_dir",
-    "resume",
-}
+from d3s.methods import get_method
+from d3s.runs.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
+from d3s.runs.config import TOP_LEVEL_KEYS, TinyOptions, check_model_dir, coerce_run_config
 
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
 CPU_DEFAULTS: dict[str, Any] = {
@@ -57,13 +44,6 @@ CPU_DEFAULTS: dict[str, Any] = {
 }
 
 
-def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The YAML run config at ``path``; a missing, empty or malformed file raises ConfigError (one line)."""
-    from d3s.runs.config import read_config_file
-
-    return read_config_file(path)
-
-
 def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check_inputs: bool = True):
     """Check the config and build the D3SConfig; raises ValueError naming the field to change.
 
@@ -72,7 +52,6 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
     ``check_inputs=False`` skips the model path and training data (the workflow's input check before its
     jobs, which checks them on its own: workflow/scripts/check_inputs.py).
     """
-    from d3s.runs.config import coerce_run_config
     from d3s.trainer import D3SConfig
 
     # every value typed and range-checked (YAML reads 1e-4 as a string), unknown keys refused
@@ -113,8 +92,6 @@ def _check_hardware(settings: dict[str, Any]) -> None:
 
 def _check_inputs(config: dict[str, Any]) -> None:
     """Model path and training data must exist before any compute is spent."""
-    from d3s.runs.config import check_model_dir
-
     model = str(config.get("model", "tiny"))
     if model != "tiny":
         check_model_dir(model, "model")
@@ -172,9 +149,7 @@ def _load_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str
     from d3s.data.synthetic import arithmetic_problems
     from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
-    tiny = {"sft_steps": 150, "sft_problems": 2000, "max_ops": 1, "max_operand": 9} | dict(
-        config.get("tiny") or {}
-    )
+    tiny = dataclasses.asdict(TinyOptions(**(config.get("tiny") or {})))
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=int(config.get("seed", 0)))
     problems = arithmetic_problems(
@@ -245,15 +220,6 @@ def config_differences(
     return dict(sorted(changes.items()))
 
 
-def checkpoint_config_changes(output_dir: str | os.PathLike[str], config: dict[str, Any]) -> list[str]:
-    """The settings (``trainer.<field>`` for trainer fields) whose values differ from those of the run that wrote
-    ``output_dir``, per-attempt values (PER_ATTEMPT_KEYS, PER_ATTEMPT_TRAINER_KEYS) left out.
-
-    A checkpoint is only resumed by the configuration that made it; empty when there is nothing to compare.
-    """
-    return list(config_differences(output_dir, config))
-
-
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
     """One line per change: ``key: old -> new``."""
     return "\n".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
@@ -295,27 +261,21 @@ def supersede_run(
 
 
 def _restore_logs(checkpoint: Path, output_dir: Path, metrics_log: str, last_step: int) -> None:
-    """Put back the logs as they were at the checkpoint (saved with it), or cut the run's own back to it."""
+    """Put back the logs as they were at the checkpoint (saved with it), or cut the run's own back to its step:
+    the lines after it will be written again."""
     for name in (metrics_log, "anatomy.jsonl"):
-        saved = checkpoint / name
+        saved, log = checkpoint / name, output_dir / name
         if saved.is_file():
-            atomic_write_text(output_dir / name, saved.read_text(encoding="utf-8"))
-        else:
-            _truncate_metrics(output_dir / name, last_step)
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop log lines written after the checkpoint we resume from (they will be written again)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            break  # a line cut by a crash ends the trustworthy part
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
+            atomic_write_text(log, saved.read_text(encoding="utf-8"))
+        elif log.is_file():
+            kept = []
+            for line in log.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line)["step"] <= last_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    break  # a line cut by a crash ends the trustworthy part
+            atomic_write_text(log, "".join(line + "\n" for line in kept))
 
 
 def train(config: dict[str, Any]) -> Path:
@@ -334,7 +294,7 @@ def train(config: dict[str, Any]) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = latest_checkpoint(output_dir) if config.get("resume", "auto") == "auto" else None
     if resume_from is not None:
-        changed = checkpoint_config_changes(output_dir, config)
+        changed = config_differences(output_dir, config)  # a checkpoint resumes only the config that made it
         if changed:
             raise ValueError(
                 f"{output_dir} holds checkpoints of a run with a different configuration (changed: "
@@ -419,10 +379,5 @@ def _input_files(config: dict[str, Any]) -> dict[str, Path]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return str(value)
+    """``value`` as plain JSON/YAML data: tuples as lists, keys and other objects as strings."""
+    return json.loads(json.dumps(value, default=str))
