@@ -103,7 +103,7 @@ def _steps_of(results: Path) -> dict[tuple[str, int], int]:
     }
 
 
-def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool = False) -> pd.DataFrame:
+def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     """Every evaluation: method, seed, step (0 = the shared base model), final flag, benchmark, k, value.
 
     Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
@@ -123,7 +123,7 @@ def load_evals(results: str | Path, include_base: bool = True, allow_mixed: bool
         step = steps_of.get((point.method, point.seed)) if final else point.step
         labels = {"method": point.method, "seed": point.seed, "step": step, "final": final}
         rows += _summary_rows(point.summary, **labels, manifest=_rel(point.manifest, results))
-    if include_base and base is not None:
+    if base is not None:
         for method, seed in sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]:
             labels = {"method": method, "seed": seed, "step": 0, "final": False}
             rows += _summary_rows(base.summary, **labels, manifest=_rel(base.manifest, results))

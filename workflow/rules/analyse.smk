@@ -26,7 +26,8 @@ TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.
 STEP_EVALS = expand(
     f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{{step}}/summary.json", method=METHODS, seed=SEEDS, step=CKPT_STEPS
 )
-EVALS = [*all_final_evals(), *STEP_EVALS, f"{RESULTS}/eval/base/summary.json"]
+FINAL_EVALS = expand(f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json", method=METHODS, seed=SEEDS)
+EVALS = [*FINAL_EVALS, *STEP_EVALS, f"{RESULTS}/eval/base/summary.json"]
 PROVENANCE = f"{RESULTS}/provenance.json"
 # eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
 KL = ["kl"] if config["eval"].get("kl") else []

@@ -32,11 +32,11 @@ def _check_config():
     from d3s.orchestration.launch import check_workflow_config
     from d3s.methods import get_method
 
-    for method in METHODS:
-        try:
+    try:
+        for method in METHODS:
             get_method(method)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"config methods: {exc}") from None
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"config methods: {exc}") from None
     try:
         parse_benchmark_list(config["eval"]["benchmarks"])
     except BenchmarkError as exc:
@@ -63,7 +63,8 @@ def base_model_path():
 
 
 def model_param(wildcards, input):
-    """The model path as a rule parameter (derived from the input for the built tiny model)."""
+    """The model path as a rule parameter (derived from the input for the built tiny model, as
+    `snakemake --lint` asks of a path prefix of an input)."""
     if config["base_model"]["kind"] == "tiny":
         return str(Path(input[0]).parent)
     return config["base_model"]["path"]
@@ -71,10 +72,6 @@ def model_param(wildcards, input):
 
 def base_model_input():
     return [f"{RESULTS}/base_model/config.json"] if config["base_model"]["kind"] == "tiny" else []
-
-
-def all_final_evals():
-    return expand(f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json", method=METHODS, seed=SEEDS)
 
 
 # What each kind of pending job needs checked before the run starts (checks.smk; the checks are in

@@ -77,4 +77,3 @@ def build_base(
     (out / "sft_losses.json").write_text(json.dumps(losses))
     (out / "base_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
