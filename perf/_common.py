@@ -17,9 +17,13 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from transformers import TrainerCallback
 
 from d3s.manifest import atomic_write_text, git_state, hardware, now, package_versions
 
@@ -27,16 +31,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "results" / "perf"
 
 
-def base_parser(doc: str | None) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark has: --quick, --out, --threads."""
+def base_parser(doc: str | None, tiny_model: bool = True) -> argparse.ArgumentParser:
+    """An argument parser with every benchmark's options: --quick, --out, --threads (and --sft-steps)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
-    parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"folder for <name>.json and <name>.md ({DEFAULT_OUT})"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (1: the CPU default of RL jobs)"
-    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for <name>.json and <name>.md")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: RL jobs' CPU default)")
+    if tiny_model:
+        parser.add_argument(
+            "--sft-steps", type=int, default=150, help="SFT warm-start steps of the tiny model"
+        )
     return parser
 
 
@@ -104,7 +108,8 @@ def timed(
     """Median wall and CPU seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
 
     ``min_seconds``: keep repeating past ``repeats`` until this much wall time was measured, so very
-    short calls still get enough samples for a stable median. Returns medians, min, max and samples.
+    short calls still get enough samples for a stable median. Returns medians, min, max, samples and the
+    last call's ``result``.
     """
     for _ in range(warmup):
         fn()
@@ -112,7 +117,7 @@ def timed(
     cpu_samples: list[float] = []
     while len(samples) < repeats or sum(samples) < min_seconds:
         start, cpu_start = time.perf_counter(), time.process_time()
-        fn()
+        result = fn()
         samples.append(time.perf_counter() - start)
         cpu_samples.append(time.process_time() - cpu_start)
     return {
@@ -123,20 +128,14 @@ def timed(
         "repeats": len(samples),
         "samples_s": samples,
         "cpu_samples_s": cpu_samples,
+        "result": result,
     }
 
 
-def once(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """(result, wall seconds, CPU seconds of this process) of one call of ``fn()``."""
-    start, cpu_start = time.perf_counter(), time.process_time()
-    result = fn()
-    return result, time.perf_counter() - start, time.process_time() - cpu_start
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub Markdown table; floats are formatted by the caller (str() of anything else)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+def markdown_table(rows: Sequence[Any], columns: Mapping[str, Callable[[Any], Any]]) -> str:
+    """A GitHub Markdown table: one column per header, its cells ``column(row)`` (str() of each)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(cell(row)) for cell in columns.values()) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -152,18 +151,21 @@ def fmt_seconds(seconds: float | None) -> str:
 
 def write_results(
     name: str,
-    settings: dict[str, Any],
+    args: argparse.Namespace,
     rows: list[dict[str, Any]],
     markdown: str,
     notes: Sequence[str] = (),
-    out_dir: Path = DEFAULT_OUT,
     title: str | None = None,
+    **settings: Any,
 ) -> tuple[Path, Path]:
-    """Write ``out_dir/name.json`` and ``out_dir/name.md`` atomically; returns both paths.
+    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically; returns both paths.
 
-    ``markdown`` is the body (one or more tables); machine, versions, git state and settings are added
-    around it so the Markdown file stands on its own.
+    ``markdown`` is the body (one or more tables); machine, versions, git state and settings (the command
+    line's options but ``--out``, then ``settings``) are added around it so the Markdown file stands alone.
     """
+    print(markdown, *notes, sep="\n", flush=True)
+    settings = {key: value for key, value in vars(args).items() if key != "out"} | settings
+    out_dir: Path = args.out
     info = machine()
     versions = package_versions()
     git = git_state()
@@ -201,7 +203,7 @@ def write_results(
 
 
 # --------------------------------------------------------------------------------------------------
-# The tiny model and trainer, in the geometry of perf/step_time_per_method.py: 8 prompts x 8
+# The tiny model and trainer, in the step-time geometry (d3s train's tiny run): 8 prompts x 8
 # rollouts per step, completions up to 24 tokens, one-step sums of digits, SFT warm start 150 steps.
 
 TINY_TRAINER: dict[str, Any] = {
@@ -271,23 +273,38 @@ def build_tiny_trainer(
     return trainer
 
 
-def step_timer() -> Any:
-    """A TrainerCallback recording the wall and CPU seconds of every optimizer step (``.seconds``,
-    ``.cpu_seconds``), from on_step_begin to on_step_end: generation, scoring, selection, forward,
-    backward, optimizer."""
-    from transformers import TrainerCallback
+class StepRecorder(TrainerCallback):
+    """Per-step wall and CPU seconds (``cpu_clock``), on_step_begin -> on_step_end, and the timers and
+    counters added during the step (``now``, ``timing``): one dict per optimizer step in ``steps``."""
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
-            self.cpu_seconds: list[float] = []  # this process and the grading worker (cpu_clock)
-            self._start = self._cpu_start = 0.0
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.now: defaultdict[str, float] = defaultdict(float)
+        self.phase = "other"  # what the step is doing now (end_to_end_step: what a model forward belongs to)
+        self._start = self._cpu_start = 0.0
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start, self._cpu_start = time.perf_counter(), cpu_clock()
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.now = defaultdict(float)
+        self._start, self._cpu_start = time.perf_counter(), cpu_clock()
 
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self._start)
-            self.cpu_seconds.append(cpu_clock() - self._cpu_start)
+    def on_step_end(self, args, state, control, **kwargs):
+        self.now["step_s"] = time.perf_counter() - self._start
+        self.now["step_cpu_s"] = cpu_clock() - self._cpu_start
+        self.steps.append(dict(self.now))
 
-    return StepTimer()
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.steps and logs and "step_time" in logs:  # TRL's training_step time, logged after the step
+            self.steps[-1]["trl_step_time_s"] = logs["step_time"]
+
+    @contextmanager
+    def timing(self, key: str, phase: str | None = None, cpu: bool = False) -> Iterator[None]:
+        """Wall seconds under ``key`` (in ``phase``); with ``cpu`` also CPU seconds under ``key_cpu``."""
+        previous, self.phase = self.phase, phase or self.phase
+        start, cpu_start = time.perf_counter(), cpu_clock() if cpu else 0.0
+        try:
+            yield
+        finally:
+            self.now[key] += time.perf_counter() - start
+            if cpu:  # cpu_clock reads /proc for the grading worker: not for tiny timers
+                self.now[key.replace("_s", "_cpu_s")] += cpu_clock() - cpu_start
+            self.phase = previous

@@ -2,10 +2,12 @@
 
     .venv/bin/python perf/end_to_end_step.py            # 10 methods x 2 settings x 2 rounds, ~3 min
     .venv/bin/python perf/end_to_end_step.py --quick    # grpo and d3s, 2 steps: a smoke run
+    # wall seconds per step of every method, 20 steps (results/perf/step_time_per_method.md):
+    .venv/bin/python perf/end_to_end_step.py --methods all --settings beta0_iter1 --cycles 19 --rounds 1
 
 Writes results/perf/end_to_end_step.{json,md} (``--out`` elsewhere).
 
-Every method trains the same SFT-warm-started tiny model in the geometry of step_time_per_method.py
+Every method trains the same SFT-warm-started tiny model in the step-time geometry
 (8 prompts x 8 rollouts, completions <= 24 tokens, 1 torch thread), in two settings:
   * ``beta=0, num_iterations=1`` (the CPU default: no reference or old-policy pass), and
   * ``beta=0.04, num_iterations=2`` (a reference pass, an old-policy pass, and a second update on the same
@@ -41,24 +43,26 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from _common import (
+    TINY_TRAINER,
+    StepRecorder,
     base_parser,
     build_tiny_trainer,
-    cpu_clock,
     fmt_seconds,
     markdown_table,
     prepare_tiny_model,
     set_threads,
     write_results,
 )
-from transformers import TrainerCallback
 
 import d3s.trainer as d3s_trainer
+from d3s.methods import METHODS as ALL_METHODS
 
 NAME = "end_to_end_step"
 METHODS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "entropy_8020", "gspo", "gspo_d3s"]
@@ -68,48 +72,9 @@ SETTINGS = {
 }
 
 
-# Timers that also record CPU seconds (cpu_clock reads /proc for the grading worker: not for tiny timers).
-CPU_TIMED = {"generation_phase_s", "compute_loss_s"}
-
-
-class StepRecorder(TrainerCallback):
-    """Per-step totals of the timers and counters; the current step's go in ``self.now``."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
-        self.now: defaultdict[str, float] = defaultdict(float)
-        self.phase = "other"  # generate / scoring / loss / other: what a model forward belongs to
-        self._start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.now = defaultdict(float)
-        self._start, self._cpu_start = time.perf_counter(), cpu_clock()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.now["step_s"] = time.perf_counter() - self._start
-        self.now["step_cpu_s"] = cpu_clock() - self._cpu_start
-        self.steps.append(dict(self.now))
-
-    @contextmanager
-    def timing(self, key: str, phase: str | None = None) -> Iterator[None]:
-        """Wall seconds under ``key``; for the phase timers also CPU seconds under ``key_cpu``."""
-        previous = self.phase
-        if phase is not None:
-            self.phase = phase
-        cpu = key in CPU_TIMED
-        start, cpu_start = time.perf_counter(), cpu_clock() if cpu else 0.0
-        try:
-            yield
-        finally:
-            self.now[key] += time.perf_counter() - start
-            if cpu:
-                self.now[key.replace("_s", "_cpu_s")] += cpu_clock() - cpu_start
-            self.phase = previous
-
-
 def _wrap(recorder: StepRecorder, fn: Callable[..., Any], key: str, phase: str | None = None) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with recorder.timing(key, phase):
+        with recorder.timing(key, phase, cpu=key in ("generation_phase_s", "compute_loss_s")):
             return fn(*args, **kwargs)
 
     return wrapper
@@ -163,9 +128,10 @@ def _count_forward(recorder: StepRecorder, model: torch.nn.Module, role: str) ->
 def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     """Timers on the trainer instance, the model and d3s.trainer's selection functions; undone on exit."""
     trainer.add_callback(recorder)
-    originals = {name: getattr(d3s_trainer, name) for name in ("select_samples", "token_keep_mask")}
-    d3s_trainer.select_samples = _wrap(recorder, originals["select_samples"], "select_samples_s")
-    d3s_trainer.token_keep_mask = _wrap(recorder, originals["token_keep_mask"], "token_mask_s")
+    restore = ExitStack()
+    for name, key in (("select_samples", "select_samples_s"), ("token_keep_mask", "token_mask_s")):
+        patch = mock.patch.object(d3s_trainer, name, _wrap(recorder, getattr(d3s_trainer, name), key))
+        restore.enter_context(patch)
     trainer._generate_and_score_completions = _wrap(
         recorder, trainer._generate_and_score_completions, "generation_phase_s", "scoring"
     )
@@ -191,13 +157,9 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     hooks = _count_forward(recorder, model, "policy")
     if getattr(trainer, "ref_model", None) is not None:
         hooks += _count_forward(recorder, trainer.ref_model, "ref")
-    try:
+    restore.callback(lambda: [hook.remove() for hook in hooks])
+    with restore:
         yield
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for name, fn in originals.items():
-            setattr(d3s_trainer, name, fn)
 
 
 def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[str, Any]:
@@ -244,6 +206,8 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
         "lm_head_grad_positions": forward["loss_grad_head_grad"],
         "completion_tokens_in_update": mean.get("completion_tokens_in_update", 0.0),
         "update_rows": mean.get("update_rows", 0.0),
+        "sample_keep_fraction": mean.get("update_rows", 0.0) / TINY_TRAINER["per_device_train_batch_size"],
+        "trl_step_time_median": statistics.median(step.get("trl_step_time_s", 0.0) for step in steps),
         "backprop_tokens": mean.get("backprop_tokens", 0.0),
         "forward_tokens_total": forward["generate_nograd_tokens"]
         + forward["scoring_nograd_tokens"]
@@ -275,25 +239,21 @@ def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument(
-        "--methods", help=f"comma-separated (default: all; --quick: grpo,d3s): {', '.join(METHODS)}"
+        "--methods", help=f"comma-separated or all (default: {','.join(METHODS)}; --quick: grpo,d3s)"
     )
     parser.add_argument(
         "--settings", help=f"comma-separated (default: all; --quick: the first): {', '.join(SETTINGS)}"
     )
-    parser.add_argument(
-        "--cycles", type=int, default=5, help="generation cycles timed per method (after one warm-up)"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=2, help="runs per method, method order reversed each round"
-    )
-    parser.add_argument("--sft-steps", type=int, default=150)
+    parser.add_argument("--cycles", type=int, default=5, help="generation cycles timed per method run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per method, order reversed each round")
     args = parser.parse_args()
     if args.quick:
         args.cycles, args.sft_steps, args.rounds = 1, 0, 1
     args.methods = args.methods or ("grpo,d3s" if args.quick else ",".join(METHODS))
     args.settings = args.settings or (next(iter(SETTINGS)) if args.quick else ",".join(SETTINGS))
     set_threads(args.threads)
-    methods, settings = args.methods.split(","), args.settings.split(",")
+    methods = sorted(ALL_METHODS) if args.methods == "all" else args.methods.split(",")
+    settings = args.settings.split(",")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
@@ -307,9 +267,8 @@ def main() -> None:
             infos: dict[str, dict] = {}
             # Alternate the method order between rounds so drifts in machine load do not favour one end.
             for round_index in range(args.rounds):
-                order = methods if round_index % 2 == 0 else methods[::-1]
-                for method in order:
-                    recorded, info = run_method(
+                for method in methods if round_index % 2 == 0 else methods[::-1]:
+                    recorded, infos[method] = run_method(
                         method,
                         setting,
                         model_dir,
@@ -317,7 +276,6 @@ def main() -> None:
                         Path(tmp) / str(round_index),
                     )
                     steps[method] += recorded
-                    infos[method] = info
                     print(f"{setting} round {round_index} {method}: {len(recorded)} steps", flush=True)
             for method in methods:
                 row = summarise(method, setting, steps[method]) | infos[method] | {"rounds": args.rounds}
@@ -328,6 +286,39 @@ def main() -> None:
                     flush=True,
                 )
 
+    def share(key: str, digits: int = 0) -> Callable[[dict], str]:
+        return lambda r: f"{100 * r[key] / r['step_s']:.{digits}f} %"
+
+    time_columns = {
+        "method": lambda r: r["method"],
+        "step (wall)": lambda r: fmt_seconds(r["step_s"]),
+        "step / grpo (wall / CPU)": lambda r: f"{r['step_vs_grpo']:.2f} / {r['step_cpu_vs_grpo']:.2f}",
+        "TRL step_time (median)": lambda r: fmt_seconds(r["trl_step_time_median"]),
+        "generation phase": share("generation_phase_s"),
+        "of which generate": share("generate_s"),
+        "rewards": share("reward_s"),
+        "no-grad log-prob passes": share("scoring_forward_s"),
+        "sample selection": share("select_samples_s", 2),
+        "update phase": share("update_phase_s"),
+        "of which loss forward": share("compute_loss_s"),
+        "backward + optimizer": share("backward_optimizer_s"),
+        "update phase (% of step CPU)": lambda r: f"{100 * r['update_phase_cpu_s'] / r['step_cpu_s']:.0f} %",
+        "update / grpo (wall / CPU)": lambda r: f"{r['update_vs_grpo']:.2f} / {r['update_cpu_vs_grpo']:.2f}",
+    }
+    token_columns = {
+        "method": lambda r: r["method"],
+        "samples kept": lambda r: f"{r['sample_keep_fraction']:.2f}",
+        "generation (prefill + decode)": lambda r: f"{r['generation_tokens']:.0f}",
+        "no-grad log-prob passes": lambda r: (
+            f"{r['scoring_pass_tokens']:.0f} ({r['scoring_passes']:.1f} passes/step)"
+        ),
+        "gradient pass": lambda r: f"{r['loss_pass_tokens']:.0f}",
+        "positions scored by the LM head (gradient pass)": lambda r: f"{r['loss_pass_scored']:.0f}",
+        "LM-head positions with gradient": lambda r: f"{r['lm_head_grad_positions']:.0f}",
+        "tokens backpropagated (update_tokens)": lambda r: f"{r['backprop_tokens']:.0f}",
+        "backprop / grpo": lambda r: f"{r['backprop_tokens_vs_grpo']:.2f}",
+        "all forwarded / grpo": lambda r: f"{r['forward_tokens_vs_grpo']:.2f}",
+    }
     tables = []
     for setting in settings:
         subset = [r for r in rows if r["setting"] == setting]
@@ -339,38 +330,6 @@ def main() -> None:
             r["update_cpu_vs_grpo"] = r["update_phase_cpu_s"] / base["update_phase_cpu_s"]
             r["backprop_tokens_vs_grpo"] = r["backprop_tokens"] / max(base["backprop_tokens"], 1.0)
             r["forward_tokens_vs_grpo"] = r["forward_tokens_total"] / max(base["forward_tokens_total"], 1.0)
-        time_rows = [
-            [
-                r["method"],
-                fmt_seconds(r["step_s"]),
-                f"{r['step_vs_grpo']:.2f} / {r['step_cpu_vs_grpo']:.2f}",
-                f"{100 * r['generation_phase_s'] / r['step_s']:.0f} %",
-                f"{100 * r['generate_s'] / r['step_s']:.0f} %",
-                f"{100 * r['reward_s'] / r['step_s']:.0f} %",
-                f"{100 * r['scoring_forward_s'] / r['step_s']:.0f} %",
-                f"{100 * r['select_samples_s'] / r['step_s']:.2f} %",
-                f"{100 * r['update_phase_s'] / r['step_s']:.0f} %",
-                f"{100 * r['compute_loss_s'] / r['step_s']:.0f} %",
-                f"{100 * r['backward_optimizer_s'] / r['step_s']:.0f} %",
-                f"{100 * r['update_phase_cpu_s'] / r['step_cpu_s']:.0f} %",
-                f"{r['update_vs_grpo']:.2f} / {r['update_cpu_vs_grpo']:.2f}",
-            ]
-            for r in subset
-        ]
-        token_rows = [
-            [
-                r["method"],
-                f"{r['generation_tokens']:.0f}",
-                f"{r['scoring_pass_tokens']:.0f} ({r['scoring_passes']:.1f} passes/step)",
-                f"{r['loss_pass_tokens']:.0f}",
-                f"{r['loss_pass_scored']:.0f}",
-                f"{r['lm_head_grad_positions']:.0f}",
-                f"{r['backprop_tokens']:.0f}",
-                f"{r['backprop_tokens_vs_grpo']:.2f}",
-                f"{r['forward_tokens_vs_grpo']:.2f}",
-            ]
-            for r in subset
-        ]
         overrides = SETTINGS[setting]
         tables += [
             f"## {setting}: beta={overrides['beta']}, num_iterations={overrides['num_iterations']}",
@@ -378,41 +337,11 @@ def main() -> None:
             "Time per step (mean), split into the generation phase and the update phase, as % of the step's "
             "wall time (and the update phase as % of its CPU time); ratios to grpo by wall and by CPU time:",
             "",
-            markdown_table(
-                [
-                    "method",
-                    "step (wall)",
-                    "step / grpo (wall / CPU)",
-                    "generation phase",
-                    "of which generate",
-                    "rewards",
-                    "no-grad log-prob passes",
-                    "sample selection",
-                    "update phase",
-                    "of which loss forward",
-                    "backward + optimizer",
-                    "update phase (% of step CPU)",
-                    "update / grpo (wall / CPU)",
-                ],
-                time_rows,
-            ),
+            markdown_table(subset, time_columns),
             "",
             "Tokens per step (mean; non-padding tokens fed to the model):",
             "",
-            markdown_table(
-                [
-                    "method",
-                    "generation (prefill + decode)",
-                    "no-grad log-prob passes",
-                    "gradient pass",
-                    "positions scored by the LM head (gradient pass)",
-                    "LM-head positions with gradient",
-                    "tokens backpropagated (update_tokens)",
-                    "backprop / grpo",
-                    "all forwarded / grpo",
-                ],
-                token_rows,
-            ),
+            markdown_table(subset, token_columns),
             "",
         ]
     notes = [
@@ -439,18 +368,17 @@ def main() -> None:
                 "differences of that size between methods are noise."
             )
     markdown = "\n".join(tables)
-    print(markdown)
-    run_settings = {
-        "methods": methods,
-        "settings": {s: SETTINGS[s] for s in settings},
-        "cycles": args.cycles,
-        "rounds": args.rounds,
-        "sft_steps": args.sft_steps,
-        "threads": args.threads,
-        "batch": "8 prompts x 8 rollouts, max 24 completion tokens",
-        "quick": args.quick,
-    }
-    write_results(NAME, run_settings, rows, markdown, notes, args.out, title="End-to-end step per method")
+    write_results(
+        NAME,
+        args,
+        rows,
+        markdown,
+        notes,
+        title="End-to-end step per method",
+        methods=methods,
+        settings={s: SETTINGS[s] for s in settings},
+        batch="8 prompts x 8 rollouts, max 24 completion tokens",
+    )
 
 
 if __name__ == "__main__":

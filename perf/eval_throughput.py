@@ -24,6 +24,7 @@ evaluation settings, shortened), with 8 and 32 prompts per ``generate`` call, an
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -120,33 +121,18 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
         p.question for p in load_benchmark("synthetic", synthetic={"count": problems, **TINY_EVAL_TASK})
     ]
     seeds = list(range(len(prompts)))
+    sampled = GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32)
     configs = [
-        (
-            "sampled, 8 per problem",
-            8,
-            GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32),
-        ),
-        (
-            "sampled, 8 per problem",
-            32,
-            GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32),
-        ),
+        ("sampled, 8 per problem", 8, sampled),
+        ("sampled, 8 per problem", 32, sampled),
         ("greedy, 1 per problem", 64, GenerationSettings(samples=1, temperature=0.0, max_new_tokens=32)),
     ]
     rows = []
     for label, batch, settings in configs:
         backend = TransformersBackend(str(model_dir), model=model, tokenizer=tokenizer, batch_size=batch)
-        outputs: list[Any] = []
-
-        def run(
-            backend: TransformersBackend = backend,
-            settings: GenerationSettings = settings,
-            outputs: list[Any] = outputs,
-        ) -> None:
-            outputs[:] = backend.generate(prompts, settings, seeds, add_special_tokens=False)
-
-        timing = timed(run, repeats=repeats, warmup=1)
-        samples = [s for per_problem in outputs for s in per_problem]
+        generate = functools.partial(backend.generate, prompts, settings, seeds, add_special_tokens=False)
+        timing = timed(generate, repeats=repeats, warmup=1)
+        samples = [s for per_problem in timing["result"] for s in per_problem]
         tokens = sum(s.num_tokens for s in samples)
         seconds = timing["median_s"]
         rows.append(
@@ -179,7 +165,6 @@ def main() -> None:
     parser.add_argument("--math500-answers", type=int, default=500, help="the first 100 are the cold pass")
     parser.add_argument("--problems", type=int, default=128, help="synthetic problems to generate for")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sft-steps", type=int, default=150)
     args = parser.parse_args()
     if args.quick:
         args.synthetic_answers, args.math500_answers, args.problems = 40, 15, 16
@@ -211,67 +196,39 @@ def main() -> None:
         )
         r["vs_1_warm_worker"] = r["answers_per_s"] / single["answers_per_s"]
     grading_table = markdown_table(
-        [
-            "answers",
-            "mean length (chars)",
-            "grader",
-            "pass",
-            "answers",
-            "time",
-            "answers/s",
-            "vs 1 warm worker",
-            "correct",
-            "timeouts",
-        ],
-        [
-            [
-                r["answers"],
-                f"{r['mean_chars']:.0f}",
+        grading,
+        {
+            "answer set": lambda r: r["answers"],
+            "mean length (chars)": lambda r: f"{r['mean_chars']:.0f}",
+            "grader": lambda r: (
                 f"{r['workers']} worker subprocess{'es' if r['workers'] > 1 else ''}"
                 if r["mode"] == "subprocess"
-                else "in-process, no time limit",
-                "cold (fresh workers)" if r["phase"] == "cold" else "warm",
-                r["count"],
-                fmt_seconds(r["seconds"]),
-                f"{r['answers_per_s']:.0f}",
-                f"{r['vs_1_warm_worker']:.2f}x",
-                r["correct"],
-                r["timeouts"],
-            ]
-            for r in grading
-        ],
+                else "in-process, no time limit"
+            ),
+            "pass": lambda r: "cold (fresh workers)" if r["phase"] == "cold" else "warm",
+            "answers": lambda r: r["count"],
+            "time": lambda r: fmt_seconds(r["seconds"]),
+            "answers/s": lambda r: f"{r['answers_per_s']:.0f}",
+            "vs 1 warm worker": lambda r: f"{r['vs_1_warm_worker']:.2f}x",
+            "correct": lambda r: r["correct"],
+            "timeouts": lambda r: r["timeouts"],
+        },
     )
-    generation = [r for r in rows if r["kind"] == "generation"]
     generation_table = markdown_table(
-        [
-            "decoding",
-            "prompts per generate call",
-            "rows per call",
-            "samples",
-            "mean tokens",
-            "time",
-            "CPU time",
-            "tokens/s",
-            "tokens per CPU s",
-            "problems/s",
-            "samples/s",
-        ],
-        [
-            [
-                r["decoding"],
-                r["prompts_per_call"],
-                r["rows_per_call"],
-                r["samples"],
-                f"{r['mean_tokens']:.1f}",
-                fmt_seconds(r["seconds"]),
-                fmt_seconds(r["cpu_seconds"]),
-                f"{r['tokens_per_s']:.0f}",
-                f"{r['tokens_per_cpu_s']:.0f}",
-                f"{r['problems_per_s']:.1f}",
-                f"{r['samples_per_s']:.0f}",
-            ]
-            for r in generation
-        ],
+        [r for r in rows if r["kind"] == "generation"],
+        {
+            "decoding": lambda r: r["decoding"],
+            "prompts per generate call": lambda r: r["prompts_per_call"],
+            "rows per call": lambda r: r["rows_per_call"],
+            "samples": lambda r: r["samples"],
+            "mean tokens": lambda r: f"{r['mean_tokens']:.1f}",
+            "time": lambda r: fmt_seconds(r["seconds"]),
+            "CPU time": lambda r: fmt_seconds(r["cpu_seconds"]),
+            "tokens/s": lambda r: f"{r['tokens_per_s']:.0f}",
+            "tokens per CPU s": lambda r: f"{r['tokens_per_cpu_s']:.0f}",
+            "problems/s": lambda r: f"{r['problems_per_s']:.1f}",
+            "samples/s": lambda r: f"{r['samples_per_s']:.0f}",
+        },
     )
     notes += [
         "Grading: per answer set, a cold pass (the first fifth of the answers, on freshly started workers) "
@@ -290,17 +247,15 @@ def main() -> None:
         + "\n\n## Generation (transformers backend)\n\n"
         + generation_table
     )
-    print(markdown)
-    settings = {
-        "synthetic_answers": args.synthetic_answers,
-        "math500_answers": args.math500_answers if math500 is not None else 0,
-        "generation_problems": args.problems,
-        "repeats": args.repeats,
-        "sft_steps": args.sft_steps,
-        "threads": args.threads,
-        "quick": args.quick,
-    }
-    write_results(NAME, settings, rows, markdown, notes, args.out, title="Evaluation throughput")
+    write_results(
+        NAME,
+        args,
+        rows,
+        markdown,
+        notes,
+        title="Evaluation throughput",
+        math500_answers=args.math500_answers if math500 is not None else 0,
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ ADVERSARIAL = {
 
 
 def main() -> None:
-    parser = base_parser(__doc__)
+    parser = base_parser(__doc__, tiny_model=False)
     parser.add_argument("--limit", type=float, default=1.5, help="seconds per answer (the tests' limit)")
     args = parser.parse_args()
     if args.quick:
@@ -75,42 +75,30 @@ def main() -> None:
         }
     )
     answer_table = markdown_table(
-        ["answer", "timed out", "correct", "seconds", "past the limit"],
-        [
-            [
-                row["answer"],
-                row["timed_out"],
-                row["correct"],
-                fmt_seconds(row["seconds"]),
-                fmt_seconds(row["past_limit_s"]),
-            ]
-            for row in rows[:-1]
-        ],
+        rows[:-1],
+        {
+            "answer": lambda r: r["answer"],
+            "timed out": lambda r: r["timed_out"],
+            "correct": lambda r: r["correct"],
+            "seconds": lambda r: fmt_seconds(r["seconds"]),
+            "past the limit": lambda r: fmt_seconds(r["past_limit_s"]),
+        },
     )
-    batch = rows[-1]
     batch_table = markdown_table(
-        ["answers", "workers", "timeouts", "restarts", "batch wall", "limit x answers / workers", "ratio"],
-        [
-            [
-                batch["answers"],
-                WORKERS,
-                batch["timeouts"],
-                batch["restarts"],
-                fmt_seconds(batch["seconds"]),
-                fmt_seconds(bound),
-                f"{batch['seconds_over_that']:.2f}",
-            ]
-        ],
+        rows[-1:],
+        {
+            "answers": lambda r: r["answers"],
+            "workers": lambda r: r["workers"],
+            "timeouts": lambda r: r["timeouts"],
+            "restarts": lambda r: r["restarts"],
+            "batch wall": lambda r: fmt_seconds(r["seconds"]),
+            "limit x answers / workers": lambda r: fmt_seconds(r["limit_times_answers_per_worker_s"]),
+            "ratio": lambda r: f"{r['seconds_over_that']:.2f}",
+        },
     )
     markdown = f"{answer_table}\n\n{batch_table}"
-    print(markdown, flush=True)
     write_results(
-        NAME,
-        {"quick": args.quick, "limit_s": args.limit, "workers": WORKERS},
-        rows,
-        markdown,
-        out_dir=args.out,
-        title="Grading under the per-answer time limit",
+        NAME, args, rows, markdown, title="Grading under the per-answer time limit", workers=WORKERS
     )
 
 

@@ -19,7 +19,7 @@ Cross-group rule (D3S, D1S-Cross): ``select_samples(scope="batch")`` on the pool
     (O(1) per split), i.e. the sort-and-scan of the PODS paper written as a loop.
 Loops too slow for the full size are timed on a subset (groups, or evenly spaced split points) and
 extrapolated linearly; the table says which. Every loop's pick is checked to have the same variance
-as the vectorised pick. The tiny model's training step (GRPO, the step_time_per_method geometry) is
+as the vectorised pick. The tiny model's training step (GRPO, in the step-time geometry) is
 measured in the same run, and selection is reported as a percentage of it, both at the benchmark size
 and at the step's own batch (8 prompts x 8 rollouts, keep 2 per prompt). Ratios are taken between CPU
 times (everything here is single-threaded; wall times, also recorded, count waiting for the cores of a
@@ -37,14 +37,13 @@ from typing import Any
 
 import torch
 from _common import (
+    StepRecorder,
     base_parser,
     build_tiny_trainer,
     fmt_seconds,
     markdown_table,
-    once,
     prepare_tiny_model,
     set_threads,
-    step_timer,
     timed,
     write_results,
 )
@@ -164,10 +163,11 @@ def tiny_step_seconds(steps: int, sft_steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=sft_steps)
         trainer = build_tiny_trainer("grpo", model_dir, Path(tmp) / "run", max_steps=steps, metrics_log=None)
-        timer = step_timer()
-        trainer.add_callback(timer)
+        recorder = StepRecorder()
+        trainer.add_callback(recorder)
         trainer.train()
-    wall, cpu = timer.seconds[1:] or timer.seconds, timer.cpu_seconds[1:] or timer.cpu_seconds
+    steps = recorder.steps[1:] or recorder.steps
+    wall, cpu = [step["step_s"] for step in steps], [step["step_cpu_s"] for step in steps]
     return {
         "median_s": statistics.median(wall),
         "cpu_median_s": statistics.median(cpu),
@@ -185,12 +185,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--keep", type=int, default=8, help="rollouts kept per group")
     parser.add_argument("--loop-groups", type=int, default=4096, help="groups the loops are timed on")
-    parser.add_argument(
-        "--loop-splits", type=int, default=64, help="split points the O(k^2) loop is timed on"
-    )
+    parser.add_argument("--loop-splits", type=int, default=64, help="splits the O(k^2) loop is timed on")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--train-steps", type=int, default=8, help="tiny-model GRPO steps to time")
-    parser.add_argument("--sft-steps", type=int, default=150)
     args = parser.parse_args()
     if args.quick:
         args.log2_rollouts, args.loop_groups, args.loop_splits = 14, 64, 16
@@ -206,73 +203,62 @@ def main() -> None:
     flat_a, flat_r = advantages.flatten(), rewards.flatten()
     rows: list[dict[str, Any]] = []
 
-    def add(scope: str, implementation: str, wall: float, cpu: float, measured: str, **extra: Any) -> None:
-        row = {"scope": scope, "implementation": implementation, "seconds": wall, "cpu_seconds": cpu}
-        rows.append(row | {"measured": measured, **extra})
-        print(scope, implementation, fmt_seconds(wall), f"(CPU {fmt_seconds(cpu)})", measured, flush=True)
-
-    def add_timed(scope: str, implementation: str, fn: Any) -> dict[str, Any]:
-        timing = timed(fn, repeats=args.repeats)
-        add(
-            scope,
-            implementation,
-            timing["median_s"],
-            timing["cpu_median_s"],
-            f"median of {timing['repeats']}",
-        )
+    def add(scope: str, implementation: str, fn: Any, scale: float | None = None, how: str = "") -> dict:
+        """Time ``fn`` into a row: the median of --repeats calls, or with ``scale`` (a loop) one call times it."""
+        timing = timed(fn, repeats=args.repeats) if scale is None else timed(fn, repeats=1, warmup=0)
+        wall, cpu = timing["median_s"] * (scale or 1), timing["cpu_median_s"] * (scale or 1)
+        how = how or f"median of {timing['repeats']}"
+        rows.append({"scope": scope, "implementation": implementation, "seconds": wall, "cpu_seconds": cpu})
+        rows[-1]["measured"] = how
+        print(scope, implementation, fmt_seconds(wall), f"(CPU {fmt_seconds(cpu)})", how, flush=True)
         return timing
 
-    def add_loop(scope: str, implementation: str, fn: Any, scale: float, how: str, **extra: Any) -> Any:
-        result, wall, cpu = once(fn)
-        add(scope, implementation, wall * scale, cpu * scale, how, **extra)
-        return result
-
     # ---- intra-group ---------------------------------------------------------------------------
-    vec_group = add_timed(
+    vec_group = add(
         "group",
         "select_samples (vectorised)",
         lambda: select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="group"),
     )
-    vec_subset = add_timed(
+    vec_subset = add(
         "group", "max_variance_subset (vectorised)", lambda: max_variance_subset(advantages, keep)
     )
     picks = max_variance_subset(advantages, keep)
     scale = num_groups / loop_groups
     sub = advantages[:loop_groups]
     how = "full" if scale == 1 else f"{loop_groups} groups, x{scale:g} extrapolated"
-    torch_picks = add_loop(
+    torch_picks = add(
         "group", "PODS loop, per-group torch ops", lambda: pods_loop_torch(sub, keep), scale, how
     )
-    rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, torch_picks)
+    rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, torch_picks["result"])
     sub_lists = sub.double().tolist()
-    python_picks = add_loop(
+    python_picks = add(
         "group", "PODS loop, plain Python", lambda: pods_loop_python(sub_lists, keep), scale, how
     )
-    rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, python_picks)
+    rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, python_picks["result"])
 
     # ---- cross-group -----------------------------------------------------------------------------
-    vec_batch = add_timed(
+    vec_batch = add(
         "batch",
         "select_samples (vectorised)",
         lambda: select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="batch"),
     )
     batch_pick = select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="batch")
     batch_var = population_var(flat_a[batch_pick])
-    running_pick = add_loop(
+    running_pick = add(
         "batch",
         "split loop, running sums (Python)",
         lambda: cross_loop_running(flat_a, batch_keep),
-        1.0,
+        1,
         "full",
     )
-    gap = abs(population_var(flat_a[running_pick]) - batch_var)
+    gap = abs(population_var(flat_a[running_pick["result"]]) - batch_var)
     rows[-1]["var_gap_over_tolerance"] = gap / tie_tolerance(flat_a, batch_keep)
 
     ordered = torch.sort(flat_a.double(), descending=True).values
     stride = max(1, (batch_keep + 1) // args.loop_splits)
     sample_splits = list(range(0, batch_keep + 1, stride))[: args.loop_splits]
     split_scale = (batch_keep + 1) / len(sample_splits)
-    add_loop(
+    add(
         "batch",
         "split loop, variance recomputed",
         lambda: cross_loop_recompute(ordered, batch_keep, sample_splits),
@@ -309,45 +295,31 @@ def main() -> None:
     for row in rows:
         row["vectorised_speedup"] = row["cpu_seconds"] / reference[row["scope"]]
         row["percent_of_tiny_step"] = 100 * row["cpu_seconds"] / step_cpu
-    headers = [
-        "scope",
-        "implementation",
-        "wall time",
-        "CPU time",
-        "how measured",
-        "CPU time / vectorised",
-        "% of tiny step (CPU)",
-        "max |ΔVar| / tie tolerance",
-    ]
-    table_rows = [
-        [
-            r["scope"],
-            r["implementation"],
-            fmt_seconds(r["seconds"]),
-            fmt_seconds(r["cpu_seconds"]),
-            r["measured"],
-            f"{r['vectorised_speedup']:.1f}x",
-            f"{r['percent_of_tiny_step']:.1f} %",
-            f"{r['var_gap_over_tolerance']:.2f}" if "var_gap_over_tolerance" in r else "",
-        ]
-        for r in rows
-    ]
+    table = markdown_table(
+        rows,
+        {
+            "scope": lambda r: r["scope"],
+            "implementation": lambda r: r["implementation"],
+            "wall time": lambda r: fmt_seconds(r["seconds"]),
+            "CPU time": lambda r: fmt_seconds(r["cpu_seconds"]),
+            "how measured": lambda r: r["measured"],
+            "CPU time / vectorised": lambda r: f"{r['vectorised_speedup']:.1f}x",
+            "% of tiny step (CPU)": lambda r: f"{r['percent_of_tiny_step']:.1f} %",
+            "max |ΔVar| / tie tolerance": lambda r: (
+                f"{r['var_gap_over_tolerance']:.2f}" if "var_gap_over_tolerance" in r else ""
+            ),
+        },
+    )
     step_table = markdown_table(
-        [
-            "selection at the tiny step's batch (64 rollouts, groups of 8, keep 2)",
-            "wall time",
-            "CPU time",
-            "% of tiny step (CPU)",
-        ],
-        [
-            [
-                f"select_samples, scope={scope}",
-                fmt_seconds(t["median_s"]),
-                fmt_seconds(t["cpu_median_s"]),
-                f"{100 * t['cpu_median_s'] / step_cpu:.3f} %",
-            ]
-            for scope, t in at_step.items()
-        ],
+        at_step.items(),
+        {
+            "selection at the tiny step's batch (64 rollouts, groups of 8, keep 2)": lambda st: (
+                f"select_samples, scope={st[0]}"
+            ),
+            "wall time": lambda st: fmt_seconds(st[1]["median_s"]),
+            "CPU time": lambda st: fmt_seconds(st[1]["cpu_median_s"]),
+            "% of tiny step (CPU)": lambda st: f"{100 * st[1]['cpu_median_s'] / step_cpu:.3f} %",
+        },
     )
     rows.append(
         {
@@ -367,15 +339,10 @@ def main() -> None:
         }
         for scope, t in at_step.items()
     ]
-    loop_torch = next(r for r in rows if r["implementation"] == "PODS loop, per-group torch ops")[
-        "cpu_seconds"
-    ]
-    running = next(r for r in rows if r["implementation"] == "split loop, running sums (Python)")[
-        "cpu_seconds"
-    ]
-    recompute = next(r for r in rows if r["implementation"] == "split loop, variance recomputed")[
-        "cpu_seconds"
-    ]
+    cpu = {(r["scope"], r["implementation"]): r["cpu_seconds"] for r in rows}
+    loop_torch = cpu["group", "PODS loop, per-group torch ops"]
+    running = cpu["batch", "split loop, running sums (Python)"]
+    recompute = cpu["batch", "split loop, variance recomputed"]
     pods_ratio = loop_torch / vec_group["cpu_median_s"]
     step_pct = {scope: 100 * t["cpu_median_s"] / step_cpu for scope, t in at_step.items()}
     notes = [
@@ -406,22 +373,18 @@ def main() -> None:
         "groups, neighbouring splits near the optimum can differ by less than the input's rounding, and the "
         "rule then takes the largest i among them.",
     ]
-    markdown = markdown_table(headers, table_rows) + "\n\n" + step_table
-    print(markdown)
-    print("\n".join(notes))
-    settings = {
-        "rollouts": total,
-        "group_size": group_size,
-        "keep_per_group": keep,
-        "loop_groups": loop_groups,
-        "loop_splits": len(sample_splits),
-        "repeats": args.repeats,
-        "train_steps": args.train_steps,
-        "sft_steps": args.sft_steps,
-        "threads": args.threads,
-        "quick": args.quick,
-    }
-    write_results(NAME, settings, rows, markdown, notes, args.out, title="Selection overhead")
+    markdown = table + "\n\n" + step_table
+    write_results(
+        NAME,
+        args,
+        rows,
+        markdown,
+        notes,
+        title="Selection overhead",
+        rollouts=total,
+        loop_groups=loop_groups,
+        loop_splits=len(sample_splits),
+    )
     bad = [r for r in rows if r.get("var_gap_over_tolerance", 0.0) > 1.0]
     if bad:
         sys.exit(f"loop and vectorised picks differ in variance by more than the tie tolerance: {bad}")

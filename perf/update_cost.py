@@ -34,14 +34,12 @@ distributions at 3,000 tokens (see ``ENTROPY_MODELS``); the result is written to
 from __future__ import annotations
 
 import gc
-import json
 import math
-import os
+import multiprocessing
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,20 +148,17 @@ def micro_batches(trainer: Any, batch: dict) -> list[dict]:
     return split_tensor_dict(batch, trainer.args.steps_per_generation)
 
 
-def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> list[torch.Tensor]:
-    """Backward of the step's loss, micro-batch by micro-batch (``split``) or in one pass; returns the losses."""
+def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
+    """Backward of the step's loss, micro-batch by micro-batch (``split``) or in one pass."""
     model = trainer.model
     model.train()
-    losses = []
     trainer.trained_tokens = 0  # tokens whose log-prob reached the gradient in this step
     for part in micro_batches(trainer, batch) if split else [batch]:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(model, part)
         trainer.accelerator.backward(loss)
-        losses.append(loss.detach())
         token_mask = trainer._last_token_mask
         trainer.trained_tokens += int((part["completion_mask"] if token_mask is None else token_mask).sum())
-    return losses
 
 
 def update(trainer: Any, batch: dict) -> None:
@@ -244,54 +239,35 @@ def qwen_model(dims: dict, tokenizer: Any, device: str, seed: int = 0) -> Any:
 # ---- timing and memory ----------------------------------------------------------------------------------
 
 
-def measure(builders: dict, batches: dict, repeats: int, alternate: bool, cuda: bool) -> dict[str, dict]:
-    """Median update time per variant after one warm-up update; CUDA peak memory of the last timed update.
+def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str, dict]:
+    """Update times per variant after one warm-up update; CUDA peak memory of the last timed update.
 
-    ``alternate``: all variants at once, one update each per round, so drift on a shared CPU hits them alike;
-    otherwise one variant after the other, freeing each before the next (a 1.5B model and its AdamW state
-    three times over would not fit one GPU).
+    CPU: all variants at once, one update each per round, so drift on a shared CPU hits them alike. CUDA: one
+    variant after the other, freeing each before the next (a 1.5B model and its AdamW state three times over
+    would not fit one GPU).
     """
-
-    def timed_update(trainer: Any, batch: dict) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        update(trainer, batch)
-        return time.perf_counter() - start
-
-    def memory(trainer: Any, before: int) -> dict:
-        if not cuda:
-            return {}
-        return {
-            "peak_above_state_mib": (torch.cuda.max_memory_allocated() - before) / 2**20,
-            "peak_total_mib": torch.cuda.max_memory_allocated() / 2**20,
-        }
-
     results: dict[str, dict] = {}
-    if alternate:
-        trainers = {name: build() for name, build in builders.items()}
+    for names in [[name] for name in builders] if cuda else [list(builders)]:
+        trainers = {name: builders[name]() for name in names}
         for name, trainer in trainers.items():
             update(trainer, batches[name])
-        samples: dict[str, list[float]] = {name: [] for name in trainers}
+        before = torch.cuda.memory_allocated() if cuda else 0
         for _ in range(repeats):
             for name, trainer in trainers.items():
-                samples[name].append(timed_update(trainer, batches[name]))
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                update(trainer, batches[name])
+                results.setdefault(name, {"samples_s": []})["samples_s"].append(time.perf_counter() - start)
         for name, trainer in trainers.items():
-            results[name] = {"samples_s": samples[name], "trained_tokens": trainer.trained_tokens}
-        return results
-    for name, build in builders.items():
-        trainer = build()
-        update(trainer, batches[name])
-        before = torch.cuda.memory_allocated() if cuda else 0
-        samples_s = [timed_update(trainer, batches[name]) for _ in range(repeats)]
-        results[name] = {
-            "samples_s": samples_s,
-            "trained_tokens": trainer.trained_tokens,
-            "steps_per_generation": trainer.args.steps_per_generation,
-            **memory(trainer, before),
-        }
-        del trainer
+            results[name] |= {"trained_tokens": trainer.trained_tokens}
+            if cuda:
+                results[name] |= {
+                    "peak_above_state_mib": (torch.cuda.max_memory_allocated() - before) / 2**20,
+                    "peak_total_mib": torch.cuda.max_memory_allocated() / 2**20,
+                }
+        del trainers, trainer
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -305,51 +281,33 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def memory_worker(spec: dict) -> None:
-    """In a fresh process: warm-up update, reset the peak RSS, one update, print the growth (MiB)."""
-    set_threads(spec["threads"])
-    batch = torch.load(spec["batch"])
-    trainer = make_trainer(
-        spec["variant"],
-        Path(spec["model_dir"]),
-        Path(spec["out"]),
-        spec["micro_batch"],
-        spec["rows"],
-        max_completion_length=int(batch["completion_mask"].shape[1]),
-    )
+def memory_worker(
+    variant: str, model_dir: Path, out: Path, batch: dict, micro_batch: int, rows: int
+) -> float:
+    """In a fresh process: warm-up update, reset the peak RSS, one update; returns the growth (MiB)."""
+    width = int(batch["completion_mask"].shape[1])
+    trainer = make_trainer(variant, model_dir, out, micro_batch, rows, max_completion_length=width)
     update(trainer, batch)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
     before = _rss_kib("VmRSS")
     update(trainer, batch)
-    print(json.dumps({"peak_rss_growth_mib": (_rss_kib("VmHWM") - before) / 1024}))
+    return (_rss_kib("VmHWM") - before) / 1024
 
 
 def cpu_memory(
     variant: str, model_dir: Path, out: Path, batch: dict, micro_batch: int, rows: int, threads: int
 ) -> float:
-    """Peak RSS growth of one update of ``variant``, measured in a fresh process (None where /proc is missing)."""
+    """Peak RSS growth of one update of ``variant``, measured in a fresh process (NaN where /proc is missing)."""
     if not Path("/proc/self/clear_refs").exists():
         return float("nan")
-    batch_file = out / f"batch_{variant.replace(' ', '_').replace('(', '').replace(')', '')}.pt"
-    torch.save(batch, batch_file)
-    spec = dict(variant=variant, model_dir=str(model_dir), out=str(out), batch=str(batch_file))
-    spec |= dict(micro_batch=micro_batch, rows=rows, threads=threads)
-    result = subprocess.run(
-        [sys.executable, __file__, "--memory-worker", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-        check=False,
-    )
-    if result.returncode:
-        raise RuntimeError(f"memory worker for {variant} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])["peak_rss_growth_mib"]
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=set_threads, initargs=(threads,)) as pool:
+        return pool.submit(memory_worker, variant, model_dir, out, batch, micro_batch, rows).result()
 
 
-def run_geometry(
-    label: str, model: Path | Any, work: Path, full: dict, micro_batch: int, args: Any, device: str
-) -> list[dict]:
+def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: Any, device: str) -> list[dict]:
     """Time (and measure the memory of) every variant on one step's batch; one row per variant."""
+    micro_batch = args.micro_batch
     cuda = device == "cuda"
     rows = int(full["advantages"].shape[0])
     batches = {"all": full, "kept": kept_rows(full)}
@@ -361,7 +319,7 @@ def run_geometry(
             name, model, work / label, micro_batch, rows, device, args.weights, True, width
         )
 
-    results = measure({name: builder(name) for name in VARIANTS}, per_variant, args.repeats, not cuda, cuda)
+    results = measure({name: builder(name) for name in VARIANTS}, per_variant, args.repeats, cuda)
     if not cuda and not args.skip_cpu_memory:
         for name in VARIANTS:
             results[name]["peak_rss_growth_mib"] = cpu_memory(
@@ -547,56 +505,37 @@ def tiny_entropies(trainer: Any, full: dict) -> torch.Tensor:
 # ---- main ------------------------------------------------------------------------------------------------
 
 
-def _parse_geometries(text: str | None) -> list[tuple[int, int]] | None:
-    if not text:
-        return None
-    try:
-        return [(int(p), int(t)) for p, t in (item.split("x") for item in text.split(","))]
-    except ValueError:
-        raise SystemExit(
-            f"--geometries: expected PROMPTSxTOKENS,... (e.g. 1x1024,4x3072); got {text!r}"
-        ) from None
+def _geometries(text: str) -> list[tuple[int, int]]:
+    """``PROMPTSxTOKENS,...`` (e.g. 1x1024,4x3072) as (prompts, tokens) pairs."""
+    return [(int(p), int(t)) for p, t in (item.split("x") for item in text.split(","))]
 
 
 def main() -> None:
     parser = base_parser(__doc__)
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the 1.5B architecture"
-    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the 1.5B model")
     parser.add_argument("--repeats", type=int, default=None, help="timed updates per variant (3; quick 2)")
-    parser.add_argument(
-        "--prompts", type=int, default=None, help="tiny model: prompts per step (default 8; quick 2)"
-    )
-    parser.add_argument("--geometries", default=None, help="PROMPTSxTOKENS,... of the random-token runs")
-    parser.add_argument(
-        "--micro-batch", type=int, default=None, help="per_device_train_batch_size (cuda 32, cpu 8)"
-    )
-    parser.add_argument(
-        "--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weight dtype"
-    )
+    parser.add_argument("--prompts", type=int, help="tiny model: prompts per step (8; quick 2)")
+    parser.add_argument("--geometries", type=_geometries, help="PROMPTSxTOKENS,... of the random-token runs")
+    parser.add_argument("--micro-batch", type=int, help="per_device_train_batch_size (cuda 32, cpu 8)")
+    parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
-    parser.add_argument("--memory-worker", help=_hidden(), default=None)
     args = parser.parse_args()
-    if args.memory_worker:
-        memory_worker(json.loads(args.memory_worker))
-        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             "--device cuda: no CUDA GPU is visible here; run on a GPU node or drop --device cuda"
         )
     cuda = args.device == "cuda"
     args.repeats = args.repeats or (2 if args.quick else 3)
-    prompts = args.prompts or (2 if args.quick else 8)
-    micro_batch = args.micro_batch or (32 if cuda else 8)
-    geometries = _parse_geometries(args.geometries) or (
-        [] if args.quick else CUDA_GEOMETRIES if cuda else CPU_GEOMETRIES
-    )
+    args.sft_steps = 20 if args.quick else args.sft_steps
+    prompts = args.prompts = args.prompts or (2 if args.quick else 8)
+    micro_batch = args.micro_batch = args.micro_batch or (32 if cuda else 8)
+    geometries = args.geometries or ([] if args.quick else CUDA_GEOMETRIES if cuda else CPU_GEOMETRIES)
     set_threads(args.threads)
     rows: list[dict] = []
     truncation: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        tiny = prepare_tiny_model(work / "tiny", sft_steps=20 if args.quick else 150)
+        tiny = prepare_tiny_model(work / "tiny", sft_steps=args.sft_steps)
         full, generator = generated_batch(tiny, work, prompts)
         prompt_lengths = full["prompt_mask"].sum(1)
         truncation += truncation_rows(
@@ -605,36 +544,27 @@ def main() -> None:
             micro_batch, full["advantages"].shape[0],
         )  # fmt: skip
         del generator
-        rows += run_geometry("tiny (generated batch)", tiny, work, full, micro_batch, args, "cpu")
+        rows += run_geometry("tiny (generated batch)", tiny, work, full, args, "cpu")
         print("tiny: done", flush=True)
         if geometries:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tiny)
-            dims, label = (
+            dims, dims_label = (
                 (QWEN_1_5B, "Qwen2.5-Math-1.5B architecture")
                 if cuda
                 else (QWEN_SMALL, "small Qwen2, Qwen vocabulary")
             )
             for n_prompts, tokens in geometries:
                 model: Path | Any = qwen_model(dims, tokenizer, args.device)
-                if cuda:
-                    model = model if args.weights == "fp32" else model.to(torch.bfloat16)
-                else:  # the CPU memory worker loads it from disk
+                if not cuda:  # the CPU memory worker loads it from disk (make_trainer casts bf16 weights)
                     model.save_pretrained(work / "qwen_small")
                     tokenizer.save_pretrained(work / "qwen_small")
                     model = work / "qwen_small"
                 prompt_len = PROMPT_TOKENS if cuda else CPU_PROMPT_TOKENS
                 batch = random_batch(n_prompts, tokens, dims["vocab_size"], args.device, prompt_len)
-                found = run_geometry(
-                    f"{label}, {n_prompts} x 32, {tokens} tokens",
-                    model,
-                    work,
-                    batch,
-                    micro_batch,
-                    args,
-                    args.device,
-                )
+                label = f"{dims_label}, {n_prompts} x 32, {tokens} tokens"
+                found = run_geometry(label, model, work, batch, args, args.device)
                 rows += [r | {"prompts": n_prompts, "tokens": tokens} for r in found]
                 print(f"{n_prompts} x 32, {tokens} tokens: done", flush=True)
                 del model
@@ -647,21 +577,6 @@ def main() -> None:
             torch.full((mask.shape[0],), PROMPT_TOKENS), 32, modelled_prompts * G,
         )  # fmt: skip
 
-    headers = ["model", "update", "rollouts (micro-batches x rows)", "tokens (trained)", "median time",
-               "time / GRPO", "peak memory", "memory / GRPO"]  # fmt: skip
-    table = [
-        [
-            r["model"],
-            r["variant"],
-            f"{r['rollouts']} ({r['micro_batches']} x {r['micro_batch_rows']})",
-            f"{r['completion_tokens']} ({r['trained_tokens']})",
-            fmt_seconds(r["median_s"]),
-            f"{r['time_ratio_vs_grpo']:.3f}",
-            "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB",
-            "n/a" if r["memory_ratio_vs_grpo"] is None else f"{r['memory_ratio_vs_grpo']:.3f}",
-        ]
-        for r in rows
-    ]
     device_text = "CUDA" if cuda else "CPU"
     notes = [
         f"Measured on the {device_text}"
@@ -684,43 +599,59 @@ def main() -> None:
         + ", ".join(f"{x:.3f}" for x in ratios)
         + f" (kept rollouts {KEEP}/{G} = {KEEP / G:.2f})."
     )
-    markdown = markdown_table(headers, table)
-    print(markdown)
-    settings = {
-        "device": args.device,
-        "num_generations": G,
-        "keep_per_prompt": KEEP,
-        "token_keep_ratio": TOKEN_RATIO,
-        "tiny_prompts": prompts,
-        "geometries": [f"{p}x{t}" for p, t in geometries],
-        "micro_batch": micro_batch,
-        "weights": args.weights if cuda else "fp32",
-        "gradient_checkpointing": True,
-        "repeats": args.repeats,
-        "threads": args.threads,
-        "quick": args.quick,
-    }
+    markdown = markdown_table(
+        rows,
+        {
+            "model": lambda r: r["model"],
+            "update": lambda r: r["variant"],
+            "rollouts (micro-batches x rows)": lambda r: (
+                f"{r['rollouts']} ({r['micro_batches']} x {r['micro_batch_rows']})"
+            ),
+            "tokens (trained)": lambda r: f"{r['completion_tokens']} ({r['trained_tokens']})",
+            "median time": lambda r: fmt_seconds(r["median_s"]),
+            "time / GRPO": lambda r: f"{r['time_ratio_vs_grpo']:.3f}",
+            "peak memory": lambda r: (
+                "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB"
+            ),
+            "memory / GRPO": lambda r: (
+                "n/a" if r["memory_ratio_vs_grpo"] is None else f"{r['memory_ratio_vs_grpo']:.3f}"
+            ),
+        },
+    )
+    settings = dict(
+        num_generations=G,
+        keep_per_prompt=KEEP,
+        token_keep_ratio=TOKEN_RATIO,
+        geometries=[f"{p}x{t}" for p, t in geometries],
+        weights=args.weights if cuda else "fp32",
+        gradient_checkpointing=True,
+    )
     write_results(
         "update_cost",
-        settings,
+        args,
         rows,
         markdown,
         notes,
-        out_dir=args.out,
         title=f"Update cost: GRPO vs D3S ({device_text})",
+        **settings,
     )
-    write_truncation(truncation, settings, args.out)
+    write_truncation(truncation, args, settings)
 
 
-def write_truncation(rows: list[dict], settings: dict, out: Path) -> None:
-    headers = ["token scores from", "N", "K", "micro-batch rows", "mean completion tokens",
-               "tokens after last selected", "FLOPs after last selected (1.5B)", "padded micro-batch columns"]  # fmt: skip
-    table = [
-        [r["source"], r["keep_per_prompt"], f"{r['token_keep_ratio']:.0%}", r["micro_batch_rows"],
-         f"{r['mean_completion_tokens']:.0f}", f"{r['token_fraction_after_last_selected']:.2%}",
-         f"{r['flop_fraction_after_last_selected']:.2%}", f"{r['padded_micro_batch_fraction']:.2%}"]
-        for r in rows
-    ]  # fmt: skip
+def write_truncation(rows: list[dict], args: Any, settings: dict) -> None:
+    markdown = markdown_table(
+        rows,
+        {
+            "token scores from": lambda r: r["source"],
+            "N": lambda r: r["keep_per_prompt"],
+            "K": lambda r: f"{r['token_keep_ratio']:.0%}",
+            "micro-batch rows": lambda r: r["micro_batch_rows"],
+            "mean completion tokens": lambda r: f"{r['mean_completion_tokens']:.0f}",
+            "tokens after last selected": lambda r: f"{r['token_fraction_after_last_selected']:.2%}",
+            "FLOPs after last selected (1.5B)": lambda r: f"{r['flop_fraction_after_last_selected']:.2%}",
+            "padded micro-batch columns": lambda r: f"{r['padded_micro_batch_fraction']:.2%}",
+        },
+    )
     modelled = [
         max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"])
         for r in rows
@@ -745,18 +676,16 @@ def write_truncation(rows: list[dict], settings: dict, out: Path) -> None:
         + "; ".join(f"{k}: {v}" for k, v in ENTROPY_MODELS.items()),
         f"Largest modelled saving at the paper geometry: {bound:.2%}. Decision: {decision}.",
     ]
-    markdown = markdown_table(headers, table)
-    print(markdown)
     write_results(
-        "update_cost_truncation", {**settings, "schedule_points": SCHEDULE_POINTS}, rows, markdown, notes,
-        out_dir=out, title="Token level: what stopping each kept rollout at its last selected token saves",
-    )  # fmt: skip
-
-
-def _hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
+        "update_cost_truncation",
+        args,
+        rows,
+        markdown,
+        notes,
+        schedule_points=SCHEDULE_POINTS,
+        **settings,
+        title="Token level: what stopping each kept rollout at its last selected token saves",
+    )
 
 
 if __name__ == "__main__":

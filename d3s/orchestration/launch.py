@@ -438,8 +438,9 @@ def vllm_server(
     """A vLLM server process for TRL's server mode, alive exactly as long as the ``with`` block; yields its URL.
 
     Starts ``command`` with CUDA_VISIBLE_DEVICES = ``gpu_ids`` and polls ``/health`` until it answers 200
-    (RuntimeError if the process exits first, TimeoutError after ``startup_timeout_s``, both with the end of
-    its log); leaving the block, an exception, SystemExit from a signal, or interpreter exit (atexit) stops it.
+    (RuntimeError if the process exits first, TimeoutError after ``startup_timeout_s``, both with the end
+    of its log); leaving the block, an exception, SystemExit from a signal, or interpreter exit (atexit)
+    stops it.
     """
     env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else {})
     process = start_process_group(command, env=env, log_path=log_path)
@@ -498,7 +499,7 @@ def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
 
 @dataclasses.dataclass
 class GpuLease:
-    """GPU ids held by this process until ``release`` (or until the process exits: the kernel drops its locks)."""
+    """GPU ids held by this process until ``release`` (or its exit: the kernel drops its locks)."""
 
     ids: list[str]
     fds: list[int]
