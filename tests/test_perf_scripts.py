@@ -170,7 +170,12 @@ def test_tail_after_last_selected_by_hand(update_cost) -> None:
     entropies = torch.tensor([[0.9, 0.1, 0.1, 0.1], [0.1, 0.1, 0.8, 0.1]])
     mask = torch.ones(2, 4, dtype=torch.long)
     fractions = update_cost.tail_after_last_selected(
-        entropies, mask, torch.tensor([1.0, 1.0]), torch.tensor([2, 2]), token_keep_ratio=0.25, micro_batch_rows=2
+        entropies,
+        mask,
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([2, 2]),
+        token_keep_ratio=0.25,
+        micro_batch_rows=2,
     )
     assert fractions["token_fraction_after_last_selected"] == pytest.approx(4 / 12)  # 3 + 1 of 2 x 6 tokens
     assert fractions["padded_micro_batch_fraction"] == pytest.approx(2 / 12)  # column 4 of 6, both rows
