@@ -6,6 +6,7 @@ logits and a Python loop over its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -31,7 +32,9 @@ from d3s.evaluation.kl import (
 )
 from d3s.orchestration.settings_check import MixedSettingsError
 
-PROBE = dict(completions_per_prompt=3, max_new_tokens=24, temperature=1.0, top_p=1.0, seed=7, batch_size=5)
+PROBE = KLProbeSettings(
+    prompts=4, samples=3, max_new_tokens=24, temperature=1.0, top_p=1.0, seed=7, batch_size=5
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +69,16 @@ def _brute_force_logps(model, prompt_ids, completion_ids) -> list[float]:
 
 def test_kl_of_a_model_to_itself_is_exactly_zero(models):
     policy, same, _, tokenizer, prompts = models
-    result = kl_to_reference(policy, same, tokenizer, prompts, **PROBE)
+    result = kl_to_reference(policy, same, tokenizer, prompts, PROBE)
     assert result["k1"] == 0.0 and result["k3"] == 0.0 and result["k1_per_sequence"] == 0.0
-    assert result["sequences"] == len(prompts) * PROBE["completions_per_prompt"]
+    assert result["sequences"] == len(prompts) * PROBE.samples
     assert result["tokens"] >= result["sequences"]
 
 
 def test_k1_and_k3_match_a_brute_force_computation_on_a_perturbed_copy(models):
     policy, _, perturbed, tokenizer, prompts = models
-    result = kl_to_reference(policy, perturbed, tokenizer, prompts, **PROBE)
-    sequences = probe_completions(policy, tokenizer, prompts, **PROBE)  # the same completions (seeded)
+    result = kl_to_reference(policy, perturbed, tokenizer, prompts, PROBE)
+    sequences = probe_completions(policy, tokenizer, prompts, PROBE)  # the same completions (seeded)
     k1_all, k3_all, per_sequence = [], [], []
     for prompt_ids, completion_ids in sequences:
         logp = _brute_force_logps(policy, prompt_ids, completion_ids)
@@ -94,7 +97,7 @@ def test_k1_and_k3_match_a_brute_force_computation_on_a_perturbed_copy(models):
 
 def test_batched_scoring_masks_padding_and_matches_each_sequence_alone(models):
     policy, _, _, tokenizer, prompts = models
-    sequences = probe_completions(policy, tokenizer, prompts, **PROBE)
+    sequences = probe_completions(policy, tokenizer, prompts, PROBE)
     lengths = {len(c) for _, c in sequences}
     assert len(lengths) > 1  # completions of different lengths: right padding is exercised
     batched = completion_logprobs(policy, sequences, batch_size=len(sequences), pad_id=tokenizer.pad_token_id)
@@ -112,12 +115,12 @@ def test_batched_scoring_masks_padding_and_matches_each_sequence_alone(models):
 def test_completions_end_at_their_first_eos(models):
     policy, _, _, tokenizer, prompts = models
     eos = eos_token_ids(policy, tokenizer)
-    sequences = probe_completions(policy, tokenizer, prompts, **PROBE)
+    sequences = probe_completions(policy, tokenizer, prompts, PROBE)
     ended = [c for _, c in sequences if c and c[-1] in eos]
-    assert ended and any(len(c) < PROBE["max_new_tokens"] for c in ended)  # the warm-started model stops
+    assert ended and any(len(c) < PROBE.max_new_tokens for c in ended)  # the warm-started model stops
     for _, completion in sequences:
         assert sum(t in eos for t in completion) <= 1
-        assert completion[-1] in eos or len(completion) == PROBE["max_new_tokens"]
+        assert completion[-1] in eos or len(completion) == PROBE.max_new_tokens
 
 
 def test_truncate_at_eos():
@@ -149,17 +152,17 @@ def test_the_same_seed_gives_the_same_result_and_leaves_the_callers_rng_alone(mo
     policy, _, perturbed, tokenizer, prompts = models
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    first = kl_to_reference(policy, perturbed, tokenizer, prompts, **PROBE)
+    first = kl_to_reference(policy, perturbed, tokenizer, prompts, PROBE)
     assert torch.equal(torch.get_rng_state(), state)
-    second = kl_to_reference(policy, perturbed, tokenizer, prompts, **PROBE)
+    second = kl_to_reference(policy, perturbed, tokenizer, prompts, PROBE)
     assert first == second
-    other_seed = probe_completions(policy, tokenizer, prompts, **(PROBE | {"seed": 8}))
-    assert other_seed != probe_completions(policy, tokenizer, prompts, **PROBE)
+    other_seed = probe_completions(policy, tokenizer, prompts, dataclasses.replace(PROBE, seed=8))
+    assert other_seed != probe_completions(policy, tokenizer, prompts, PROBE)
 
 
 def test_k3_is_nonnegative_token_by_token(models):
     policy, _, perturbed, tokenizer, prompts = models
-    sequences = probe_completions(policy, tokenizer, prompts, **PROBE)
+    sequences = probe_completions(policy, tokenizer, prompts, PROBE)
     logp = completion_logprobs(policy, sequences)
     ref = completion_logprobs(perturbed, sequences)
     for a, b in zip(logp, ref, strict=True):

@@ -376,6 +376,23 @@ def test_last_boxed_answer_extraction() -> None:
     assert rewards.count_boxes(r"\boxed{1} \fbox{2} \boxed 3 \boxedfoo") == 3
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}"),
+        (r"\boxed{1} then \boxed{ {a}^{b} }", "{a}^{b}"),
+        (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed 5$", "5"),
+        ("no box", None),
+        (r"\boxed{unclosed", None),
+    ],
+)
+def test_last_boxed_answer_of_reference_solutions(text: str, expected: str | None) -> None:
+    """Minerva's gold and the audit's reference answers are the last box of a solution."""
+    assert rewards.last_boxed_answer(text) == expected
+
+
 def test_module_grade_takes_a_policy() -> None:
     assert not grade(ISSUE_EXAMPLE, "20")  # the default policy is math_verify
     assert grade(ISSUE_EXAMPLE, "20", "last_boxed")

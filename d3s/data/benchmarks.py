@@ -1,8 +1,8 @@
 """Registry and loaders of the math benchmarks (and the MATH level 3-5 training set).
 
 Every benchmark is one :class:`BenchmarkSpec` row in :data:`BENCHMARKS`: where its local copy lives
-(``<root>/<benchmark>/test.jsonl``), which field holds the question, how the gold answer is obtained,
-which field holds a reference solution (for the grader audit), and a Hugging Face Hub fallback.
+(``<root>/<benchmark>/test.jsonl``), which field holds the question, where the gold answer is, which field
+holds a reference solution (for the grader audit), and its Hugging Face Hub copy, loaded with ``datasets``.
 Loading returns a list of :class:`Problem` with the gold already normalised to a tuple of strings, so
 the evaluation and the training reward never need to know a benchmark's quirks.
 """
@@ -12,31 +12,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from d3s.rewards import last_boxed_answer, normalize_gold
 
 DATA_DIR_ENV = "D3S_DATA_DIR"
 
 
 class BenchmarkError(ValueError):
-    """Base class of the errors raised here (a ValueError so CLIs can report it as bad input)."""
-
-
-class UnknownBenchmarkError(BenchmarkError, KeyError):
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
-
-
-class BenchmarkNotFoundError(BenchmarkError, FileNotFoundError):
-    pass
-
-
-class MalformedDataError(BenchmarkError):
-    pass
+    """An unknown benchmark, a missing or malformed copy: the message says which and what to do."""
 
 
 class MalformedRowsWarning(UserWarning):
@@ -57,34 +45,14 @@ class Problem:
 
 @dataclass(frozen=True)
 class HubSource:
-    """Where a benchmark lives on the Hugging Face Hub, and how its columns map to the local fields.
-
-    ``fields`` maps each local field name to the hub columns to try, first present wins (hub copies of
-    the same benchmark name their columns differently).
-    """
+    """Where a benchmark lives on the Hugging Face Hub. ``renames`` maps a local field name to the hub
+    columns to try when the hub copy names it differently (first present wins)."""
 
     path: str
     split: str
     name: str | None = None
     data_files: str | None = None
-    fields: Mapping[str, Sequence[str]] = field(default_factory=dict)
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, braces balanced; None if absent."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text) and depth:
-            if text[i] == "\\" and i + 1 < len(text):  # skip escaped characters such as \{ and \}
-                i += 2
-                continue
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            return text[start : i - 1].strip()
-    match = re.search(r"\\boxed ([^\s$]+)", text)  # "\boxed 5" without braces
-    return match.group(1) if match else None
+    renames: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
 
 def gsm8k_final_answer(rationale: str) -> str | None:
@@ -96,227 +64,113 @@ def gsm8k_final_answer(rationale: str) -> str | None:
 
 
 def _as_text(value: Any) -> str | None:
-    if value is None:
-        return None
     if isinstance(value, (list, tuple)):  # OlympiadBench stores solutions as a list of strings
-        parts = [str(v) for v in value if v is not None]
-        return "\n\n".join(parts) if parts else None
-    return str(value)
-
-
-def _answer_field(row: Mapping[str, Any]) -> list[Any]:
-    value = row.get("answer")
-    return [] if value is None else [value]
-
-
-def _gold_gsm8k(row: Mapping[str, Any]) -> list[Any]:
-    answer = gsm8k_final_answer(str(row.get("answer") or ""))
-    return [] if answer is None else [answer]
-
-
-def _gold_minerva(row: Mapping[str, Any]) -> list[Any]:
-    if row.get("answer") not in (None, ""):  # hub copies carry a separate answer column
-        return [row["answer"]]
-    boxed = last_boxed(str(row.get("solution") or ""))
-    return [] if boxed is None else [boxed]
-
-
-def _gold_olympiad(row: Mapping[str, Any]) -> list[Any]:
-    value = row.get("final_answer")
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _reference_boxed(row: Mapping[str, Any]) -> str | None:
-    return _as_text(row.get("solution"))
-
-
-def _reference_gsm8k(row: Mapping[str, Any]) -> str | None:
-    return _as_text(row.get("answer"))
+        value = "\n\n".join(str(v) for v in value if v is not None) or None
+    return None if value is None else str(value)
 
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """How to read one benchmark. ``gold`` returns the raw gold value(s) of a row ([] = missing)."""
+    """How to read one benchmark."""
 
     name: str
     description: str
-    local_path: str  # relative to the data root
-    question_field: str
-    gold: Callable[[Mapping[str, Any]], list[Any]]
-    gold_fields: tuple[str, ...]  # the fields ``gold`` reads, named in error messages
-    id_field: str | None = None
-    reference_solution: Callable[[Mapping[str, Any]], str | None] | None = None
-    reference_kind: str | None = None  # "boxed" (last \boxed{} of a solution) or "gsm8k" (#### value)
     hub: HubSource | None = None
+    local_file: str = "test.jsonl"  # in <data root>/<name>/
+    question_field: str = "problem"
+    # The gold: the first of these fields present and non-empty; a value read from solution_field is
+    # replaced by the final answer written in it (GSM8K's rationale, Minerva's solution).
+    gold_fields: tuple[str, ...] = ("answer",)
+    id_field: str | None = "id"
+    solution_field: str | None = None  # a worked solution (reference for the grader audit)
+    solution_answer: str = (
+        "boxed"  # where a solution states its final answer: last \boxed{}, or "gsm8k" (####)
+    )
     role: str = "eval"  # "eval" benchmark or "train" set
     default_template: str | None = None  # None: chosen from the model (chat template or plain)
     metadata_fields: tuple[str, ...] = ()
+
+    @property
+    def local_path(self) -> str:
+        """The local copy's path relative to the data root."""
+        return f"{self.name}/{self.local_file}"
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
     spec.name: spec
     for spec in [
         BenchmarkSpec(
-            name="aime24",
-            description="AIME 2024 I+II (30); answers are zero-padded strings such as '025'",
-            local_path="aime24/test.jsonl",
-            question_field="problem",
-            gold=_answer_field,
-            gold_fields=("answer",),
-            id_field="id",
-            reference_solution=_reference_boxed,
-            reference_kind="boxed",
-            hub=HubSource(
-                "HuggingFaceH4/aime_2024",
-                split="train",
-                fields={"problem": ["problem"], "answer": ["answer"], "solution": ["solution"], "id": ["id"]},
-            ),
+            "aime24",
+            "AIME 2024 I+II (30); answers are zero-padded strings such as '025'",
+            HubSource("HuggingFaceH4/aime_2024", split="train"),
+            solution_field="solution",
             metadata_fields=("url",),
         ),
         BenchmarkSpec(
-            name="aime25",
-            description="AIME 2025 I+II (30); answers are JSON integers",
-            local_path="aime25/test.jsonl",
-            question_field="problem",
-            gold=_answer_field,
-            gold_fields=("answer",),
-            id_field="id",
-            hub=HubSource(
-                "math-ai/aime25",
-                split="test",
-                fields={"problem": ["problem", "question"], "answer": ["answer"], "id": ["id"]},
-            ),
+            "aime25",
+            "AIME 2025 I+II (30); answers are JSON integers",
+            HubSource("math-ai/aime25", split="test", renames={"problem": ["question"]}),
         ),
         BenchmarkSpec(
-            name="amc23",
-            description="AMC 2023, 40-problem version; answers are JSON floats such as 27.0",
-            local_path="amc23/test.jsonl",
-            question_field="problem",
-            gold=_answer_field,
-            gold_fields=("answer",),
-            id_field="id",
-            hub=HubSource(
-                "math-ai/amc23",
-                split="test",
-                fields={"problem": ["problem", "question"], "answer": ["answer"], "id": ["id"]},
-            ),
+            "amc23",
+            "AMC 2023, 40-problem version; answers are JSON floats such as 27.0",
+            HubSource("math-ai/amc23", split="test", renames={"problem": ["question"]}),
             metadata_fields=("url",),
         ),
         BenchmarkSpec(
-            name="math500",
-            description="MATH500 (PRM800K test split, 500)",
-            local_path="math500/test.jsonl",
-            question_field="problem",
-            gold=_answer_field,
-            gold_fields=("answer",),
+            "math500",
+            "MATH500 (PRM800K test split, 500)",
+            HubSource("HuggingFaceH4/MATH-500", split="test"),
             id_field="unique_id",
-            reference_solution=_reference_boxed,
-            reference_kind="boxed",
-            hub=HubSource(
-                "HuggingFaceH4/MATH-500",
-                split="test",
-                fields={
-                    "problem": ["problem"],
-                    "answer": ["answer"],
-                    "solution": ["solution"],
-                    "unique_id": ["unique_id"],
-                    "subject": ["subject"],
-                    "level": ["level"],
-                },
-            ),
+            solution_field="solution",
             metadata_fields=("subject", "level"),
         ),
         BenchmarkSpec(
-            name="gsm8k",
-            description="GSM8K test (1,319); gold is the number after '####' in the rationale",
-            local_path="gsm8k/test.jsonl",
+            "gsm8k",
+            "GSM8K test (1,319); gold is the number after '####' in the rationale",
+            HubSource("openai/gsm8k", name="main", split="test"),
             question_field="question",
-            gold=_gold_gsm8k,
-            gold_fields=("answer",),
-            reference_solution=_reference_gsm8k,
-            reference_kind="gsm8k",
-            hub=HubSource(
-                "openai/gsm8k",
-                name="main",
-                split="test",
-                fields={"question": ["question"], "answer": ["answer"]},
-            ),
+            id_field=None,
+            solution_field="answer",
+            solution_answer="gsm8k",
         ),
         BenchmarkSpec(
-            name="minerva_math",
-            description="Minerva Math / OCW (272); gold is the last \\boxed{} of the solution",
-            local_path="minerva_math/test.jsonl",
-            question_field="problem",
-            gold=_gold_minerva,
-            gold_fields=("solution",),
+            "minerva_math",
+            "Minerva Math / OCW (272); gold is the last \\boxed{} of the solution",
+            HubSource("math-ai/minervamath", split="test", renames={"problem": ["question"], "idx": ["id"]}),
+            gold_fields=("answer", "solution"),  # hub copies carry a separate answer column
             id_field="idx",
-            reference_solution=_reference_boxed,
-            reference_kind="boxed",
-            hub=HubSource(
-                "math-ai/minervamath",
-                split="test",
-                fields={
-                    "problem": ["problem", "question"],
-                    "solution": ["solution"],
-                    "answer": ["answer"],
-                    "idx": ["idx", "id"],
-                },
-            ),
+            solution_field="solution",
             metadata_fields=("type",),
         ),
         BenchmarkSpec(
-            name="olympiadbench",
-            description="OlympiadBench OE_TO_maths_en_COMP (675); gold is the final_answer list",
-            local_path="olympiadbench/test.jsonl",
+            "olympiadbench",
+            "OlympiadBench OE_TO_maths_en_COMP (675); gold is the final_answer list",
+            HubSource("Hothan/OlympiadBench", name="OE_TO_maths_en_COMP", split="train"),
             question_field="question",
-            gold=_gold_olympiad,
             gold_fields=("final_answer",),
-            id_field="id",
-            reference_solution=_reference_boxed,
-            reference_kind="boxed",
-            hub=HubSource(
-                "Hothan/OlympiadBench",
-                name="OE_TO_maths_en_COMP",
-                split="train",
-                fields={
-                    "question": ["question"],
-                    "final_answer": ["final_answer"],
-                    "solution": ["solution"],
-                    "id": ["id"],
-                    "subfield": ["subfield"],
-                    "answer_type": ["answer_type"],
-                    "unit": ["unit"],
-                },
-            ),
+            solution_field="solution",
             metadata_fields=("subfield", "answer_type", "unit", "is_multiple_answer"),
         ),
         BenchmarkSpec(
-            name="math_level3to5",
-            description="MATH level 3-5 training set (SimpleRL/LIMR 'math.8k', 8,523); JSON array",
-            local_path="math_level3to5/math.8k.json",
-            question_field="prompt",
-            gold=_answer_field,
-            gold_fields=("answer",),
-            id_field="id",
-            hub=HubSource(
+            "math_level3to5",
+            "MATH level 3-5 training set (SimpleRL/LIMR 'math.8k', 8,523); JSON array",
+            HubSource(
                 "hkust-nlp/SimpleRL-Zoo-Data",
                 split="train",
                 data_files="simplelr_qwen_level3to5/train.parquet",
-                fields={"prompt": ["prompt", "problem", "question"], "answer": ["answer", "gt_answer"]},
+                renames={"prompt": ["problem", "question"], "answer": ["gt_answer"]},
             ),
+            local_file="math.8k.json",
+            question_field="prompt",
             role="train",
         ),
         BenchmarkSpec(
-            name="synthetic",
-            description="chained integer arithmetic of the tiny default (d3s.data.synthetic, test split)",
-            local_path="",
+            "synthetic",
+            "chained integer arithmetic of the tiny default (d3s.data.synthetic, test split)",
             question_field="prompt",
-            gold=_answer_field,
-            gold_fields=("answer",),
-            reference_solution=_reference_boxed,
-            reference_kind="boxed",
+            id_field=None,
+            solution_field="solution",
             default_template="raw",  # the prompt already is the model's input format ("Q: ...\nA:")
         ),
     ]
@@ -329,12 +183,9 @@ EVAL_BENCHMARKS = tuple(
 
 def get_benchmark(name: str) -> BenchmarkSpec:
     """The spec of ``name``; unknown names fail with the list of valid ones."""
-    try:
-        return BENCHMARKS[name]
-    except KeyError:
-        raise UnknownBenchmarkError(
-            f"unknown benchmark {name!r}; valid names: {', '.join(BENCHMARKS)}"
-        ) from None
+    if name not in BENCHMARKS:
+        raise BenchmarkError(f"unknown benchmark {name!r}; valid names: {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name]
 
 
 def parse_benchmark_list(text: str | Sequence[str]) -> list[str]:
@@ -355,39 +206,18 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path | N
     return Path(env).expanduser() if env else None
 
 
-def _read_local_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) pairs; a JSON array file numbers rows 1.. by position."""
-    rows: list[tuple[int, dict[str, Any]]] = []
-    bad: list[str] = []
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise MalformedDataError(f"{path}: not valid JSON ({exc})") from exc
-        if not isinstance(data, list):
-            raise MalformedDataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
-        for index, row in enumerate(data, start=1):
-            if isinstance(row, dict):
-                rows.append((index, row))
-            else:
-                bad.append(f"row {index}: not a JSON object")
-    else:
-        with path.open(encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    bad.append(f"line {line_number}: invalid JSON ({exc.msg})")
-                    continue
-                if not isinstance(row, dict):
-                    bad.append(f"line {line_number}: not a JSON object")
-                    continue
-                rows.append((line_number, row))
-    if bad:
-        raise MalformedDataError(_malformed_message(path, bad))
-    return rows
+def local_copy(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The file of benchmark ``name`` under the data root, or None when there is none (or no root)."""
+    root = resolve_data_dir(data_dir)
+    path = root / get_benchmark(name).local_path if root is not None and name != "synthetic" else None
+    return path if path is not None and path.is_file() else None
+
+
+def benchmark_source(name: str, data_dir: str | os.PathLike[str] | None = None) -> str:
+    """Where :func:`load_benchmark` reads ``name`` from: its local file, the Hub, or generated (synthetic)."""
+    if name == "synthetic":
+        return "generated (d3s.data.synthetic)"
+    return str(local_copy(name, data_dir) or "Hugging Face Hub")
 
 
 def _malformed_message(where: object, problems: list[str], shown: int = 20) -> str:
@@ -395,45 +225,81 @@ def _malformed_message(where: object, problems: list[str], shown: int = 20) -> s
     return f"{where}: {len(problems)} malformed row(s):\n  " + "\n  ".join(problems[:shown]) + more
 
 
-def _load_hub_rows(spec: BenchmarkSpec) -> list[tuple[int, dict[str, Any]]]:
-    """Rows from the Hub, with columns renamed to the local field names."""
-    assert spec.hub is not None
-    import datasets  # heavy; only needed when a local copy is missing
-
-    hub = spec.hub
-    kwargs: dict[str, Any] = {"split": hub.split}
-    if hub.data_files is not None:
-        kwargs["data_files"] = hub.data_files
-    dataset = datasets.load_dataset(hub.path, hub.name, **kwargs)
-    rows = []
-    for index, hub_row in enumerate(dataset, start=1):
-        row: dict[str, Any] = {}
-        for local_field, candidates in hub.fields.items():
-            for column in candidates:
-                if column in hub_row:
-                    row[local_field] = hub_row[column]
-                    break
-        rows.append((index, row))
+def _read_local_rows(path: Path) -> list[tuple[int, Any]]:
+    """(line number, row) pairs; a JSON array file numbers rows 1.. by position. Invalid JSON raises."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BenchmarkError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(data, list):
+            raise BenchmarkError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
+        return list(enumerate(data, start=1))
+    rows, bad = [], []
+    for number, line in enumerate(text.split("\n"), start=1):  # JSON Lines: only \n ends a line
+        try:
+            if line.strip():
+                rows.append((number, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            bad.append(f"line {number}: invalid JSON ({exc.msg})")
+    if bad:
+        raise BenchmarkError(_malformed_message(path, bad))
     return rows
 
 
-def _load_synthetic(options: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+def _hub_rows(spec: BenchmarkSpec, looked_local: str) -> list[tuple[int, Any]]:
+    """Rows of the benchmark's Hub copy (``datasets``), each renamed column added under its local name."""
+    hub = spec.hub
+    assert hub is not None
+    where = hub.path + (f" ({hub.name})" if hub.name else "") + f" split {hub.split}"
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        reason = "offline mode is set (HF_HUB_OFFLINE)"
+    else:
+        import datasets  # heavy; only needed when a local copy is missing
+
+        extra = {"data_files": hub.data_files} if hub.data_files else {}
+        try:
+            dataset = datasets.load_dataset(hub.path, hub.name, split=hub.split, **extra)
+        except Exception as exc:  # no network, missing repo, auth: all mean "not available here"
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        else:
+            rows = []
+            for index, row in enumerate(dataset, start=1):
+                row = dict(row)
+                for local, columns in hub.renames.items():
+                    present = [column for column in columns if column in row]
+                    if local not in row and present:
+                        row[local] = row[present[0]]
+                rows.append((index, row))
+            return rows
+    raise BenchmarkError(
+        f"benchmark {spec.name!r} not found: looked for {looked_local}; the Hugging Face Hub copy {where} "
+        f"cannot be fetched ({reason}). Put a copy at <data-dir>/{spec.local_path} or set ${DATA_DIR_ENV}."
+    )
+
+
+SYNTHETIC_MINIMUMS = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_operand": 1}
+
+
+def check_synthetic_options(options: Mapping[str, Any], what: str = "synthetic") -> dict[str, int]:
+    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand) as integers, checked;
+    ``what`` names them in the messages (the CLI's ``--synthetic``)."""
+    for key, value in options.items():
+        if key not in SYNTHETIC_MINIMUMS:
+            raise BenchmarkError(f"unknown {what} option {key!r}; valid: {', '.join(SYNTHETIC_MINIMUMS)}")
+        if int(value) < SYNTHETIC_MINIMUMS[key]:
+            raise BenchmarkError(f"{what} {key} must be >= {SYNTHETIC_MINIMUMS[key]}, got {value}")
+    if int(options.get("min_ops", 1)) > int(options.get("max_ops", 3)):
+        raise BenchmarkError(f"{what} min_ops must be <= max_ops")
+    return {key: int(value) for key, value in options.items()}
+
+
+def _synthetic_rows(options: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
     from d3s.data.synthetic import arithmetic_problems
 
-    valid = ("count", "seed", "min_ops", "max_ops", "max_operand")
-    unknown = set(options) - set(valid)
-    if unknown:
-        raise BenchmarkError(f"unknown synthetic option(s) {sorted(unknown)}; valid: {', '.join(valid)}")
     # Only options given are passed on, so the task's own defaults apply to the rest.
-    extra = {key: int(options[key]) for key in ("max_operand",) if key in options}
-    problems = arithmetic_problems(
-        int(options.get("count", 200)),
-        seed=int(options.get("seed", 0)),
-        min_ops=int(options.get("min_ops", 1)),
-        max_ops=int(options.get("max_ops", 3)),
-        split="test",
-        **extra,
-    )
+    problems = arithmetic_problems(**{"count": 200} | check_synthetic_options(options), split="test")
     # The SFT target completion doubles as a reference solution (it ends in \boxed{answer}).
     return [
         (i, {"prompt": p.prompt, "answer": p.answer, "solution": p.completion})
@@ -452,143 +318,89 @@ def load_benchmark(
 ) -> list[Problem]:
     """Load a benchmark's problems (the first ``limit`` of them, if given).
 
-    Looks for ``<data_dir or $D3S_DATA_DIR>/<local_path>`` and, when that is absent and ``allow_hub``,
-    the Hugging Face Hub. ``synthetic`` passes count/seed/min_ops/max_ops/max_operand to the
-    synthetic task.
-    Malformed rows (missing question, missing or empty gold, duplicate id) raise
-    :class:`MalformedDataError` listing their line numbers (``on_malformed="error"``, the default for
-    evaluation benchmarks), or are skipped with a :class:`MalformedRowsWarning` naming them
-    (``"skip"``, the default for training sets: math.8k has two rows with an empty answer). Invalid
-    JSON is always an error. A problem is never dropped silently.
+    Looks for ``<data_dir or $D3S_DATA_DIR>/<benchmark>/test.jsonl`` and, when that is absent and
+    ``allow_hub``, the Hugging Face Hub (unless ``HF_HUB_OFFLINE`` is set). ``synthetic`` passes
+    count/seed/min_ops/max_ops/max_operand to the synthetic task.
+    Malformed rows (missing question, missing or empty gold, duplicate id) raise :class:`BenchmarkError`
+    listing their line numbers (``on_malformed="error"``, the default for evaluation benchmarks), or are
+    skipped with a :class:`MalformedRowsWarning` naming them (``"skip"``, the default for training sets:
+    math.8k has two rows with an empty answer). Invalid JSON is always an error. A problem is never
+    dropped silently.
     """
     spec = get_benchmark(name)
-    if on_malformed is None:
-        on_malformed = "skip" if spec.role == "train" else "error"
+    on_malformed = on_malformed or ("skip" if spec.role == "train" else "error")
     if on_malformed not in ("error", "skip"):
         raise BenchmarkError(f"on_malformed must be 'error' or 'skip', got {on_malformed!r}")
     if limit is not None and limit < 1:
         raise BenchmarkError(f"limit must be a positive number of problems, got {limit}")
+    local, root = local_copy(name, data_dir), resolve_data_dir(data_dir)
     if name == "synthetic":
-        rows, source = _load_synthetic(synthetic or {}), "d3s.data.synthetic (test split)"
+        rows, source = _synthetic_rows(synthetic or {}), "d3s.data.synthetic (test split)"
+    elif local is not None:
+        rows, source = _read_local_rows(local), str(local)
     else:
-        root = resolve_data_dir(data_dir)
-        local = root / spec.local_path if root is not None else None
-        if local is not None and local.is_file():
-            rows, source = _read_local_rows(local), str(local)
-        else:
-            rows, source = _rows_from_hub(spec, local, allow_hub)
-    return _rows_to_problems(spec, rows, source, limit, on_malformed)
-
-
-def hub_unavailable_reason(timeout_s: float = 3.0) -> str | None:
-    """Why the Hub cannot be reached right now (offline mode, no network), or None if it can.
-
-    A quick check avoids ``datasets``' minute of retries on an offline machine.
-    """
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or os.environ.get(
-        "HF_DATASETS_OFFLINE", ""
-    ).strip().lower() in ("1", "true", "yes", "on"):
-        return "offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
-    from urllib.parse import urlparse
-
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = (
-        endpoint.hostname or "huggingface.co",
-        endpoint.port or (80 if endpoint.scheme == "http" else 443),
-    )
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return f"cannot connect to {host}:{port}: {exc}"
-
-
-def _rows_from_hub(
-    spec: BenchmarkSpec, local: Path | None, allow_hub: bool
-) -> tuple[list[tuple[int, dict[str, Any]]], str]:
-    looked_local = (
-        f"local copy {local} (not found)"
-        if local is not None
-        else f"no local copy (no --data-dir given and ${DATA_DIR_ENV} unset)"
-    )
-    if spec.hub is None or not allow_hub:
-        reason = "no hub source is registered" if spec.hub is None else "hub loading is disabled"
-        raise BenchmarkNotFoundError(
-            f"benchmark {spec.name!r} not found: looked for {looked_local}; {reason}"
+        looked = (
+            f"local copy {root / spec.local_path} (not found)"
+            if root is not None
+            else f"no local copy (no --data-dir given and ${DATA_DIR_ENV} unset)"
         )
-    hub_name = spec.hub.path + (f" ({spec.hub.name})" if spec.hub.name else "") + f" split {spec.hub.split}"
-    offline_reason = hub_unavailable_reason()
-    if offline_reason is not None:
-        raise BenchmarkNotFoundError(
-            f"benchmark {spec.name!r} not found: looked for {looked_local}; the Hugging Face Hub copy "
-            f"{hub_name} cannot be fetched ({offline_reason}). Put a copy at <data-dir>/{spec.local_path} "
-            f"or set ${DATA_DIR_ENV}."
-        )
-    try:
-        rows = _load_hub_rows(spec)
-    except Exception as exc:  # offline, missing repo, auth: all mean "not available here"
-        raise BenchmarkNotFoundError(
-            f"benchmark {spec.name!r} not found: looked for {looked_local} and on the Hugging Face Hub "
-            f"at {hub_name} ({type(exc).__name__}: {exc}). Put a copy at <data-dir>/{spec.local_path} "
-            f"or set ${DATA_DIR_ENV}."
-        ) from exc
-    return rows, f"hf://{hub_name}"
-
-
-def _rows_to_problems(
-    spec: BenchmarkSpec,
-    rows: list[tuple[int, dict[str, Any]]],
-    source: str,
-    limit: int | None,
-    on_malformed: str = "error",
-) -> list[Problem]:
-    from d3s.rewards import normalize_gold  # stdlib-only import; shares gold normalisation with grading
-
-    problems: list[Problem] = []
-    bad: list[str] = []
-    seen_ids: dict[str, int] = {}
-    for position, (line_number, row) in enumerate(rows):
+        if spec.hub is None or not allow_hub:
+            reason = "no hub source is registered" if spec.hub is None else "hub loading is disabled"
+            raise BenchmarkError(f"benchmark {name!r} not found: looked for {looked}; {reason}")
+        rows, source = _hub_rows(spec, looked), f"hf://{spec.hub.path}"
+    problems, bad, seen_ids = [], [], {}
+    for position, (line, row) in enumerate(rows):
         if limit is not None and len(problems) >= limit:
             break
-        question = row.get(spec.question_field)
-        if not isinstance(question, str) or not question.strip():
-            bad.append(f"line {line_number}: missing or empty question field {spec.question_field!r}")
-            continue
-        try:
-            gold = normalize_gold(spec.gold(row))
-        except TypeError as exc:
-            bad.append(f"line {line_number}: {exc}")
-            continue
-        if not gold:
-            bad.append(f"line {line_number}: missing or empty answer (field {', '.join(spec.gold_fields)})")
-            continue
-        raw_id = row.get(spec.id_field) if spec.id_field else None
-        problem_id = str(raw_id) if raw_id is not None else str(position)
-        if problem_id in seen_ids:
-            bad.append(
-                f"line {line_number}: duplicate problem id {problem_id!r} (also on line {seen_ids[problem_id]})"
-            )
-            continue
-        seen_ids[problem_id] = line_number
-        reference = spec.reference_solution(row) if spec.reference_solution else None
-        metadata = {"line": line_number, **{k: row[k] for k in spec.metadata_fields if k in row}}
-        problems.append(Problem(spec.name, problem_id, question, gold, reference, metadata))
+        problem = _problem(spec, position, line, row, seen_ids)
+        if isinstance(problem, str):
+            bad.append(f"line {line}: {problem}")
+        else:
+            problems.append(problem)
     if bad and on_malformed == "error":
-        raise MalformedDataError(
-            _malformed_message(source, bad) + "\n(fix these rows, or skip them with on_malformed='skip')"
-        )
+        message = _malformed_message(source, bad)
+        raise BenchmarkError(message + "\n(fix these rows, or skip them with on_malformed='skip')")
     if bad:
-        message = _malformed_message(source, bad) + "\n(skipped)"
-        warnings.warn(message, MalformedRowsWarning, stacklevel=3)
+        warnings.warn(_malformed_message(source, bad) + "\n(skipped)", MalformedRowsWarning, stacklevel=2)
     if not problems:
-        raise MalformedDataError(f"{source}: no problems found")
+        raise BenchmarkError(f"{source}: no problems found")
     return problems
 
 
-def reference_final_answer(spec: BenchmarkSpec, problem: Problem) -> str | None:
-    """The final answer written in the problem's reference solution (for the audit), if any."""
-    if problem.reference_solution is None:
+def _problem(
+    spec: BenchmarkSpec, position: int, line: int, row: Any, seen_ids: dict[str, int]
+) -> Problem | str:
+    """The problem of one row, or what is wrong with the row."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    question = row.get(spec.question_field)
+    if not isinstance(question, str) or not question.strip():
+        return f"missing or empty question field {spec.question_field!r}"
+    gold: tuple[str, ...] = ()
+    for name in spec.gold_fields:
+        value = row.get(name)
+        if name == spec.solution_field and value is not None:
+            value = solution_final_answer(spec, _as_text(value))
+        if value not in (None, ""):
+            try:
+                gold = normalize_gold(value)
+            except TypeError as exc:
+                return str(exc)
+            break
+    if not gold:
+        return f"missing or empty answer (field {' or '.join(spec.gold_fields)})"
+    raw_id = row.get(spec.id_field) if spec.id_field else None
+    problem_id = str(raw_id) if raw_id is not None else str(position)
+    if problem_id in seen_ids:
+        return f"duplicate problem id {problem_id!r} (also on line {seen_ids[problem_id]})"
+    seen_ids[problem_id] = line
+    reference = _as_text(row.get(spec.solution_field)) if spec.solution_field else None
+    metadata = {"line": line, **{k: row[k] for k in spec.metadata_fields if k in row}}
+    return Problem(spec.name, problem_id, question, gold, reference, metadata)
+
+
+def solution_final_answer(spec: BenchmarkSpec, solution: str | None) -> str | None:
+    """The final answer written in a reference solution of ``spec`` (its last box, or GSM8K's ####)."""
+    if solution is None:
         return None
-    if spec.reference_kind == "gsm8k":
-        return gsm8k_final_answer(problem.reference_solution)
-    return last_boxed(problem.reference_solution)
+    return gsm8k_final_answer(solution) if spec.solution_answer == "gsm8k" else last_boxed_answer(solution)

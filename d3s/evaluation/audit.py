@@ -20,17 +20,19 @@ import io
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from d3s.data.benchmarks import (
     BENCHMARKS,
-    BenchmarkNotFoundError,
     get_benchmark,
     load_benchmark,
-    reference_final_answer,
+    local_copy,
+    solution_final_answer,
 )
 from d3s.evaluation.metrics import policy_disagreement
+from d3s.manifest import atomic_write_text
 from d3s.rewards import ANSWER_POLICIES, Grader, count_boxes, last_boxed_answer
 
 AUDIT_COLUMNS = (
@@ -51,28 +53,28 @@ AUDIT_COLUMNS = (
 class AuditRow:
     benchmark: str
     problems: int
-    gold_parsed: int
-    gold_unparsable: int
-    gold_as_text: int  # parsed only as a string: such golds are matched by exact string comparison
-    with_reference: int  # problems with a reference solution
-    reference_answer_found: int  # ... whose final answer could be located (boxed / ####)
-    reference_verified: int  # ... that verifies against the gold
-    timeouts: int
+    gold_parsed: int = 0
+    gold_unparsable: int = 0
+    gold_as_text: int = 0  # parsed only as a string: such golds are matched by exact string comparison
+    with_reference: int = 0  # problems with a reference solution
+    reference_answer_found: int = 0  # ... whose final answer could be located (boxed / ####)
+    reference_verified: int = 0  # ... that verifies against the gold
+    timeouts: int = 0
     unparsable_examples: list[str] = field(default_factory=list)
     text_gold_examples: list[str] = field(default_factory=list)
     mismatch_examples: list[str] = field(default_factory=list)  # "id: reference != gold"
 
     @property
-    def reference_verified_pct(self) -> float | None:
-        if not self.reference_answer_found:
-            return None
-        return 100.0 * self.reference_verified / self.reference_answer_found
+    def reference_verified_pct(self) -> str:
+        found = self.reference_answer_found
+        return f"{100.0 * self.reference_verified / found:.1f}" if found else ""
 
-    def cells(self) -> dict[str, object]:
-        out = {k: v for k, v in asdict(self).items() if k in AUDIT_COLUMNS}
-        pct = self.reference_verified_pct
-        out["reference_verified_pct"] = "" if pct is None else f"{pct:.1f}"
-        return {k: out[k] for k in AUDIT_COLUMNS}
+    def details(self) -> list[str]:
+        """The examples behind the counts: unparsable gold answers and reference mismatches."""
+        lines = [f"  unparsable gold  {e}" for e in self.unparsable_examples]
+        lines += [f"  gold as text     {e}" for e in self.text_gold_examples]
+        lines += [f"  reference failed {e}" for e in self.mismatch_examples]
+        return [f"{self.benchmark}:", *lines] if lines else []
 
 
 def audit_benchmark(
@@ -85,7 +87,7 @@ def audit_benchmark(
     gold_results = grader.grade_many(
         [f"\\boxed{{{p.gold[0]}}}" for p in problems], [p.gold for p in problems]
     )
-    row = AuditRow(name, len(problems), 0, 0, 0, 0, 0, 0, 0)
+    row = AuditRow(name, len(problems))
     reference_jobs: list[tuple[int, str]] = []
     for index, (problem, result) in enumerate(zip(problems, gold_results, strict=True)):
         row.timeouts += result.timed_out
@@ -100,7 +102,7 @@ def audit_benchmark(
                 row.unparsable_examples.append(f"{problem.problem_id}: {problem.gold!r}")
         if problem.reference_solution is not None:
             row.with_reference += 1
-            answer = reference_final_answer(spec, problem)
+            answer = solution_final_answer(spec, problem.reference_solution)
             if answer is not None and result.gold_parsed:
                 reference_jobs.append((index, answer))
     row.reference_answer_found = len(reference_jobs)
@@ -120,66 +122,11 @@ def audit_benchmark(
 
 
 def run_audit(
-    data_dir: str | os.PathLike[str] | None,
-    benchmarks: Sequence[str] | None = None,
-    grader: Grader | None = None,
+    data_dir: str | os.PathLike[str] | None, benchmarks: Sequence[str] | None, grader: Grader
 ) -> list[AuditRow]:
     """Audit ``benchmarks`` (default: all with a local copy, synthetic included)."""
-    names = list(benchmarks) if benchmarks else list(BENCHMARKS)
-    owns_grader = grader is None
-    grader = grader or Grader(num_workers=max(1, min(4, os.cpu_count() or 1)))
-    rows = []
-    try:
-        for name in names:
-            try:
-                rows.append(audit_benchmark(name, data_dir, grader))
-            except BenchmarkNotFoundError:
-                if benchmarks:  # explicitly asked for: an error; otherwise skip what is not there
-                    raise
-    finally:
-        if owns_grader:
-            grader.close()
-    return rows
-
-
-def audit_markdown(rows: Sequence[AuditRow]) -> str:
-    lines = ["| " + " | ".join(AUDIT_COLUMNS) + " |", "|" + "---|" * len(AUDIT_COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(str(v) for v in row.cells().values()) + " |")
-    return "\n".join(lines)
-
-
-def audit_csv(rows: Sequence[AuditRow]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=AUDIT_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(row.cells())
-    return buffer.getvalue()
-
-
-def audit_details(rows: Sequence[AuditRow]) -> str:
-    """The examples behind the counts: unparsable gold answers and reference mismatches."""
-    parts = []
-    for row in rows:
-        if row.unparsable_examples or row.mismatch_examples or row.text_gold_examples:
-            parts.append(f"{row.benchmark}:")
-            parts += [f"  unparsable gold  {e}" for e in row.unparsable_examples]
-            parts += [f"  gold as text     {e}" for e in row.text_gold_examples]
-            parts += [f"  reference failed {e}" for e in row.mismatch_examples]
-    return "\n".join(parts)
-
-
-def write_audit(rows: Sequence[AuditRow], out_dir: Path) -> list[Path]:
-    from d3s.evaluation.runner import _atomic_write_lines
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "grader_audit.csv", out_dir / "grader_audit.md", out_dir / "grader_audit_examples.txt"]
-    for path, text in zip(
-        paths, [audit_csv(rows), audit_markdown(rows) + "\n", audit_details(rows) + "\n"], strict=True
-    ):
-        _atomic_write_lines(path, [text])
-    return paths
+    names = benchmarks or [n for n in BENCHMARKS if n == "synthetic" or local_copy(n, data_dir)]
+    return [audit_benchmark(name, data_dir, grader) for name in names]
 
 
 # ------------------------------------------------------------------------- answer-policy disagreement
@@ -212,14 +159,16 @@ class DisagreementRow:
     examples: list[str] = field(default_factory=list)  # "id: verdicts, last box, gold"
 
     @property
-    def disagree_pct(self) -> float | None:
-        return 100.0 * self.disagree / self.completions if self.completions else None
+    def disagree_pct(self) -> str:
+        return f"{100.0 * self.disagree / self.completions:.2f}" if self.completions else ""
 
-    def cells(self) -> dict[str, object]:
-        out = {k: v for k, v in asdict(self).items() if k in DISAGREEMENT_COLUMNS}
-        pct = self.disagree_pct
-        out["disagree_pct"] = "" if pct is None else f"{pct:.2f}"
-        return {k: out[k] for k in DISAGREEMENT_COLUMNS}
+    def details(self) -> list[str]:
+        """The samples on which the policies disagree."""
+        return (
+            [f"{self.benchmark} ({self.source}):", *(f"  {e}" for e in self.examples)]
+            if self.examples
+            else []
+        )
 
 
 def policy_disagreement_row(
@@ -266,10 +215,7 @@ def reference_disagreement(
     boxes), for the benchmarks that have them."""
     rows = []
     for name in benchmarks:
-        try:
-            problems = load_benchmark(name, data_dir, allow_hub=False)
-        except BenchmarkNotFoundError:
-            continue
+        problems = load_benchmark(name, data_dir, allow_hub=False)
         items = [(p.problem_id, p.reference_solution, p.gold) for p in problems if p.reference_solution]
         if items:
             rows.append(policy_disagreement_row("reference solutions", name, items, grader))
@@ -297,54 +243,59 @@ def samples_disagreement(paths: Iterable[str | os.PathLike[str]], grader: Grader
                     continue
                 try:
                     record = json.loads(line)
-                    items.append(
-                        (
-                            f"{record['problem_id']}#{record.get('sample_index', number)}",
-                            str(record["completion"]),
-                            record["gold"],
-                        )
-                    )
+                    sample = f"{record['problem_id']}#{record.get('sample_index', number)}"
+                    items.append((sample, str(record["completion"]), record["gold"]))
                 except (ValueError, KeyError) as exc:
                     raise ValueError(f"{file}:{number}: not a samples.jsonl record ({exc})") from None
             rows.append(policy_disagreement_row(str(file.parent.parent), file.parent.name, items, grader))
     return rows
 
 
-def disagreement_markdown(rows: Sequence[DisagreementRow]) -> str:
-    lines = ["| " + " | ".join(DISAGREEMENT_COLUMNS) + " |", "|" + "---|" * len(DISAGREEMENT_COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(str(v) for v in row.cells().values()) + " |")
-    return "\n".join(lines)
+# ------------------------------------------------------------------------------------------ report
 
 
-def disagreement_csv(rows: Sequence[DisagreementRow]) -> str:
+def markdown_table(columns: Sequence[str], rows: Sequence[Any]) -> str:
+    """A Markdown table of ``rows``: one column per attribute named in ``columns``."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(str(getattr(r, c)) for c in columns) + " |" for r in rows])
+
+
+def _csv_table(columns: Sequence[str], rows: Sequence[Any]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=DISAGREEMENT_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(row.cells())
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerows([columns, *([getattr(row, c) for c in columns] for row in rows)])
     return buffer.getvalue()
 
 
-def disagreement_details(rows: Sequence[DisagreementRow]) -> str:
-    parts = []
-    for row in rows:
-        if row.examples:
-            parts.append(f"{row.benchmark} ({row.source}):")
-            parts += [f"  {e}" for e in row.examples]
-    return "\n".join(parts)
-
-
-def write_disagreement(rows: Sequence[DisagreementRow], out_dir: Path) -> list[Path]:
-    from d3s.evaluation.runner import _atomic_write_lines
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [
-        out_dir / "policy_disagreement.csv",
-        out_dir / "policy_disagreement.md",
-        out_dir / "policy_disagreement_examples.txt",
+def audit_report(
+    data_dir: str | os.PathLike[str] | None,
+    benchmarks: Sequence[str] | None,
+    samples: Iterable[str | os.PathLike[str]],
+    grader: Grader,
+    out_dir: Path | None = None,
+) -> str:
+    """Both audit tables and their examples as text; with ``out_dir``, also written there as
+    ``grader_audit.{csv,md}``, ``policy_disagreement.{csv,md}`` and their ``*_examples.txt``."""
+    rows = run_audit(data_dir, benchmarks, grader)
+    policy_rows = reference_disagreement(data_dir, [row.benchmark for row in rows], grader)
+    policy_rows += samples_disagreement(samples, grader)
+    policies = "answer policies (math_verify: every box as one set answer; last_boxed: the last box only):"
+    tables = [
+        ("grader_audit", AUDIT_COLUMNS, rows, ""),
+        ("policy_disagreement", DISAGREEMENT_COLUMNS, policy_rows, policies),
     ]
-    texts = [disagreement_csv(rows), disagreement_markdown(rows) + "\n", disagreement_details(rows) + "\n"]
-    for path, text in zip(paths, texts, strict=True):
-        _atomic_write_lines(path, [text])
-    return paths
+    parts, written = [], []
+    for stem, columns, table_rows, title in tables:
+        markdown = markdown_table(columns, table_rows)
+        details = "\n".join(line for row in table_rows for line in row.details())
+        parts += [part for part in (title, markdown, details) if part]
+        if out_dir is not None:
+            texts = {
+                ".csv": _csv_table(columns, table_rows),
+                ".md": markdown + "\n",
+                "_examples.txt": details + "\n",
+            }
+            for suffix, text in texts.items():
+                written.append(out_dir / f"{stem}{suffix}")
+                atomic_write_text(written[-1], text)
+    return "\n\n".join(parts) + "".join(f"\nwrote {path}" for path in written)

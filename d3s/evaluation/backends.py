@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -103,6 +104,34 @@ def _load_tokenizer(model_path: str) -> Any:
     return tokenizer
 
 
+def load_model(model_path: str | os.PathLike[str], dtype: str, device: str) -> Any:
+    """The causal LM at ``model_path`` on ``device``, in eval mode; ``dtype`` "auto" is bf16 on GPUs that
+    support it and fp32 on the CPU, where bf16 is slow."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype == "auto":
+        use_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        dtype = "bfloat16" if use_bf16 else "float32"
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a completion: the generation config's EOS ids and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def truncate_at_eos(token_ids: Sequence[int], eos_ids: Iterable[int]) -> list[int]:
+    """The completion up to and including its first EOS (all of it when it has none)."""
+    eos = set(eos_ids)
+    for position, token in enumerate(token_ids):
+        if token in eos:
+            return list(token_ids[: position + 1])
+    return list(token_ids)
+
+
 class TransformersBackend:
     """Batched ``model.generate`` with left padding; each prompt is repeated ``samples`` times."""
 
@@ -119,21 +148,13 @@ class TransformersBackend:
         model: Any = None,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.batch_size = batch_size  # prompts per generate call (each expanded to `samples` rows)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
-        if model is None:
-            torch_dtype: Any = dtype
-            if dtype == "auto":  # bf16 on GPUs that support it; fp32 on CPU, where bf16 is slow
-                use_bf16 = self.device.startswith("cuda") and torch.cuda.is_bf16_supported()
-                torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
-            elif isinstance(dtype, str):
-                torch_dtype = getattr(torch, dtype)
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        model = model if model is not None else load_model(model_path, dtype, self.device)
         self.model = model.to(self.device).eval()
 
     def generate(
@@ -181,29 +202,15 @@ class TransformersBackend:
                 **kwargs,
             )
         new_tokens = sequences[:, input_ids.shape[1] :].tolist()
-        eos_ids = self._eos_ids()
-        results: list[list[Sample]] = []
-        for i in range(len(prompts)):
-            samples = []
-            for row in new_tokens[i * n : (i + 1) * n]:
-                length, finish = len(row), "length"
-                for position, token in enumerate(row):
-                    if token in eos_ids:
-                        length, finish = position, "stop"
-                        break
-                text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
-                samples.append(
-                    Sample(text=text, num_tokens=length + (finish == "stop"), finish_reason=finish)
-                )
-            results.append(samples)
-        return results
+        eos_ids = eos_token_ids(self.model, self.tokenizer)
 
-    def _eos_ids(self) -> set[int]:
-        eos = self.model.generation_config.eos_token_id
-        ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        def sample(row: list[int]) -> Sample:
+            kept = truncate_at_eos(row, eos_ids)
+            stop = bool(kept) and kept[-1] in eos_ids
+            text = self.tokenizer.decode(kept[: len(kept) - stop], skip_special_tokens=True)
+            return Sample(text, num_tokens=len(kept), finish_reason="stop" if stop else "length")
+
+        return [[sample(row) for row in new_tokens[i * n : (i + 1) * n]] for i in range(len(prompts))]
 
 
 class VLLMBackend:
@@ -273,13 +280,3 @@ class VLLMBackend:
             ]
             results.append(samples)
         return results
-
-
-def make_backend(
-    name: str, model_path: str, *, seed: int = 0, batch_size: int | None = None, **kwargs: Any
-) -> GenerationBackend:
-    """Build the backend ``name`` (``auto`` resolved by :func:`choose_backend`)."""
-    resolved = choose_backend(name)
-    if resolved == "vllm":
-        return VLLMBackend(model_path, seed=seed, batch_size=batch_size or 64, **kwargs)
-    return TransformersBackend(model_path, batch_size=batch_size or 8, **kwargs)

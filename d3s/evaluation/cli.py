@@ -7,9 +7,11 @@ model is loaded, so a typo costs seconds, not a GPU allocation.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from d3s.data.benchmarks import (
     BENCHMARKS,
@@ -17,11 +19,14 @@ from d3s.data.benchmarks import (
     EVAL_BENCHMARKS,
     BenchmarkError,
     Problem,
+    benchmark_source,
+    check_synthetic_options,
+    get_benchmark,
     load_benchmark,
     parse_benchmark_list,
-    resolve_data_dir,
 )
-from d3s.data.templates import TEMPLATES
+from d3s.data.templates import TEMPLATES, build_prompt
+from d3s.evaluation import backends
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
 from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S
 from d3s.runs.config import check_model_dir, one_line
@@ -45,7 +50,7 @@ def _number(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number such as 0.6, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
@@ -77,72 +82,64 @@ def _synthetic_options(text: str) -> dict[str, int]:
                 f"--synthetic takes KEY=INTEGER pairs such as max_ops=1; got {part!r}"
             )
         options[key.strip()] = int(value)
-    minimums = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_operand": 1}
-    for key, value in options.items():
-        if key not in minimums:
-            raise argparse.ArgumentTypeError(
-                f"unknown --synthetic option {key!r}; valid: {', '.join(minimums)}"
-            )
-        if value < minimums[key]:
-            raise argparse.ArgumentTypeError(f"--synthetic {key} must be >= {minimums[key]}, got {value}")
-    if options.get("min_ops", 1) > options.get("max_ops", 3):
-        raise argparse.ArgumentTypeError("--synthetic min_ops must be <= max_ops")
-    return options
+    try:
+        return check_synthetic_options(options, what="--synthetic")
+    except BenchmarkError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``d3s eval`` options to ``parser``."""
-    parser.add_argument("--model", help="model directory or Hugging Face id (required unless --audit)")
-    parser.add_argument(
-        "--benchmarks",
-        default=DEFAULT_BENCHMARKS,
-        help=f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); valid: {', '.join(BENCHMARKS)}",
-    )
-    parser.add_argument("--samples", type=_positive_int, default=32, help="samples per problem (default 32)")
-    parser.add_argument(
-        "--k", type=_k_list, default=[1, 8], help="Pass@k values to report, e.g. 1,8 (default)"
-    )
-    parser.add_argument("--out", type=Path, help="output directory (required unless --audit)")
-    parser.add_argument(
-        "--temperature", type=_number, default=0.6, help="sampling temperature, 0 = greedy (0.6)"
-    )
-    parser.add_argument("--top-p", type=_number, default=0.95, help="nucleus sampling top-p (0.95)")
-    parser.add_argument(
-        "--max-tokens", type=_positive_int, default=4096, help="max new tokens per completion (4096)"
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help=f"benchmark root <dir>/<benchmark>/test.jsonl (default ${DATA_DIR_ENV})",
-    )
-    parser.add_argument(
-        "--limit", type=_positive_int, default=None, help="only the first N problems per benchmark"
-    )
-    parser.add_argument(
-        "--backend", choices=BACKENDS, default="auto", help="generation backend (auto: vLLM if GPU)"
-    )
-    parser.add_argument("--template", choices=TEMPLATES, default="auto", help="prompt template (auto)")
-    parser.add_argument("--seed", type=_seed, default=0, help="sampling and bootstrap seed (0)")
-    parser.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=None,
-        help="problems per generate call (transformers 8, vLLM 64)",
-    )
-    parser.add_argument(
-        "--answer-extraction",
-        choices=("boxed_first", "boxed_only"),
-        default="boxed_first",
-        help="boxed_first: prefer \\boxed{}, else fall back to the last answer-like expression (default)",
-    )
-    parser.add_argument(
-        "--answer-policy",
-        choices=ANSWER_POLICIES,
-        default=DEFAULT_ANSWER_POLICY,
-        help="which boxed answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set "
-        "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit); both are always reported",
-    )
+    # flag: (type, or a tuple of choices; default; help)
+    options = {
+        "--model": (str, None, "model directory or Hugging Face id (required unless --audit)"),
+        "--benchmarks": (
+            str,
+            DEFAULT_BENCHMARKS,
+            f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); valid: {', '.join(BENCHMARKS)}",
+        ),
+        "--samples": (_positive_int, 32, "samples per problem (default 32)"),
+        "--k": (_k_list, [1, 8], "Pass@k values to report, e.g. 1,8 (default)"),
+        "--out": (Path, None, "output directory (required unless --audit)"),
+        "--temperature": (_number, 0.6, "sampling temperature, 0 = greedy (0.6)"),
+        "--top-p": (_number, 0.95, "nucleus sampling top-p (0.95)"),
+        "--max-tokens": (_positive_int, 4096, "max new tokens per completion (4096)"),
+        "--data-dir": (Path, None, f"benchmark root <dir>/<benchmark>/test.jsonl (default ${DATA_DIR_ENV})"),
+        "--limit": (_positive_int, None, "only the first N problems per benchmark"),
+        "--backend": (BACKENDS, "auto", "generation backend (auto: vLLM if GPU)"),
+        "--template": (TEMPLATES, "auto", "prompt template (auto)"),
+        "--seed": (_seed, 0, "sampling and bootstrap seed (0)"),
+        "--batch-size": (_positive_int, None, "problems per generate call (transformers 8, vLLM 64)"),
+        "--answer-extraction": (
+            ("boxed_first", "boxed_only"),
+            "boxed_first",
+            "boxed_first: prefer \\boxed{}, else fall back to the last answer-like expression (default)",
+        ),
+        "--answer-policy": (
+            ANSWER_POLICIES,
+            DEFAULT_ANSWER_POLICY,
+            "which boxed answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set "
+            "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit); both are always reported",
+        ),
+        "--grading-workers": (
+            _positive_int,
+            max(1, min(4, (os.cpu_count() or 2) // 2)),
+            "grading subprocesses",
+        ),
+        "--grading-time-limit": (
+            _number,
+            DEFAULT_TIME_LIMIT_S,
+            f"seconds per answer before it counts as wrong and timed out ({DEFAULT_TIME_LIMIT_S:g})",
+        ),
+        "--bootstrap": (_positive_int, 1000, "bootstrap resamples for the CI (1000)"),
+        "--dtype": (str, "auto", "model dtype: auto, bfloat16, float16, float32"),
+        "--tensor-parallel-size": (_positive_int, 1, "vLLM tensor parallel size"),
+        "--gpu-memory-utilization": (_number, 0.9, "vLLM GPU memory fraction"),
+        "--max-model-len": (_positive_int, None, "vLLM max model length"),
+    }
+    for flag, (kind, default, text) in options.items():
+        kind_argument = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
+        parser.add_argument(flag, default=default, help=text, **kind_argument)
     parser.add_argument(
         "--audit-samples",
         type=Path,
@@ -153,42 +150,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "samples.jsonl or evaluation directory (repeatable)",
     )
     parser.add_argument(
-        "--grading-workers",
-        type=_positive_int,
-        default=max(1, min(4, (os.cpu_count() or 2) // 2)),
-        help="grading subprocesses",
-    )
-    parser.add_argument(
-        "--grading-time-limit",
-        type=_number,
-        default=DEFAULT_TIME_LIMIT_S,
-        help=f"seconds per answer before it counts as wrong and timed out ({DEFAULT_TIME_LIMIT_S:g})",
-    )
-    parser.add_argument(
-        "--bootstrap", type=_positive_int, default=1000, help="bootstrap resamples for the CI (1000)"
-    )
-    parser.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
-    parser.add_argument(
-        "--tensor-parallel-size", type=_positive_int, default=1, help="vLLM tensor parallel size"
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization", type=_number, default=0.9, help="vLLM GPU memory fraction"
-    )
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM max model length")
-    parser.add_argument(
         "--synthetic",
         type=_synthetic_options,
         default={},
         metavar="KEY=VALUE,...",
         help="options of the synthetic task (count, seed, min_ops, max_ops, max_operand), e.g. max_ops=1,max_operand=9",
     )
-    parser.add_argument("--overwrite", action="store_true", help="discard existing samples in --out")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument(
-        "--audit",
-        action="store_true",
-        help="audit the grader on the benchmarks' gold answers and reference solutions instead of evaluating",
-    )
+    switches = {
+        "--overwrite": "discard existing samples in --out",
+        "--no-progress": "hide progress bars",
+        "--audit": "audit the grader on the benchmarks' gold answers and reference solutions instead of evaluating",
+    }
+    for flag, text in switches.items():
+        parser.add_argument(flag, action="store_true", help=text)
 
 
 def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationSettings, str]:
@@ -246,43 +220,12 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     return names, settings, backend
 
 
-def _data_source(name: str, data_dir: Path | None) -> str:
-    """The file a benchmark was read from (its checksum goes into the summary), or where else it came from."""
-    if name == "synthetic":
-        return "d3s.data.synthetic (generated)"
-    if data_dir is not None and (data_dir / BENCHMARKS[name].local_path).is_file():
-        return str(data_dir / BENCHMARKS[name].local_path)
-    return "huggingface hub"
-
-
-def _load_all(
-    names: list[str], data_dir: Path | None, limit: int | None, synthetic: dict[str, int] | None = None
-) -> dict[str, list[Problem]]:
-    """Load every benchmark up front: missing or malformed data fails before the model loads."""
-    return {name: load_benchmark(name, data_dir, limit=limit, synthetic=synthetic) for name in names}
-
-
 def _run_audit(args: argparse.Namespace, names: list[str] | None) -> int:
-    from d3s.evaluation import audit
+    from d3s.evaluation.audit import audit_report
     from d3s.rewards import Grader
 
-    data_dir = resolve_data_dir(args.data_dir)
     with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
-        rows = audit.run_audit(data_dir, names, grader)
-        policy_rows = audit.reference_disagreement(data_dir, [row.benchmark for row in rows], grader)
-        policy_rows += audit.samples_disagreement(args.audit_samples, grader)
-    print(audit.audit_markdown(rows))
-    details = audit.audit_details(rows)
-    if details:
-        print("\n" + details)
-    print("\nanswer policies (math_verify: every box as one set answer; last_boxed: the last box only):\n")
-    print(audit.disagreement_markdown(policy_rows))
-    details = audit.disagreement_details(policy_rows)
-    if details:
-        print("\n" + details)
-    if args.out is not None:
-        for path in audit.write_audit(rows, args.out) + audit.write_disagreement(policy_rows, args.out):
-            print(f"wrote {path}")
+        print(audit_report(args.data_dir, names, args.audit_samples, grader, args.out))
     return 0
 
 
@@ -293,12 +236,18 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.audit:
             explicit = args.benchmarks != DEFAULT_BENCHMARKS
             return _run_audit(args, names if explicit else None)
-        data_dir = resolve_data_dir(args.data_dir)
-        problems = _load_all(names, data_dir, args.limit, getattr(args, "synthetic", None))
-    except (ValueError, BenchmarkError) as exc:
+        # every benchmark up front: missing or malformed data fails before the model loads
+        problems = {
+            name: load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic)
+            for name in names
+        }
+        tokenizer = backends._load_tokenizer(args.model)
+        for name in names:  # a chat-template prompt needs a chat template: checked before the weights load
+            build_prompt("", args.template, tokenizer, get_benchmark(name).default_template)
+    except ValueError as exc:
         print(f"d3s eval: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    return _evaluate(args, names, settings, backend_name, problems, data_dir)
+    return _evaluate(args, names, settings, backend_name, problems, tokenizer)
 
 
 def _evaluate(
@@ -307,13 +256,11 @@ def _evaluate(
     settings: GenerationSettings,
     backend_name: str,
     problems: dict[str, list[Problem]],
-    data_dir: Path | None,
+    tokenizer: Any,
 ) -> int:
     import shutil
 
-    from d3s.data.benchmarks import get_benchmark
-    from d3s.data.templates import resolve_template
-    from d3s.evaluation.backends import TransformersBackend, VLLMBackend, _load_tokenizer
+    from d3s.evaluation.backends import TransformersBackend, VLLMBackend
     from d3s.evaluation.runner import (
         BenchmarkRun,
         ResumeMismatchError,
@@ -325,17 +272,6 @@ def _evaluate(
     from d3s.rewards import Grader
 
     out: Path = args.out
-    tokenizer = _load_tokenizer(args.model)
-    for name in names:  # a chat-template prompt needs a chat template: check before loading weights
-        if resolve_template(
-            args.template, tokenizer, get_benchmark(name).default_template
-        ) == "qwen_math_cot" and (not getattr(tokenizer, "chat_template", None)):
-            print(
-                f"d3s eval: error: --template qwen_math_cot needs a chat template, and {args.model} has none; "
-                "use --template plain or auto",
-                file=sys.stderr,
-            )
-            return 2
     if args.overwrite:
         for name in names:
             shutil.rmtree(out / name, ignore_errors=True)
@@ -377,7 +313,7 @@ def _evaluate(
                 template=args.template,
                 model_path=args.model,
                 scoring=scoring,
-                data_source=_data_source(name, data_dir),
+                data_source=benchmark_source(name, args.data_dir),
                 extra_provenance={"limit": args.limit, "batch_size": batch_size},
             )
             try:

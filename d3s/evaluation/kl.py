@@ -13,7 +13,7 @@ up to and including its first EOS; nothing after EOS and no padding enters any m
 completions come from the truncated sampler, and k1 is no longer unbiased for the untruncated KL; the default
 samples at top-p 1. Log-probs are those of the sampling distribution (logits / temperature), as TRL's.
 
-One JSON file per evaluated checkpoint (``write_kl_result``), so parallel evaluation jobs never share a file;
+One JSON file per evaluated checkpoint (``measure_checkpoint_kl``), so parallel evaluation jobs never share a file;
 ``d3s.analysis.io.load_kl`` gathers them into a table.
 """
 
@@ -23,11 +23,11 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from d3s.evaluation.backends import eos_token_ids, load_model, problem_seed, truncate_at_eos
 from d3s.manifest import atomic_write_text, now
 
 if TYPE_CHECKING:  # torch is imported where it is used: the analysis reads KL_FILE without it
@@ -63,29 +63,11 @@ class KLProbeSettings:
             raise ValueError(f"{prefix}top_p must be in (0, 1], got {self.top_p}")
 
 
-def truncate_at_eos(token_ids: Sequence[int], eos_ids: Iterable[int]) -> list[int]:
-    """The completion up to and including its first EOS (all of it when it has none)."""
-    eos = set(eos_ids)
-    for position, token in enumerate(token_ids):
-        if token in eos:
-            return list(token_ids[: position + 1])
-    return list(token_ids)
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a completion: the generation config's EOS ids and the tokenizer's."""
-    eos = model.generation_config.eos_token_id
-    ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids = eos_token_ids(model, tokenizer)
     if not ids:
         raise ValueError("the model and tokenizer define no EOS token: completions could not end")
     return ids
-
-
-def _chunk_seed(seed: int, chunk: int) -> int:
-    digest = hashlib.sha256(f"{seed}/kl-probe/{chunk}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def _device(model: Any) -> torch.device:
@@ -96,44 +78,39 @@ def probe_completions(
     policy: Any,
     tokenizer: Any,
     prompts: Sequence[str],
-    *,
-    completions_per_prompt: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    batch_size: int = 16,
+    settings: KLProbeSettings,
     add_special_tokens: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) of ``completions_per_prompt`` samples of the policy per prompt.
+    """(prompt ids, completion ids) of ``settings.samples`` samples of the policy per prompt.
 
     Prompts are tokenised as TRL tokenises string prompts (``add_special_tokens`` True); completions are cut
-    after their first EOS. Sampling is seeded per batch of ``batch_size`` rows inside a forked RNG, so the
-    caller's random state is untouched and the same seed and batch size give the same completions.
+    after their first EOS. Sampling is seeded per batch of ``settings.batch_size`` rows inside a forked RNG,
+    so the caller's random state is untouched and the same seed and batch size give the same completions.
     """
     import torch
     from transformers import GenerationConfig
 
     if not prompts:
         raise ValueError("the KL probe needs at least one prompt")
-    eos_ids = eos_token_ids(policy, tokenizer)
+    eos_ids = _eos_ids(policy, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    batch_size = settings.batch_size
     # Every sampling setting explicit: a model's own generation defaults (top_k, repetition penalty) would
     # make the sampler differ from the distribution that is scored.
     generation = GenerationConfig(
         do_sample=True,
-        temperature=temperature,
-        top_p=top_p,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
         top_k=0,
         repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=settings.max_new_tokens,
         eos_token_id=sorted(eos_ids),
         pad_token_id=pad_id,
     )
     rows = [
         list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         for prompt in prompts
-        for _ in range(completions_per_prompt)
+        for _ in range(settings.samples)
     ]
     device = _device(policy)
     was_training = policy.training
@@ -151,7 +128,7 @@ def probe_completions(
                     attention[i, width - len(ids) :] = 1
                 devices = [device.index or 0] if device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(_chunk_seed(seed, chunk))
+                    torch.manual_seed(problem_seed(settings.seed, "kl-probe", str(chunk)))
                     sequences = policy.generate(
                         input_ids=input_ids.to(device),
                         attention_mask=attention.to(device),
@@ -258,18 +235,7 @@ def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence
 
 
 def kl_to_reference(
-    policy: Any,
-    reference: Any,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    *,
-    completions_per_prompt: int = 4,
-    max_new_tokens: int = 512,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    batch_size: int = 16,
-    add_special_tokens: bool = True,
+    policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[str], settings: KLProbeSettings
 ) -> dict:
     """KL(policy || reference) on the policy's own sampled completions of ``prompts``, without gradient.
 
@@ -277,42 +243,17 @@ def kl_to_reference(
     ``mean_completion_tokens`` and ``truncated_fraction`` (completions that hit ``max_new_tokens`` without
     EOS: the KL of a truncated completion counts only its sampled tokens).
     """
-    KLProbeSettings(
-        prompts=len(prompts),
-        samples=completions_per_prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        batch_size=batch_size,
-    ).validate(prefix="kl_to_reference: ")
-    sequences = probe_completions(
-        policy,
-        tokenizer,
-        prompts,
-        completions_per_prompt=completions_per_prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        batch_size=batch_size,
-        add_special_tokens=add_special_tokens,
-    )
+    settings.validate(prefix="kl_to_reference: ")
+    sequences = probe_completions(policy, tokenizer, prompts, settings)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    scoring = {"temperature": temperature, "batch_size": batch_size, "pad_id": pad_id}
+    scoring = {"temperature": settings.temperature, "batch_size": settings.batch_size, "pad_id": pad_id}
     policy_logps = completion_logprobs(policy, sequences, **scoring)
     reference_logps = completion_logprobs(reference, sequences, **scoring)
-    eos_ids = eos_token_ids(policy, tokenizer)
+    eos_ids = _eos_ids(policy, tokenizer)
     result = kl_estimates(policy_logps, reference_logps)
     result["mean_completion_tokens"] = result["tokens"] / result["sequences"]
     result["truncated_fraction"] = sum(not c or c[-1] not in eos_ids for _, c in sequences) / len(sequences)
     return result
-
-
-def write_kl_result(path: str | os.PathLike[str], result: dict) -> Path:
-    """Write one checkpoint's KL result as JSON, atomically (a reader never sees a partial file)."""
-    path = Path(path)
-    atomic_write_text(path, json.dumps(result, indent=2, sort_keys=True) + "\n")
-    return path
 
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
@@ -323,18 +264,6 @@ def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
     if len(rows) < count:
         raise ValueError(f"eval.kl.prompts is {count} but the training data has only {len(rows)} prompts")
     return [row["prompt"] for row in rows[:count]]
-
-
-def _load(model_path: str | os.PathLike[str], dtype: str, device: str) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if dtype == "auto":  # bf16 on GPUs that support it; fp32 on CPU, where bf16 is slow
-        use_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
-        torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
 
 
 def measure_checkpoint_kl(
@@ -361,21 +290,10 @@ def measure_checkpoint_kl(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     prompts = probe_prompts(train_config, tokenizer, settings.prompts)
-    policy = _load(checkpoint, settings.dtype, device)
-    ref_model = _load(reference, settings.dtype, device)
+    policy = load_model(checkpoint, settings.dtype, device)
+    ref_model = load_model(reference, settings.dtype, device)
     try:
-        result = kl_to_reference(
-            policy,
-            ref_model,
-            tokenizer,
-            prompts,
-            completions_per_prompt=settings.samples,
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            seed=settings.seed,
-            batch_size=settings.batch_size,
-        )
+        result = kl_to_reference(policy, ref_model, tokenizer, prompts, settings)
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     finally:
         del policy, ref_model
@@ -393,5 +311,7 @@ def measure_checkpoint_kl(
         "written": now(),
         **result,
     }
-    write_kl_result(out, record)
+    atomic_write_text(
+        out, json.dumps(record, indent=2, sort_keys=True) + "\n"
+    )  # readers never see half a file
     return record

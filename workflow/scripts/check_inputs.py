@@ -8,8 +8,8 @@ workflow/accelerate, "checks": names from CHECKS below}. The checks:
 - trainer_settings: every method's trainer settings as its training job resolves them
   (d3s.orchestration.launch.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
   schedule, the method's TRL settings);
-- base_model: a local directory with config.json, or a hub id the Hub can serve or the local Hugging Face
-  cache holds (the kind tiny model is built by rule base_model);
+- base_model: a local directory with config.json, or a hub id the local Hugging Face cache holds or the
+  Hub can serve (the kind tiny model is built by rule base_model);
 - train_dataset, eval_benchmarks: a local copy under the data directory, or the Hub.
 
 Every problem is collected and printed on one line of its own, naming the fix (stderr and LOG); the exit
@@ -21,14 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from d3s.data.benchmarks import (
-    BenchmarkError,
-    get_benchmark,
-    hub_unavailable_reason,
-    load_benchmark,
-    parse_benchmark_list,
-    resolve_data_dir,
-)
+from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
 from d3s.manifest import atomic_write_text, now
 
 
@@ -53,18 +46,19 @@ def check_base_model(request: dict[str, Any]) -> dict[str, Any]:
                 "model directory or a Hugging Face id"
             )
         return {"path": path, "found": "local directory"}
-    unreachable = hub_unavailable_reason()
-    if unreachable is None:
-        return {"path": path, "found": "Hugging Face Hub (reachable)"}
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import model_info, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(path, "config.json"), str):
         return {"path": path, "found": "local Hugging Face cache"}
-    raise ValueError(
-        f"base_model.path {path}: not a local directory, not in the local Hugging Face cache, and the Hub cannot "
-        f"be reached ({unreachable}); download it where the Hub is reachable (hf download {path}) or set "
-        "base_model.path to a local copy"
-    )
+    try:  # raises at once under HF_HUB_OFFLINE, and when the Hub cannot be reached or has no such model
+        model_info(path)
+    except Exception as exc:
+        raise ValueError(
+            f"base_model.path {path}: not a local directory, not in the local Hugging Face cache, and the Hub "
+            f"cannot serve it ({' '.join(f'{type(exc).__name__}: {exc}'.split())}); download it where the Hub "
+            f"is reachable (hf download {path}) or set base_model.path to a local copy"
+        ) from None
+    return {"path": path, "found": "Hugging Face Hub"}
 
 
 def _benchmark(key: str, name: str, data_dir: str | None, **kwargs: Any) -> dict[str, Any]:
@@ -72,17 +66,14 @@ def _benchmark(key: str, name: str, data_dir: str | None, **kwargs: Any) -> dict
         problems = load_benchmark(name, data_dir, **kwargs)
     except BenchmarkError as exc:
         raise ValueError(f"{key} {name}: {exc}") from None
-    root = resolve_data_dir(data_dir)
-    local = root / get_benchmark(name).local_path if root is not None else None
-    source = str(local) if local is not None and local.is_file() else "Hugging Face Hub"
-    return {"found": source, "problems_read": len(problems)}
+    return {"found": benchmark_source(name, data_dir), "problems_read": len(problems)}
 
 
 def check_train_dataset(request: dict[str, Any]) -> dict[str, Any]:
     train = request["config"]["train"]
     name = dict(train.get("dataset") or {}).get("name", "synthetic")
     if name == "synthetic":
-        return {"name": name, "found": "generated (d3s.data.synthetic)"}
+        return {"name": name, "found": benchmark_source(name)}
     # the first row, as `d3s train` checks it (d3s.runs.run): malformed rows are skipped with a warning there
     return {"name": name, **_benchmark("train.dataset", name, train.get("data_dir"), limit=1)}
 
@@ -91,9 +82,6 @@ def check_eval_benchmarks(request: dict[str, Any]) -> dict[str, Any]:
     ev = request["config"]["eval"]
     found, problems = {}, []
     for name in parse_benchmark_list(ev["benchmarks"]):
-        if name == "synthetic":
-            found[name] = {"found": "generated (d3s.data.synthetic)"}
-            continue
         try:  # every row, as `d3s eval` reads them before loading a model: a malformed row fails here too
             found[name] = _benchmark("eval.benchmarks", name, ev.get("data_dir"))
         except ValueError as exc:
