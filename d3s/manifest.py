@@ -80,11 +80,7 @@ def hardware() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpus = (
-        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available()
-        else []
-    )
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]  # 0 without CUDA
     return {
         "cpu": cpu,
         "cpu_count": os.cpu_count(),

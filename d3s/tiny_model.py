@@ -13,6 +13,7 @@ import string
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -114,11 +115,11 @@ def sft_warm_start(
     """
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    encoded = []
+    encoded = []  # (token ids, labels: -100 on the prompt)
     for prompt, completion in pairs:
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        encoded.append((p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)))
+        encoded.append((torch.tensor(p_ids + c_ids), torch.tensor([-100] * len(p_ids) + c_ids)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
@@ -127,14 +128,12 @@ def sft_warm_start(
     losses = []
     for _ in range(steps):
         batch = [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=generator).tolist()]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        labels = torch.full((len(batch), width), -100)
-        for row, (ids, loss_on) in enumerate(batch):  # right padding for training
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            labels[row, : len(ids)] = torch.where(torch.tensor(loss_on) == 1, torch.tensor(ids), -100)
+        # right padding for training
+        input_ids = pad_sequence(
+            [ids for ids, _ in batch], batch_first=True, padding_value=tokenizer.pad_token_id
+        )
+        attention = pad_sequence([torch.ones_like(ids) for ids, _ in batch], batch_first=True)
+        labels = pad_sequence([labels for _, labels in batch], batch_first=True, padding_value=-100)
         loss = model(
             input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)
         ).loss

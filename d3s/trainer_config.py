@@ -186,18 +186,13 @@ class D3SConfig(GRPOConfig):
         self._validate()
 
     def _resolve_from_method(self, method) -> None:
-        keep_per_prompt_init, keep_per_prompt_final = method.keep_per_prompt(self.num_generations)
-        defaults = {
-            "sample_rule": method.sample_rule,
-            "sample_scope": method.sample_scope,
-            "renormalize": method.renormalize,
-            "keep_per_prompt": keep_per_prompt_init,
-            "keep_per_prompt_final": keep_per_prompt_final,
-            "token_rule": method.token_rule,
-            "token_scope": method.token_scope,
+        keep_init, keep_final = method.keep_per_prompt(self.num_generations)
+        same_names = ("sample_rule", "sample_scope", "renormalize", "token_rule", "token_scope", "schedule")
+        defaults = {name: getattr(method, name) for name in same_names} | {
+            "keep_per_prompt": keep_init,
+            "keep_per_prompt_final": keep_final,
             "token_keep_ratio": method.token_keep_ratio_init,
             "token_keep_ratio_final": method.token_keep_ratio_final,
-            "schedule": method.schedule,
         }
         for name, value in defaults.items():
             if getattr(self, name) is None:

@@ -206,18 +206,20 @@ def config_differences(
     if not path.is_file():
         return {}
     previous = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    current = {**config, "threads": int(config.get("threads", 1))}
-    keys = (set(current) | (set(previous) & TOP_LEVEL_KEYS) | {"threads"}) - PER_ATTEMPT_KEYS - {"trainer"}
-    changes = {
-        key: (_plain(previous.get(key)), _plain(current.get(key)))
-        for key in keys
-        if _plain(previous.get(key)) != _plain(current.get(key))
+    old = _flat({key: value for key, value in previous.items() if key in TOP_LEVEL_KEYS})
+    new = _flat({**config, "threads": int(config.get("threads", 1))})
+    per_attempt = PER_ATTEMPT_KEYS | {f"trainer.{key}" for key in PER_ATTEMPT_TRAINER_KEYS}
+    pairs = {
+        key: (_plain(old.get(key)), _plain(new.get(key)))
+        for key in sorted((old.keys() | new.keys()) - per_attempt)
     }
-    old_trainer, new_trainer = dict(previous.get("trainer") or {}), dict(current.get("trainer") or {})
-    for key in (set(old_trainer) | set(new_trainer)) - PER_ATTEMPT_TRAINER_KEYS:
-        if _plain(old_trainer.get(key)) != _plain(new_trainer.get(key)):
-            changes[f"trainer.{key}"] = (_plain(old_trainer.get(key)), _plain(new_trainer.get(key)))
-    return dict(sorted(changes.items()))
+    return {key: pair for key, pair in pairs.items() if pair[0] != pair[1]}
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with its trainer fields as ``trainer.<field>`` keys."""
+    trainer = {f"trainer.{key}": value for key, value in (config.get("trainer") or {}).items()}
+    return {key: value for key, value in config.items() if key != "trainer"} | trainer
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
