@@ -95,16 +95,7 @@ def normalize_gold(gold: Gold) -> tuple[str, ...]:
 
 def _strip_math_delimiters(text: str) -> str:
     """Remove unescaped ``$`` delimiters, keeping ``\\$`` (a literal dollar sign)."""
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 1 < len(text):
-            out.append(text[i : i + 2])
-            i += 2
-            continue
-        if text[i] != "$":
-            out.append(text[i])
-        i += 1
-    return "".join(out).strip()
+    return re.sub(r"(\\.)|\$", lambda match: match.group(1) or "", text, flags=re.DOTALL).strip()
 
 
 def gold_candidates(gold: str) -> list[str]:

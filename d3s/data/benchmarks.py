@@ -83,9 +83,8 @@ class BenchmarkSpec:
     gold_fields: tuple[str, ...] = ("answer",)
     id_field: str | None = "id"
     solution_field: str | None = None  # a worked solution (reference for the grader audit)
-    solution_answer: str = (
-        "boxed"  # where a solution states its final answer: last \boxed{}, or "gsm8k" (####)
-    )
+    # Where a solution states its final answer: "boxed" (its last \boxed{}) or "gsm8k" (after ####).
+    solution_answer: str = "boxed"
     role: str = "eval"  # "eval" benchmark or "train" set
     default_template: str | None = None  # None: chosen from the model (chat template or plain)
     metadata_fields: tuple[str, ...] = ()

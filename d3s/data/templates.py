@@ -12,33 +12,23 @@ r"""Prompt templates.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-TemplateName = Literal["qwen_math_cot", "plain", "raw", "auto"]
 TEMPLATES: tuple[str, ...] = ("auto", "qwen_math_cot", "plain", "raw")
 
 QWEN_MATH_COT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PLAIN_TEMPLATE = "Question: {question}\n" + QWEN_MATH_COT_INSTRUCTION + "\nAnswer:"
 
 
-def validate_template(name: str) -> str:
-    if name not in TEMPLATES:
-        raise ValueError(f"unknown template {name!r}; valid: {', '.join(TEMPLATES)}")
-    return name
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def resolve_template(name: str, tokenizer: Any = None, benchmark_default: str | None = None) -> str:
     """The concrete template ``auto`` stands for (other names are returned unchanged)."""
-    validate_template(name)
+    if name not in TEMPLATES:
+        raise ValueError(f"unknown template {name!r}; valid: {', '.join(TEMPLATES)}")
     if name != "auto":
         return name
     if benchmark_default is not None:
         return benchmark_default
-    return "qwen_math_cot" if has_chat_template(tokenizer) else "plain"
+    return "qwen_math_cot" if getattr(tokenizer, "chat_template", None) else "plain"
 
 
 def chat_messages(question: str, system_role: bool = True) -> list[dict[str, str]]:
@@ -60,7 +50,7 @@ def build_prompt(
         return question
     if concrete == "plain":
         return PLAIN_TEMPLATE.replace("{question}", question)
-    if not has_chat_template(tokenizer):
+    if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "template 'qwen_math_cot' needs a tokenizer with a chat template; this model has none: "
             "use --template plain (or auto)"

@@ -3,12 +3,6 @@
 Only the light pieces are imported here; backends import torch / vLLM when they are used.
 """
 
-from d3s.evaluation.metrics import (
-    average_over_benchmarks,
-    bootstrap_ci,
-    mean_pass_at_k,
-    pass_at_k,
-    pass_at_k_table,
-)
+from d3s.evaluation.metrics import average_over_benchmarks, bootstrap_ci, pass_at_k, pass_at_k_table
 
-__all__ = ["average_over_benchmarks", "bootstrap_ci", "mean_pass_at_k", "pass_at_k", "pass_at_k_table"]
+__all__ = ["average_over_benchmarks", "bootstrap_ci", "pass_at_k", "pass_at_k_table"]

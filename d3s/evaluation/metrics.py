@@ -28,13 +28,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
-    """Pass@k of a benchmark: the mean over problems of ``pass_at_k(n_i, c_i, k)``."""
-    if not counts:
-        raise ValueError("no problems to score")
-    return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
-
-
 def bootstrap_ci(
     values: Sequence[float], *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:

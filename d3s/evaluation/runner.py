@@ -27,13 +27,13 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
-from d3s.evaluation.backends import GenerationBackend, GenerationSettings, Sample, problem_seed
+from d3s.evaluation.backends import GenerationBackend, GenerationSettings, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
 from d3s.manifest import (
     atomic_write_text,
@@ -96,10 +96,6 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def _atomic_write_lines(path: Path, lines: Sequence[str]) -> None:
-    atomic_write_text(path, "".join(lines))
-
-
 def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
     """Records of every problem whose ``samples`` samples are all in ``path``, keyed by problem id.
 
@@ -139,7 +135,7 @@ def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str,
             "their problems are generated again",
             stacklevel=2,
         )
-        _atomic_write_lines(path, kept_lines)
+        atomic_write_text(path, "".join(kept_lines))
     return completed
 
 
@@ -173,48 +169,28 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     atomic_write_json(run_file, identity)
 
 
-_PER_POLICY_FIELDS = ("correct", "extracted", "timed_out", "grading_error")
-
-
-def _policy_fields(grade: GradeResult) -> dict[str, Any]:
-    return {
-        "correct": grade.correct,
-        "extracted": grade.extracted,
-        "timed_out": grade.timed_out,
-        "grading_error": grade.error,
-    }
-
-
 def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
     """Copy the primary policy's verdict to the record's top-level fields."""
     record["answer_policy"] = policy
     record.update(record["by_policy"][policy])
 
 
-def _sample_records(
-    problem: Problem,
-    samples: Sequence[Sample],
-    grades: dict[AnswerPolicy, Sequence[GradeResult]],
-    primary: AnswerPolicy,
-) -> list[dict[str, Any]]:
-    records = []
-    for index, sample in enumerate(samples):
-        by_policy = {policy: _policy_fields(grades[policy][index]) for policy in ANSWER_POLICIES}
-        record = {
-            "problem_id": problem.problem_id,
-            "sample_index": index,
-            "completion": sample.text,
-            "answer_policy": primary,
-            **by_policy[primary],
-            "gold_parsed": grades[primary][index].gold_parsed,
-            "by_policy": by_policy,
-            "num_boxes": count_boxes(sample.text),
-            "num_tokens": sample.num_tokens,
-            "finish_reason": sample.finish_reason,
-            "gold": list(problem.gold),
+def _grade_record(
+    record: dict[str, Any], grades: dict[AnswerPolicy, GradeResult], primary: AnswerPolicy
+) -> None:
+    """Add a sample record's verdict under every answer policy (``by_policy``), the primary one on top."""
+    record["by_policy"] = {
+        policy: {
+            "correct": g.correct,
+            "extracted": g.extracted,
+            "timed_out": g.timed_out,
+            "grading_error": g.error,
         }
-        records.append(record)
-    return records
+        for policy, g in grades.items()
+    }
+    record["gold_parsed"] = grades[primary].gold_parsed
+    record["num_boxes"] = count_boxes(record["completion"])
+    _set_primary(record, primary)
 
 
 def regrade_records(
@@ -226,31 +202,18 @@ def regrade_records(
     """Bring kept samples up to date in place: grade under every policy those written without one (older
     files), and make ``primary`` the top-level verdict. Returns whether any record changed."""
     gold_of = {p.problem_id: p.gold for p in problems}
-    stale = [
-        record
-        for records in completed.values()
-        for record in records
-        if set(record.get("by_policy") or {}) != set(ANSWER_POLICIES)
-    ]
-    if stale:
+    records = [record for records in completed.values() for record in records]
+    stale = [r for r in records if set(r.get("by_policy") or {}) != set(ANSWER_POLICIES)]
+    if stale:  # (starting no grading worker when nothing is stale)
         grades = grader.grade_many_by_policy(
             [r["completion"] for r in stale], [gold_of[str(r["problem_id"])] for r in stale]
         )
         for index, record in enumerate(stale):
-            record["by_policy"] = {
-                policy: _policy_fields(grades[policy][index]) for policy in ANSWER_POLICIES
-            }
-            record["gold_parsed"] = grades[primary][index].gold_parsed
-            record["num_boxes"] = count_boxes(record["completion"])
-    relabel = [r for records in completed.values() for r in records if r.get("answer_policy") != primary]
+            _grade_record(record, {policy: grades[policy][index] for policy in ANSWER_POLICIES}, primary)
+    relabel = [r for r in records if r.get("answer_policy") != primary]
     for record in relabel:
         _set_primary(record, primary)
     return bool(stale or relabel)
-
-
-def _rewrite_samples(path: Path, completed: dict[str, list[dict[str, Any]]]) -> None:
-    lines = [json.dumps(r, ensure_ascii=False) + "\n" for records in completed.values() for r in records]
-    _atomic_write_lines(path, lines)
 
 
 def evaluate_benchmark(
@@ -277,7 +240,8 @@ def evaluate_benchmark(
     known = {p.problem_id for p in run.problems}
     kept = {pid: records for pid, records in completed.items() if pid in known}
     if regrade_records(kept, run.problems, grader, primary):  # grading is cheap; generation is not
-        _rewrite_samples(samples_path, completed)
+        lines = [json.dumps(r, ensure_ascii=False) + "\n" for records in completed.values() for r in records]
+        atomic_write_text(samples_path, "".join(lines))
     todo = [p for p in run.problems if p.problem_id not in completed]
     manifest = _start_manifest(run, resolved_template, grader, backend.name)
     manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
@@ -309,12 +273,17 @@ def evaluate_benchmark(
                         f"backend returned {len(samples)} samples for problem {problem.problem_id}, "
                         f"expected {run.settings.samples}"
                     )
-                records = _sample_records(
-                    problem,
-                    samples,
-                    {policy: grades[policy][offset : offset + len(samples)] for policy in ANSWER_POLICIES},
-                    primary,
-                )
+                records = []
+                for index, sample in enumerate(samples):
+                    record = {
+                        "problem_id": problem.problem_id,
+                        "sample_index": index,
+                        "completion": sample.text,
+                    }
+                    record |= {"num_tokens": sample.num_tokens, "finish_reason": sample.finish_reason}
+                    record["gold"] = list(problem.gold)
+                    _grade_record(record, {p: grades[p][offset + index] for p in ANSWER_POLICIES}, primary)
+                    records.append(record)
                 offset += len(samples)
                 # One write per problem, flushed and fsynced: a crash loses at most this problem.
                 handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -367,12 +336,7 @@ def _start_manifest(
         "answer_policy": run.scoring.answer_policy,
         "grading_time_limit_s": grader.time_limit,
         "backend": backend_name,
-        "scoring": {
-            "ks": list(run.scoring.ks),
-            "bootstrap_resamples": run.scoring.bootstrap_resamples,
-            "confidence": run.scoring.confidence,
-            "bootstrap_seed": run.scoring.bootstrap_seed,
-        },
+        "scoring": {k: v for k, v in asdict(run.scoring).items() if k != "answer_policy"},  # (recorded above)
         "data_source": run.data_source,
         "n_problems": len(run.problems),
         "problems_sha256": problems_sha256(run.problems),
@@ -532,16 +496,29 @@ def summarize_benchmark(
     }
 
 
+def _primary(summaries: dict[str, dict[str, Any]]) -> AnswerPolicy:
+    return next((s["answer_policy"] for s in summaries.values()), DEFAULT_ANSWER_POLICY)
+
+
+def _averages(summaries: dict[str, dict[str, Any]]) -> dict[AnswerPolicy, dict[str, float]]:
+    """The unweighted average of Pass@k over the scored benchmarks, under each answer policy."""
+    scored = {name: s["by_policy"] for name, s in summaries.items() if s["pass_at_k"]}
+    return {
+        policy: average_over_benchmarks({name: by[policy]["pass_at_k"] for name, by in scored.items()})
+        for policy in ANSWER_POLICIES
+    }
+
+
 def write_overall_summary(
     out_dir: Path, model_path: str, summaries: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """``<out>/summary.json``: every benchmark's Pass@k and the unweighted average over benchmarks, under
     the primary answer policy and, in ``by_policy`` / ``average_by_policy``, under each policy."""
-    per_benchmark = {name: s["pass_at_k"] for name, s in summaries.items() if s["pass_at_k"]}
+    primary, averages = _primary(summaries), _averages(summaries)
     keys = ("answer_policy", "pass_at_k", "ci", "n_problems", "unparsable_gold", "timeouts")
     overall = {
         "model_path": model_path,
-        "answer_policy": next((s["answer_policy"] for s in summaries.values()), DEFAULT_ANSWER_POLICY),
+        "answer_policy": primary,
         "benchmarks": {
             name: {key: s[key] for key in keys}
             | {
@@ -550,13 +527,8 @@ def write_overall_summary(
             }
             for name, s in summaries.items()
         },
-        "average": average_over_benchmarks(per_benchmark),
-        "average_by_policy": {
-            policy: average_over_benchmarks(
-                {n: s["by_policy"][policy]["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]}
-            )
-            for policy in ANSWER_POLICIES
-        },
+        "average": averages[primary],
+        "average_by_policy": averages,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "manifest": MANIFEST_FILE,
     }
@@ -568,7 +540,7 @@ def write_overall_summary(
 def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
     """A Markdown table: one row per benchmark plus the average, Pass@k in percent with the CI under the
     primary answer policy, Pass@(first k) under the other policy, and how often the two policies disagree."""
-    primary = next((s["answer_policy"] for s in summaries.values()), DEFAULT_ANSWER_POLICY)
+    primary, averages = _primary(summaries), _averages(summaries)
     others = [p for p in ANSWER_POLICIES if p != primary]
     first_k = str(ks[0])
     header = (
@@ -591,13 +563,10 @@ def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]
         rate = s["policy_disagreement"]["rate"]
         cells.append("n/a" if rate is None else f"{100 * rate:.1f}% of {s['policy_disagreement']['samples']}")
         lines.append(f"| {name} | {s['n_problems']} | " + " | ".join(cells) + f" | {s['timeouts']} |")
-    average = average_over_benchmarks({n: s["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]})
+    average = averages[primary]
     if len(summaries) > 1 and average:
         cells = [f"{100 * average[str(k)]:.1f}" if str(k) in average else "n/a" for k in ks]
         for policy in others:
-            other = average_over_benchmarks(
-                {n: s["by_policy"][policy]["pass_at_k"] for n, s in summaries.items() if s["pass_at_k"]}
-            )
-            cells.append(f"{100 * other[first_k]:.1f}" if first_k in other else "n/a")
+            cells.append(f"{100 * averages[policy][first_k]:.1f}" if first_k in averages[policy] else "n/a")
         lines.append("| average | | " + " | ".join(cells) + " | | |")
     return "\n".join(lines)
