@@ -6,8 +6,8 @@ TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds
   2. in the loss, train only the top-K% tokens by |A| x H (``get_high_entropy_mask``, TRL's token-mask hook).
 With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
 
-The compute savings (log-prob passes on the kept rollouts only; the LM head only at the kept tokens) are
-mixins in d3s/savings/, switched by D3SConfig; checkpoint state is a callback in d3s/runs/checkpoints.py. The TRL
+The compute savings (log-prob passes on the kept rollouts only; the LM head only at the kept tokens) are opt-in
+mixins in d3s/savings/, off unless D3SConfig switches them on; checkpoint state is a callback in d3s/runs/checkpoints.py. The TRL
 internals used are listed and checked in d3s/trl_contract.py.
 """
 

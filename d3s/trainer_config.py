@@ -122,18 +122,18 @@ class D3SConfig(GRPOConfig):
         },
     )
     defer_logprob_passes: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "Run the old-policy, reference and vLLM importance-sampling log-prob passes after rollout "
-            "selection, on the kept rollouts only, so a dropped rollout costs only its generation and reward. "
-            "False: TRL's order (every rollout), for comparison; the losses are the same "
+            "help": "Compute saving, opt-in: run the old-policy, reference and vLLM importance-sampling log-prob "
+            "passes after rollout selection, on the kept rollouts only, so a dropped rollout costs only its "
+            "generation and reward. False: TRL's order (every rollout); the losses are the same "
             "(d3s/savings/deferred.py)."
         },
     )
     kept_token_logprobs: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "With token_keep_ratio < 1, back-propagate through the LM head only at the kept tokens "
+            "help": "Compute saving, opt-in: with token_keep_ratio < 1, back-propagate through the LM head only at the kept tokens "
             "(entropies come from a no-gradient pass). False: TRL's head at every position, for comparison; "
             "the losses and gradients are the same (d3s/savings/kept_head.py)."
         },

@@ -66,9 +66,10 @@ from d3s.methods import METHODS as ALL_METHODS
 
 NAME = "end_to_end_step"
 METHODS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "entropy_8020", "gspo", "gspo_d3s"]
+SAVINGS = {"defer_logprob_passes": True, "kept_token_logprobs": True}  # both opt-in savings on (d3s/savings)
 SETTINGS = {
-    "beta0_iter1": {"beta": 0.0, "num_iterations": 1},
-    "beta0.04_iter2": {"beta": 0.04, "num_iterations": 2},
+    "beta0_iter1": {"beta": 0.0, "num_iterations": 1} | SAVINGS,
+    "beta0.04_iter2": {"beta": 0.04, "num_iterations": 2} | SAVINGS,
 }
 
 

@@ -76,7 +76,7 @@ QWEN_SMALL = QWEN_1_5B | dict(
 )
 VARIANTS = {  # name -> (method, trainer overrides, rows it trains on)
     "grpo": ("grpo", {}, "all"),
-    "d3s": ("d3s", {}, "kept"),
+    "d3s": ("d3s", {"kept_token_logprobs": True}, "kept"),
     "d3s (masked head)": ("d3s", {"kept_token_logprobs": False}, "kept"),
 }
 D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}

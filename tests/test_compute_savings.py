@@ -258,7 +258,11 @@ def test_kept_token_head_equals_the_masked_computation(
 def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
     tmp_path, tiny_sft_model, caplog, method, overrides, reason
 ):
-    args = D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(TINY_TRAINER_ARGS | overrides))
+    args = D3SConfig.for_method(
+        method,
+        output_dir=str(tmp_path / method),
+        **(TINY_TRAINER_ARGS | {"kept_token_logprobs": True} | overrides),
+    )
     with caplog.at_level("WARNING"):
         trainer = make_trainer(tiny_sft_model, args)
     assert trainer.kept_token_head is False
