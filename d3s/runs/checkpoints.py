@@ -111,11 +111,6 @@ class D3SCheckpointState(TrainerCallback, ExportableState):
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        # The logs up to this step travel with the checkpoint: a resumed run restores them even when a
-        # workflow deleted the run's outputs before re-running the job.
-        for name in (args.metrics_log, "anatomy.jsonl"):
-            if name and (Path(args.output_dir) / name).is_file():
-                shutil.copyfile(Path(args.output_dir) / name, folder / name)
         atomic_write_text(
             folder / D3S_STATE_FILE, json.dumps({"update_tokens_total": self.update_tokens_total})
         )

@@ -262,14 +262,12 @@ def supersede_run(
     return folder
 
 
-def _restore_logs(checkpoint: Path, output_dir: Path, metrics_log: str, last_step: int) -> None:
-    """Put back the logs as they were at the checkpoint (saved with it), or cut the run's own back to its step:
-    the lines after it will be written again."""
+def _cut_logs(output_dir: Path, metrics_log: str, last_step: int) -> None:
+    """Cut the run's logs back to the checkpoint's step: the lines after it will be written again. (The logs
+    are not workflow outputs, so Snakemake never deletes them before a re-run: docs/workflow.md.)"""
     for name in (metrics_log, "anatomy.jsonl"):
-        saved, log = checkpoint / name, output_dir / name
-        if saved.is_file():
-            atomic_write_text(log, saved.read_text(encoding="utf-8"))
-        elif log.is_file():
+        log = output_dir / name
+        if log.is_file():
             kept = []
             for line in log.read_text(encoding="utf-8").splitlines():
                 try:
@@ -331,7 +329,7 @@ def train(config: dict[str, Any]) -> Path:
         write_manifest(output_dir / "manifest.json", manifest)
         if resume_from is not None:
             step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
-            _restore_logs(resume_from, output_dir, args.metrics_log or "metrics.jsonl", step)
+            _cut_logs(output_dir, args.metrics_log or "metrics.jsonl", step)
             print(f"resuming from {resume_from} (step {step})", flush=True)
     trainer = D3STrainer(
         model=model,
