@@ -10,7 +10,6 @@ token ids; see docs/cpu-testbed-notes.md), and a saved copy reloads identically 
 from __future__ import annotations
 
 import string
-from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -85,16 +84,6 @@ def build_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
-
-
-def save_tiny(path: str | Path, seed: int = 0, **model_kwargs) -> Path:
-    """Build the tokenizer and a randomly initialised tiny model and save both to ``path``."""
-    path = Path(path)
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=seed, **model_kwargs)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def sft_warm_start(

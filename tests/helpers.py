@@ -149,3 +149,14 @@ def write_run_config(tmp_path: Path, **overrides: Any) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def save_tiny(path: str | Path, seed: int = 0, **model_kwargs) -> Path:
+    """Build the tokenizer and a randomly initialised tiny model and save both to ``path``."""
+    from d3s.tiny_model import build_model, build_tokenizer
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=seed, **model_kwargs).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, save_tiny
 
 from d3s.data.benchmarks import EVAL_BENCHMARKS, load_benchmark
 from d3s.evaluation import backends, pass_at_k
@@ -35,7 +35,6 @@ from d3s.evaluation.runner import (
     load_completed_samples,
 )
 from d3s.rewards import Grader
-from d3s.tiny_model import save_tiny
 
 TINY_SETTINGS = GenerationSettings(samples=4, temperature=0.6, top_p=0.95, max_new_tokens=16, seed=0)
 

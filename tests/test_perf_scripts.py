@@ -115,7 +115,7 @@ def _assert_same_gradients(left: dict, right: dict) -> None:
 def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cost, tmp_path: Path) -> None:
     """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S (kept-token
     head, checkpointed) has the gradient of the masked head without checkpointing on the same micro-batches."""
-    from d3s.tiny_model import save_tiny
+    from helpers import save_tiny
 
     model_dir = save_tiny(tmp_path / "model", seed=3)
     batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)

@@ -443,9 +443,9 @@ def test_bind_answer_policy_replaces_only_accuracy_reward() -> None:
 def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
     """D3SConfig.answer_policy reaches the accuracy reward the trainer calls."""
     from datasets import Dataset
+    from helpers import save_tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from d3s.tiny_model import save_tiny
     from d3s.trainer import D3SConfig, D3STrainer
 
     model_path = save_tiny(tmp_path / "tiny")

@@ -574,7 +574,13 @@ def test_token_keep_mask_bad_ratio():
 
 
 def test_linear_schedule_endpoints_and_rounding():
-    s = Schedule("linear", keep_per_prompt_init=8, keep_per_prompt_final=32, token_keep_ratio_init=0.05, token_keep_ratio_final=0.20)
+    s = Schedule(
+        "linear",
+        keep_per_prompt_init=8,
+        keep_per_prompt_final=32,
+        token_keep_ratio_init=0.05,
+        token_keep_ratio_final=0.20,
+    )
     assert s.keep_per_prompt(0.0) == 8 and s.keep_per_prompt(1.0) == 32
     assert s.keep_per_prompt(0.5) == 20
     assert s.keep_per_prompt(1 / 48) == 9  # 8.5 rounds up
@@ -587,7 +593,13 @@ def test_linear_schedule_endpoints_and_rounding():
 
 
 def test_constant_schedule():
-    s = Schedule("constant", keep_per_prompt_init=4, keep_per_prompt_final=16, token_keep_ratio_init=0.3, token_keep_ratio_final=1.0)
+    s = Schedule(
+        "constant",
+        keep_per_prompt_init=4,
+        keep_per_prompt_final=16,
+        token_keep_ratio_init=0.3,
+        token_keep_ratio_final=1.0,
+    )
     assert {s.keep_per_prompt(p / 10) for p in range(11)} == {4}
     assert {s.token_keep_ratio(p / 10) for p in range(11)} == {0.3}
     assert list(s.reachable_keep_values()) == [4]
@@ -601,7 +613,9 @@ def test_constant_schedule():
 def test_keep_counts_round_halves_up_in_the_registry_and_the_schedule():
     # G = 10 at 25 % is 2.5: 3 in both (Python's round, halves to even, gave 2 in the registry)
     assert get_method("pods").keep_per_prompt(10) == (3, 3)
-    assert Method("x", keep_per_prompt_fraction_init=0.25, keep_per_prompt_fraction_final=1.0).keep_per_prompt(10) == (3, 10)
+    assert Method(
+        "x", keep_per_prompt_fraction_init=0.25, keep_per_prompt_fraction_final=1.0
+    ).keep_per_prompt(10) == (3, 10)
     assert Schedule("linear", 0, 10, 1.0, 1.0).keep_per_prompt(0.25) == 3
     assert Schedule("linear", 2, 3, 1.0, 1.0).keep_per_prompt(0.5) == 3
     assert [round_half_up(x) for x in (0.5, 1.5, 2.5, 2.4999, -0.5)] == [1, 2, 3, 2, 0]
@@ -625,10 +639,14 @@ def test_schedule_rounds_the_exact_interpolation_half_up():
     # every step of short schedules between the paper's range of N: the float interpolation of an exact half
     # often lands below it (1 -> 6 at step 7 of 10 gives 4.499999999999999)
     mismatches = []
-    for keep_per_prompt_init, keep_per_prompt_final, max_steps in itertools.product(range(1, 9), range(1, 33), (7, 10, 48, 100)):
+    for keep_per_prompt_init, keep_per_prompt_final, max_steps in itertools.product(
+        range(1, 9), range(1, 33), (7, 10, 48, 100)
+    ):
         schedule = Schedule("linear", keep_per_prompt_init, keep_per_prompt_final, 1.0, 1.0)
         for step in range(max_steps + 1):
-            exact = keep_per_prompt_init + (keep_per_prompt_final - keep_per_prompt_init) * Fraction(step, max_steps)
+            exact = keep_per_prompt_init + (keep_per_prompt_final - keep_per_prompt_init) * Fraction(
+                step, max_steps
+            )
             if schedule.keep_per_prompt(step / max_steps) != math.floor(exact + Fraction(1, 2)):
                 mismatches.append((keep_per_prompt_init, keep_per_prompt_final, step, max_steps))
     assert mismatches == []

@@ -44,9 +44,8 @@ def test_held_out_split_is_disjoint_and_graded_by_math_verify():
 
 def test_saved_tokenizer_reloads_identically_through_auto_tokenizer(tmp_path):
     """transformers rebuilds a qwen2 model's tokenizer as Qwen2Tokenizer; ours must survive that."""
+    from helpers import save_tiny
     from transformers import AutoTokenizer
-
-    from d3s.tiny_model import save_tiny
 
     save_tiny(tmp_path, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
     tok, reloaded = build_tokenizer(), AutoTokenizer.from_pretrained(tmp_path)
