@@ -18,7 +18,7 @@ from d3s.analysis.claims import (
     claims_table,
     holm,
     min_detectable_effect,
-    ordering_agreement,
+    ordering_row,
     paired_t,
 )
 
@@ -161,8 +161,13 @@ def _table(effect_points: float, seeds: int = 6, noise: float = 0.01) -> pd.Data
             for m in ("grpo", "d3s") for s in range(seeds) for step in range(1, 5)
         ]
     )  # fmt: skip
-    final = curves[curves["step"] == 4][["method", "seed", "value"]]
-    return claims_table(curves, metrics, final, ["grpo", "d3s"], "grpo")
+    # load_evals' shape: the final models (Pass@1, and Pass@4 a little higher) and the base model at step 0
+    ends = curves[curves["step"].isin([0, 4])]
+    evals = pd.concat(
+        [ends.assign(k=1), ends.assign(k=4, value=lambda d: (d["value"] + 0.1).clip(upper=1))]
+    ).assign(final=lambda d: d["step"] == 4, benchmark="synthetic")
+    paper = {"D3S Table 1": {"grpo": 40.0, "d3s": 45.0}}
+    return claims_table(evals, curves, metrics, ["grpo", "d3s"], "grpo", paper=paper)
 
 
 def test_claims_table_decides_a_clear_gain_and_a_clear_cost_saving():
@@ -175,6 +180,10 @@ def test_claims_table_decides_a_clear_gain_and_a_clear_cost_saving():
     assert table.loc[("grad_norm", "d3s"), "verdict"] == "supported"
     assert table.loc[("update_tokens", "d3s"), "estimate"] == pytest.approx(0.25)
     assert table.loc[("update_tokens", "d3s"), "verdict"] == "supported"
+    assert table.loc[("pass_at_k", "d3s"), "verdict"] == "supported"
+    assert table.loc[("step_time", "d3s"), "estimate"] == pytest.approx(0.5)
+    ordering = table.loc[("ordering_agrees_with_paper", "grpo,d3s")]
+    assert ordering["estimate"] == 1.0 and ordering["verdict"] == "supported" and ordering["null"] == 0.5
     assert (
         table.loc[("entropy", "d3s"), "verdict"] == "inconclusive"
     )  # identical: no interval width, no effect
@@ -187,6 +196,7 @@ def test_claims_table_refutes_a_loss_and_leaves_no_effect_inconclusive():
     row = same.loc[("pass_at_1", "d3s")]
     assert row["verdict"] == "inconclusive" and row["ci_low"] < 0 < row["ci_high"]
     assert row["min_detectable_effect"] > 0
+    assert same.loc[("gain_over_base", "d3s"), "verdict"] == "supported"
 
 
 def test_ordering_agreement_with_the_paper():
@@ -197,7 +207,9 @@ def test_ordering_agreement_with_the_paper():
             for m, v in (("grpo", 0.5), ("pods", 0.6), ("d3s", 0.7))
         ]
     )
-    agree = ordering_agreement(final, {"grpo": 40.0, "pods": 41.0, "d3s": 45.0}, resamples=100)
-    assert agree["estimate"] == 1.0 and agree["verdict"] == "supported"
-    reverse = ordering_agreement(final, {"grpo": 45.0, "pods": 41.0, "d3s": 40.0}, resamples=100)
+    agree = ordering_row(final, {"grpo": 40.0, "pods": 41.0, "d3s": 45.0}, "D3S Table 1", resamples=100)
+    assert agree["estimate"] == 1.0 and agree["verdict"] == "supported" and agree["method"] == "grpo,pods,d3s"
+    reverse = ordering_row(final, {"grpo": 45.0, "pods": 41.0, "d3s": 40.0}, "D3S Table 1", resamples=100)
     assert reverse["estimate"] == 0.0 and reverse["verdict"] == "refuted"
+    half = ordering_row(final, {"grpo": 40.0, "pods": 46.0, "d3s": 45.0}, "D3S Table 1", resamples=100)
+    assert half["estimate"] == pytest.approx(2 / 3)  # grpo < pods and grpo < d3s agree; pods > d3s does not

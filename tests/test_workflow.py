@@ -93,7 +93,17 @@ def test_smoke_workflow_end_to_end(tmp_path):
     ):
         assert (out / "figures" / f"{stem}.png").is_file() and (out / "figures" / f"{stem}.pdf").is_file()
     report = (out / "report.md").read_text()
-    assert "## Main table: ours" in report and "| d3s |" in report and "Claims checked" in report
+    assert "## Main table: ours" in report and "| d3s |" in report
+    assert report.startswith("# Reproduction report: smoke\n\n## The papers' claims at this scale")
+    claims = pd.read_csv(out / "tables" / "claims.csv")
+    assert list(claims.columns[:9]) == [
+        "claim", "method", "reference", "estimate", "ci_low", "ci_high", "seeds", "verdict", "min_detectable_effect"
+    ]  # fmt: skip
+    assert set(claims["verdict"]) <= {"supported", "refuted", "inconclusive"}
+    grpo_gain = claims[(claims["claim"] == "gain_over_base") & (claims["method"] == "grpo")]
+    assert grpo_gain["reference"].tolist() == ["base"] and grpo_gain["seeds"].tolist() == [1]
+    assert {"pass_at_1", "speedup_steps", "ordering_agrees_with_paper"} <= set(claims["claim"])
+    assert (out / "tables" / "claims.provenance.json").is_file()
     for stem in ("training_dynamics", "kl", "learning_curves", "pass_at_k"):
         assert f"figures/{stem}.png" in report
     # Nothing left to do: a second run is a no-op.

@@ -57,11 +57,12 @@ class Claim:
     statement: str
     unit: str
     direction: int  # +1: the paper claims the estimate above the null; -1: below
-    kind: str  # "difference" (null 0), "ratio" (null 1, paired t on logs), "speedup" (null 1, bootstrap)
+    kind: str  # "difference" (null 0), "ratio" (null 1, paired t on logs), "speedup" (null 1, bootstrap),
+    # "ordering" (null 0.5, bootstrap)
 
     @property
     def null(self) -> float:
-        return 0.0 if self.kind == "difference" else 1.0
+        return {"difference": 0.0, "ordering": 0.5}.get(self.kind, 1.0)
 
 
 CLAIMS = {
@@ -300,22 +301,33 @@ def speedup_row(
     return _row(claim, method, reference, result, note)
 
 
+def per_seed_pass_at_k(evals: pd.DataFrame, k: int, step0: bool = False) -> pd.DataFrame:
+    """method, seed, value: Pass@k averaged over benchmarks, of the final models (or of the base model, which
+    ``load_evals`` files under every method and seed at step 0)."""
+    rows = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
+    rows = rows[rows["step"] == 0] if step0 else rows[rows["final"].astype(bool)]
+    return rows.groupby(["method", "seed"], as_index=False)["value"].mean()
+
+
 def claims_table(
+    evals: pd.DataFrame,
     curves: pd.DataFrame,
     metrics: pd.DataFrame,
-    pass_at_k: pd.DataFrame,
     methods: list[str],
     reference: str = "grpo",
     fraction: float = 0.99,
+    paper: Mapping[str, Mapping[str, float]] | None = None,
 ) -> pd.DataFrame:
-    """Every claim for every method against ``reference``, plus GRPO-style gains over the base model.
+    """Every claim for every method against ``reference``, each method's gain over the base model, and
+    whether our ordering of the methods agrees with each of the ``paper``'s tables (name -> method -> Pass@1).
 
-    ``curves``: method, seed, step, value (Pass@1, a fraction; step 0 = base model), wall_clock;
-    ``metrics``: method, seed, step and the logged metrics (grad_norm, entropy, selection/update_tokens,
-    step_time); ``pass_at_k``: method, seed, value (final Pass@k, a fraction) for the largest k evaluated.
+    ``evals``: d3s.analysis.io.load_evals (final models, and the base model at step 0); ``curves``:
+    d3s.analysis.tables.learning_curves (Pass@1 by method, seed, step; wall_clock); ``metrics``:
+    d3s.analysis.io.load_metrics (grad_norm, entropy, selection/update_tokens, step_time per step).
     """
-    final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()][["method", "seed", "value"]]
-    base = curves[curves["step"] == 0][["method", "seed", "value"]]
+    final = per_seed_pass_at_k(evals, 1)
+    base = per_seed_pass_at_k(evals, 1, step0=True)
+    final_k = per_seed_pass_at_k(evals, int(evals.loc[evals["final"].astype(bool), "k"].max()))
     rows = [
         difference_row(
             CLAIMS["gain_over_base"],
@@ -329,16 +341,14 @@ def claims_table(
     run_means = metrics.groupby(["method", "seed"], as_index=False).mean(numeric_only=True)
 
     def per_seed(column: str) -> pd.DataFrame:
-        return (
-            run_means[["method", "seed", column]].rename(columns={column: "value"})
-            if column in run_means
-            else pd.DataFrame(columns=["method", "seed", "value"])
-        )
+        if column not in run_means:
+            return pd.DataFrame(columns=["method", "seed", "value"])
+        return run_means[["method", "seed", column]].rename(columns={column: "value"})
 
     for method in (m for m in methods if m != reference):
         rows += [
             difference_row(CLAIMS["pass_at_1"], final, method, reference, 100),
-            difference_row(CLAIMS["pass_at_k"], pass_at_k, method, reference, 100),
+            difference_row(CLAIMS["pass_at_k"], final_k, method, reference, 100),
             difference_row(CLAIMS["grad_norm"], per_seed("grad_norm"), method, reference),
             difference_row(CLAIMS["entropy"], per_seed("entropy"), method, reference),
             ratio_row(CLAIMS["update_tokens"], per_seed("selection/update_tokens"), method, reference),
@@ -346,48 +356,65 @@ def claims_table(
             speedup_row(CLAIMS["speedup_steps"], curves, method, reference, "step", fraction),
             speedup_row(CLAIMS["speedup_wall_clock"], curves, method, reference, "wall_clock", fraction),
         ]
+    for source, scores in (paper or {}).items():
+        rows.append(ordering_row(final, scores, source))
     table = pd.DataFrame(rows)
-    holm_rejects = holm(table["p_value"])
+    rejected = holm(table["p_value"])
     table["verdict_holm"] = [
-        v if r else "inconclusive" for v, r in zip(table["verdict"], holm_rejects, strict=True)
+        v if r else "inconclusive" for v, r in zip(table["verdict"], rejected, strict=True)
     ]
     return table[COLUMNS]
 
 
-def ordering_agreement(
-    final: pd.DataFrame, paper: Mapping[str, float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+def ordering_row(
+    final: pd.DataFrame,
+    paper: Mapping[str, float],
+    source: str,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
 ) -> dict:
-    """Fraction of method pairs that our seed-mean Pass@1 orders as the paper does (0.5: chance), with a
-    seed-bootstrap interval. ``final``: method, seed, value; ``paper``: method -> the paper's Pass@1."""
+    """Does our ordering of methods agree with the paper's? The fraction of method pairs that our seed-mean
+    Pass@1 orders as the paper's Pass@1 does (0.5: chance), with a seed-bootstrap interval.
+
+    ``final``: method, seed, value (final Pass@1); ``paper``: method -> the paper's Pass@1 in table ``source``.
+    """
     wide = final.pivot_table(index="seed", columns="method", values="value")
     methods = [m for m in paper if m in wide]
     wide = wide[methods].dropna()
     pairs = [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :] if paper[a] != paper[b]]
-    row = {
-        "claim": "ordering_agrees_with_paper",
-        "method": ",".join(methods),
-        "reference": "paper",
-        "seeds": len(wide),
+    result = {
+        "estimate": math.nan,
+        "ci_low": math.nan,
+        "ci_high": math.nan,
+        "p_value": math.nan,
+        "mde": math.nan,
+        "n": len(wide),
     }
-    if not pairs or wide.empty:
-        return row | {"estimate": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    sign = np.array([np.sign(paper[a] - paper[b]) for a, b in pairs])
-    index = {m: i for i, m in enumerate(methods)}
-    values = wide.to_numpy()
+    if pairs and len(wide):
+        first, second = ([methods.index(m) for m in side] for side in zip(*pairs, strict=True))
+        claimed = np.sign([paper[a] - paper[b] for a, b in pairs])
+        values = wide.to_numpy()
 
-    def agreement(draw: np.ndarray) -> float:
-        mean = values[draw].mean(axis=0)
-        ours = np.array([np.sign(mean[index[a]] - mean[index[b]]) for a, b in pairs])
-        return float((ours == sign).mean())
+        def agreement(draw: np.ndarray) -> float:
+            mean = values[draw].mean(axis=0)
+            return float((np.sign(mean[first] - mean[second]) == claimed).mean())
 
-    rng = np.random.default_rng(seed)
-    draws = np.array([agreement(rng.integers(len(wide), size=len(wide))) for _ in range(resamples)])
-    low, high = np.quantile(draws, [(1 - LEVEL) / 2, 1 - (1 - LEVEL) / 2])
-    estimate = agreement(np.arange(len(wide)))
-    return row | {
-        "estimate": estimate,
-        "ci_low": float(low),
-        "ci_high": float(high),
-        "verdict": verdict(float(low), float(high), +1, 0.5),
-        "pairs": len(pairs),
-    }
+        rng = np.random.default_rng(seed)
+        draws = np.array([agreement(rng.integers(len(wide), size=len(wide))) for _ in range(resamples)])
+        tail = (1 - LEVEL) / 2
+        low, high = np.quantile(draws, [tail, 1 - tail])
+        p = min(1.0, 2 * min(float((draws <= 0.5).mean()), float((draws >= 0.5).mean())))
+        result |= {
+            "estimate": agreement(np.arange(len(wide))),
+            "ci_low": float(low),
+            "ci_high": float(high),
+            "p_value": p,
+        }
+    claim = Claim(
+        "ordering_agrees_with_paper",
+        f"orders the methods as {source} does (pairs agreeing)",
+        "fraction of pairs",
+        +1,
+        "ordering",
+    )
+    return _row(claim, ",".join(methods), source, result, f"{len(pairs)} method pairs; 0.5 = chance")

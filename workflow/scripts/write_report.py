@@ -1,9 +1,12 @@
-"""Snakemake script of rule report: results/<experiment>/report.md (see d3s.analysis.report)."""
+"""Snakemake script of rule report: tables/claims.csv, then results/<experiment>/report.md
+(see d3s.analysis.report)."""
 
 from pathlib import Path
 
-from d3s.analysis.report import write_report
+from d3s.analysis.report import write_claims, write_report
+from d3s.manifest import atomic_write_text
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
-text = write_report(Path(smk.params.results), Path("results/paper"), smk.params.config)
-Path(smk.output.report_md).write_text(text, encoding="utf-8")
+results, paper = Path(smk.params.results), Path("results/paper")
+write_claims(results, paper, smk.params.config)
+atomic_write_text(smk.output.report_md, write_report(results, paper, smk.params.config))
