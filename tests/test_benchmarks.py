@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -22,7 +23,7 @@ from d3s.data.benchmarks import (
     load_benchmark,
     parse_benchmark_list,
 )
-from d3s.data.synthetic import arithmetic_problems
+from d3s.data.synthetic import arithmetic_problems, demonstrations
 from d3s.tiny_model import build_tokenizer
 
 SEVEN = ["aime24", "aime25", "amc23", "math500", "gsm8k", "minerva_math", "olympiadbench"]
@@ -109,6 +110,55 @@ def test_synthetic_uses_the_test_split() -> None:
     ]
     with pytest.raises(BenchmarkError, match="unknown synthetic option"):
         load_benchmark("synthetic", synthetic={"size": 3})
+    bounded = load_benchmark("synthetic", synthetic={"count": 5, "min_ops": 3, "max_ops": 7, "bounded": 1})
+    assert [p.question for p in bounded] == [
+        e.prompt for e in arithmetic_problems(5, min_ops=3, max_ops=7, split="test", bounded=True)
+    ]
+    with pytest.raises(BenchmarkError, match="bounded must be 0 or 1"):
+        load_benchmark("synthetic", synthetic={"bounded": 2})
+
+
+def _evaluate(expression: str) -> int:
+    """The value of ``a+b-c...`` by hand, left to right."""
+    terms = re.findall(r"[+-]?\d+", expression)
+    return sum(int(t) for t in terms)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_synthetic_problems_are_right_and_bounded_chains_stay_in_range(bounded: bool) -> None:
+    problems = arithmetic_problems(300, seed=2, min_ops=3, max_ops=7, max_operand=9, bounded=bounded)
+    assert {p.num_ops for p in problems} == {3, 4, 5, 6, 7}
+    for p in problems:
+        expression = p.prompt.removeprefix("Q: ").removesuffix("=\nA:")
+        assert str(_evaluate(expression)) == p.answer
+        assert len(re.findall(r"[+-]", expression)) == p.num_ops
+        values = [int(v) for v in re.findall(r"=(-?\d+)", p.completion)]
+        assert values[-1] == int(p.answer) and p.completion.endswith(f"\\boxed{{{p.answer}}}")
+        if bounded:
+            assert all(0 <= v <= 9 for v in values)
+    if not bounded:  # unbounded chains leave 0..9 (negative or two-digit values)
+        assert any(not 0 <= int(p.answer) <= 9 for p in problems)
+
+
+def test_demonstrations_box_the_first_intermediate_at_a_rate_rising_with_the_chain() -> None:
+    problems = arithmetic_problems(4000, seed=0, min_ops=3, max_ops=7, max_operand=9, bounded=True)
+    assert demonstrations(problems) == [(p.prompt, p.completion) for p in problems]
+    pairs = demonstrations(problems, (0.1, 0.9), seed=1)
+    assert pairs == demonstrations(problems, (0.1, 0.9), seed=1)
+    wrong: dict[int, list[bool]] = {}
+    for p, (prompt, completion) in zip(problems, pairs, strict=True):
+        assert (
+            prompt == p.prompt
+            and completion[: completion.rindex("\\boxed")] == p.completion[: p.completion.rindex("\\boxed")]
+        )
+        boxed = completion[completion.rindex("{") + 1 : -1]
+        first = re.search(r"=(-?\d+),", p.completion).group(1)
+        assert boxed in (p.answer, first)
+        if first != p.answer:  # where the two differ, the box says which one the demonstration teaches
+            wrong.setdefault(p.num_ops, []).append(boxed == first)
+    rates = {ops: sum(v) / len(v) for ops, v in sorted(wrong.items())}
+    expected = {3: 0.1, 4: 0.3, 5: 0.5, 6: 0.7, 7: 0.9}
+    assert all(abs(rates[ops] - expected[ops]) < 0.07 for ops in expected), rates
 
 
 # -------------------------------------------------------------------------------------- helpers

@@ -166,6 +166,7 @@ def _table(effect_points: float, seeds: int = 6, noise: float = 0.01) -> pd.Data
     evals = pd.concat(
         [ends.assign(k=1), ends.assign(k=4, value=lambda d: (d["value"] + 0.1).clip(upper=1))]
     ).assign(final=lambda d: d["step"] == 4, benchmark="synthetic")
+    evals = evals.assign(ci_low=evals["value"] - 0.0392, ci_high=evals["value"] + 0.0392)  # se 0.02 each
     paper = {"D3S Table 1": {"grpo": 40.0, "d3s": 45.0}}
     return claims_table(evals, curves, metrics, ["grpo", "d3s"], "grpo", paper=paper)
 
@@ -182,6 +183,9 @@ def test_claims_table_decides_a_clear_gain_and_a_clear_cost_saving():
     assert table.loc[("update_tokens", "d3s"), "verdict"] == "supported"
     assert table.loc[("pass_at_k", "d3s"), "verdict"] == "supported"
     assert table.loc[("step_time", "d3s"), "estimate"] == pytest.approx(0.5)
+    pass1 = table.loc[("pass_at_1", "d3s")]
+    assert pass1["eval_se"] == pytest.approx(100 * 0.02 * math.sqrt(2))  # two independent evaluations
+    assert pass1["seed_sd"] > 0 and math.isnan(table.loc[("grad_norm", "d3s"), "eval_se"])
     ordering = table.loc[("ordering_agrees_with_paper", "grpo,d3s")]
     assert ordering["estimate"] == 1.0 and ordering["verdict"] == "supported" and ordering["null"] == 0.5
     assert (
@@ -213,3 +217,5 @@ def test_ordering_agreement_with_the_paper():
     assert reverse["estimate"] == 0.0 and reverse["verdict"] == "refuted"
     half = ordering_row(final, {"grpo": 40.0, "pods": 46.0, "d3s": 45.0}, "D3S Table 1", resamples=100)
     assert half["estimate"] == pytest.approx(2 / 3)  # grpo < pods and grpo < d3s agree; pods > d3s does not
+    one_seed = ordering_row(final[final["seed"] == 0], {"grpo": 40.0, "d3s": 45.0}, "D3S Table 1")
+    assert one_seed["verdict"] == "inconclusive" and math.isnan(one_seed["ci_low"])

@@ -10,7 +10,7 @@ import yaml
 from helpers import REPO_ROOT, copy_workflow, run_snakemake
 
 # The paper configurations are dry-run, with their resources and trainer settings, in test_paper_configs.py.
-CONFIGS = [REPO_ROOT / "config" / "config.yaml", REPO_ROOT / "config" / "smoke.yaml"]
+CONFIGS = [REPO_ROOT / "config" / name for name in ("config.yaml", "standard.yaml", "smoke.yaml")]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
@@ -24,11 +24,27 @@ def test_dry_run_every_configuration(config):
     assert f"train {n_runs}" in " ".join(out.split())
 
 
-def test_default_has_every_method_and_three_seeds():
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
-    assert set(cfg["methods"]) >= {"grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "entropy_8020"}
-    assert len(cfg["seeds"]) == 3
-    assert cfg["train"]["threads"] == 1
+def test_default_decides_the_headline_and_standard_runs_every_method_alike():
+    default = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    standard = yaml.safe_load((REPO_ROOT / "config" / "standard.yaml").read_text())
+    assert {"grpo", "pods", "d3s"} <= set(default["methods"]) and len(default["seeds"]) >= 5
+    assert set(standard["methods"]) >= {
+        "grpo",
+        "pods",
+        "d1s",
+        "d1s_cross",
+        "d2s",
+        "d3s",
+        "d3s_i",
+        "entropy_8020",
+    }
+    assert default["train"]["threads"] == 1
+    # the same testbed and power: only the methods, the experiment's name and the ablation rows differ
+    for cfg in (default, standard):
+        for key in ("methods", "experiment"):
+            cfg.pop(key)
+        cfg["analysis"].pop("ablation")
+    assert default == standard
 
 
 def test_schema_rejects_a_bad_config(tmp_path):

@@ -44,6 +44,8 @@ COLUMNS = [
     "null",
     "p_value",
     "verdict_holm",
+    "seed_sd",
+    "eval_se",
     "statement",
     "note",
 ]
@@ -171,9 +173,9 @@ def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
     return rejected
 
 
-def _paired(per_seed: pd.DataFrame, method: str, reference: str) -> pd.DataFrame:
+def _paired(per_seed: pd.DataFrame, method: str, reference: str, values: str = "value") -> pd.DataFrame:
     """Rows of seeds where both ``method`` and ``reference`` have a value: columns method, reference."""
-    wide = per_seed.pivot_table(index="seed", columns="method", values="value", aggfunc="mean")
+    wide = per_seed.pivot_table(index="seed", columns="method", values=values, aggfunc="mean")
     if method not in wide or reference not in wide:
         return pd.DataFrame(columns=[method, reference])
     return wide[[method, reference]].dropna()
@@ -201,9 +203,20 @@ def _row(claim: Claim, method: str, reference: str, result: Mapping[str, float],
 def difference_row(
     claim: Claim, per_seed: pd.DataFrame, method: str, reference: str, scale: float = 1.0
 ) -> dict:
-    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points)."""
+    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points).
+
+    Where ``per_seed`` has an ``se`` column (the evaluation's standard error of each value, from the problem
+    bootstrap), the row also gives the two noises apart: ``seed_sd``, the spread of the paired differences
+    across seeds (what the interval is made of), and ``eval_se``, the evaluation's own share of it (root mean
+    square over seeds of the standard error of one seed's difference)."""
     pairs = _paired(per_seed, method, reference)
-    return _row(claim, method, reference, paired_t(scale * (pairs[method] - pairs[reference])))
+    differences = scale * (pairs[method] - pairs[reference])
+    row = _row(claim, method, reference, paired_t(differences))
+    row["seed_sd"] = float(differences.std(ddof=1)) if len(differences) > 1 else math.nan
+    if "se" in per_seed:
+        se = _paired(per_seed, method, reference, "se").reindex(pairs.index)
+        row["eval_se"] = float(scale * np.sqrt((se[method] ** 2 + se[reference] ** 2).mean()))
+    return row
 
 
 def ratio_row(claim: Claim, per_seed: pd.DataFrame, method: str, reference: str) -> dict:
@@ -302,11 +315,18 @@ def speedup_row(
 
 
 def per_seed_pass_at_k(evals: pd.DataFrame, k: int, step0: bool = False) -> pd.DataFrame:
-    """method, seed, value: Pass@k averaged over benchmarks, of the final models (or of the base model, which
-    ``load_evals`` files under every method and seed at step 0)."""
+    """method, seed, value, se: Pass@k averaged over benchmarks of the final models (or of the base model,
+    which ``load_evals`` files under every method and seed at step 0), and its evaluation standard error (from
+    the 95 % problem-bootstrap interval of each benchmark's summary, where there is one)."""
     rows = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
     rows = rows[rows["step"] == 0] if step0 else rows[rows["final"].astype(bool)]
-    return rows.groupby(["method", "seed"], as_index=False)["value"].mean()
+    rows = rows.assign(
+        variance=((rows.get("ci_high", np.nan) - rows.get("ci_low", np.nan)) / (2 * 1.96)) ** 2
+    )
+    out = rows.groupby(["method", "seed"], as_index=False).agg(
+        value=("value", "mean"), variance=("variance", "mean"), n=("value", "size")
+    )
+    return out.assign(se=np.sqrt(out["variance"] / out["n"]))[["method", "seed", "value", "se"]]
 
 
 def claims_table(
@@ -358,7 +378,7 @@ def claims_table(
         ]
     for source, scores in (paper or {}).items():
         rows.append(ordering_row(final, scores, source))
-    table = pd.DataFrame(rows)
+    table = pd.DataFrame(rows).reindex(columns=[c for c in COLUMNS if c != "verdict_holm"])
     rejected = holm(table["p_value"])
     table["verdict_holm"] = [
         v if r else "inconclusive" for v, r in zip(table["verdict"], rejected, strict=True)
@@ -390,7 +410,7 @@ def ordering_row(
         "mde": math.nan,
         "n": len(wide),
     }
-    if pairs and len(wide):
+    if pairs and len(wide) > 1:  # one seed: no interval, so no verdict
         first, second = ([methods.index(m) for m in side] for side in zip(*pairs, strict=True))
         claimed = np.sign([paper[a] - paper[b] for a, b in pairs])
         values = wide.to_numpy()

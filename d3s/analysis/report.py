@@ -128,6 +128,10 @@ def claims_summary(table: pd.DataFrame, headline: list[str], reference: str) -> 
                 f"{v:.2f}" if not math.isnan(v) and verdict == "inconclusive" else ""
                 for v, verdict in zip(shown["min_detectable_effect"], shown["verdict"], strict=True)
             ],
+            "noise: seeds / evaluation": [
+                f"{s:.1f} / {e:.1f}" if not math.isnan(e) else ""
+                for s, e in zip(shown["seed_sd"], shown["eval_se"], strict=True)
+            ],
             "seeds": shown["seeds"],
         }
     )
@@ -162,7 +166,10 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         "Every comparison is paired by seed. Verdict from the 95 % interval alone: supported (the whole interval "
         "on the paper's side of the null: 0 for differences, 1 for ratios and speedups, 0.5 for the ordering), "
         "refuted (the whole interval on the other side), inconclusive (it holds the null; 'min. detectable' is "
-        "the smallest effect this run detects with 80 % power at the observed seed variance). Intervals: paired "
+        "the smallest effect this run detects with 80 % power at the observed seed variance). Noise of a Pass@k "
+        "difference: its standard deviation across seeds, and the evaluation's own standard error within a seed "
+        "(the problem bootstrap): evaluation noise well below seed noise means more seeds, not more samples, "
+        "would narrow the interval. Intervals: paired "
         "t for Pass@k gains and run means, paired t on log ratios for costs, a seed bootstrap for speedups "
         "(never reaching the target counts as 0) and the ordering. The intervals are not adjusted for the "
         f"{len(claims)} comparisons; the Holm column is the verdict after Holm's step-down adjustment over all "

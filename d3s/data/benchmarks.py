@@ -278,17 +278,19 @@ def _hub_rows(spec: BenchmarkSpec, looked_local: str) -> list[tuple[int, Any]]:
     )
 
 
-SYNTHETIC_MINIMUMS = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_operand": 1}
+SYNTHETIC_MINIMUMS = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_operand": 1, "bounded": 0}
 
 
 def check_synthetic_options(options: Mapping[str, Any], what: str = "synthetic") -> dict[str, int]:
-    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand) as integers, checked;
+    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand, bounded 0/1) as integers, checked;
     ``what`` names them in the messages (the CLI's ``--synthetic``)."""
     for key, value in options.items():
         if key not in SYNTHETIC_MINIMUMS:
             raise BenchmarkError(f"unknown {what} option {key!r}; valid: {', '.join(SYNTHETIC_MINIMUMS)}")
         if int(value) < SYNTHETIC_MINIMUMS[key]:
             raise BenchmarkError(f"{what} {key} must be >= {SYNTHETIC_MINIMUMS[key]}, got {value}")
+    if int(options.get("bounded", 0)) > 1:
+        raise BenchmarkError(f"{what} bounded must be 0 or 1, got {options['bounded']}")
     if int(options.get("min_ops", 1)) > int(options.get("max_ops", 3)):
         raise BenchmarkError(f"{what} min_ops must be <= max_ops")
     return {key: int(value) for key, value in options.items()}

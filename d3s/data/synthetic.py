@@ -1,14 +1,18 @@
 """The synthetic task of the tiny default: chained integer arithmetic with a short chain of thought.
 
-Prompt ``Q: 23+45-17=\\nA:``; target completion `` 23+45=68, 68-17=51. \\boxed{51}`` (15-40 tokens with
-the character-level tokenizer of :mod:`d3s.tiny_model`), so many tokens carry entropy and token-level selection
-matters. Problems are a pure function of (seed, index): the held-out split never overlaps training.
+Prompt ``Q: 7-3+5=\\nA:``; target completion `` 7-3=4, 4+5=9. \\boxed{9}`` (one character per token with the
+tokenizer of :mod:`d3s.tiny_model`), so many tokens carry entropy and token-level selection matters. With
+``bounded`` every intermediate value stays in 0..``max_operand`` (with 9: every step is a one-digit fact a
+tiny model learns quickly), so difficulty comes from the length of the chain. Problems are a pure function
+of (seed, index): the held-out split never overlaps training.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -17,11 +21,23 @@ class ArithmeticProblem:
     prompt: str
     completion: str
     answer: str
+    num_ops: int = 0
 
 
-def make_problem(rng: random.Random, num_ops: int, max_operand: int = 99) -> ArithmeticProblem:
-    operands = [rng.randint(0, max_operand) for _ in range(num_ops + 1)]
-    ops = [rng.choice("+-") for _ in range(num_ops)]
+def make_problem(
+    rng: random.Random, num_ops: int, max_operand: int = 99, bounded: bool = False
+) -> ArithmeticProblem:
+    if bounded:  # each next operand keeps the running value in 0..max_operand
+        operands, ops = [rng.randint(0, max_operand)], []
+        for _ in range(num_ops):
+            ops.append(rng.choice("+-"))
+            value = operands[0] + sum(
+                x if op == "+" else -x for op, x in zip(ops, operands[1:], strict=False)
+            )
+            operands.append(rng.randint(0, max_operand - value) if ops[-1] == "+" else rng.randint(0, value))
+    else:
+        operands = [rng.randint(0, max_operand) for _ in range(num_ops + 1)]
+        ops = [rng.choice("+-") for _ in range(num_ops)]
     expression = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:], strict=True))
     steps, value = [], operands[0]
     for op, x in zip(ops, operands[1:], strict=True):
@@ -29,7 +45,7 @@ def make_problem(rng: random.Random, num_ops: int, max_operand: int = 99) -> Ari
         steps.append(f"{value}{op}{x}={new}")
         value = new
     completion = " " + ", ".join(steps) + f". \\boxed{{{value}}}"
-    return ArithmeticProblem(prompt=f"Q: {expression}=\nA:", completion=completion, answer=str(value))
+    return ArithmeticProblem(f"Q: {expression}=\nA:", completion, str(value), num_ops)
 
 
 def is_held_out(prompt: str, test_fraction: float = 0.1) -> bool:
@@ -44,6 +60,7 @@ def arithmetic_problems(
     max_ops: int = 3,
     split: str = "train",
     max_operand: int = 99,
+    bounded: bool = False,
 ) -> list[ArithmeticProblem]:
     """``count`` problems of ``min_ops``..``max_ops`` operations on integers 0..``max_operand``.
 
@@ -52,13 +69,33 @@ def arithmetic_problems(
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    rng = random.Random(f"d3s-arithmetic-{split}-{seed}")
+    rng = random.Random(f"d3s-arithmetic-{split}-{seed}" + ("-bounded" if bounded else ""))
     want_test = split == "test"
     out: list[ArithmeticProblem] = []
     for _ in range(1000 * count + 10_000):
         if len(out) == count:
             return out
-        problem = make_problem(rng, rng.randint(min_ops, max_ops), max_operand)
+        problem = make_problem(rng, rng.randint(min_ops, max_ops), max_operand, bool(bounded))
         if is_held_out(problem.prompt) == want_test:
             out.append(problem)
     raise ValueError(f"could not draw {count} {split} problems; widen max_operand or max_ops")
+
+
+def demonstrations(
+    problems: Sequence[ArithmeticProblem], box_error: Sequence[float] = (0.0, 0.0), seed: int = 0
+) -> list[tuple[str, str]]:
+    """SFT (prompt, completion) pairs. A fraction of the demonstrations, rising linearly with the number of
+    operations from ``box_error[0]`` (the shortest chains) to ``box_error[1]`` (the longest), box the first
+    intermediate result instead of the answer: a habit the base model learns and only the reward can
+    correct, rarely on short chains and mostly on long ones, so prompts span difficulties."""
+    rng = random.Random(f"d3s-demonstrations-{seed}")
+    low, high = (min(p.num_ops for p in problems), max(p.num_ops for p in problems)) if problems else (0, 0)
+    pairs = []
+    for p in problems:
+        rate = box_error[0] + (box_error[1] - box_error[0]) * (p.num_ops - low) / max(1, high - low)
+        first = re.search(r"=(-?\d+),", p.completion)  # chains of two or more operations
+        completion = p.completion
+        if first and rng.random() < rate:
+            completion = completion[: completion.rindex("\\boxed{")] + f"\\boxed{{{first.group(1)}}}"
+        pairs.append((p.prompt, completion))
+    return pairs

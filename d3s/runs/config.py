@@ -56,6 +56,7 @@ class SyntheticDataset:
     min_ops: int = 1
     max_ops: int = 3
     max_operand: int = 99
+    bounded: bool = False  # intermediate values stay in 0..max_operand
 
 
 @dataclasses.dataclass

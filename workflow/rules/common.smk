@@ -16,7 +16,7 @@ MAX_STEPS = int(TRAINER["max_steps"])
 SAVE_STEPS = int(TRAINER.get("save_steps", MAX_STEPS)) if TRAINER.get("save_strategy") == "steps" else MAX_STEPS
 # Intermediate checkpoints evaluated for the learning curves (the last one is the final model).
 CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
-TASK = {"min_ops": 1, "max_ops": 2, "max_operand": 9} | dict(config.get("task") or {})
+TASK = {"min_ops": 1, "max_ops": 2, "max_operand": 9, "bounded": False} | dict(config.get("task") or {})
 ANALYSIS = {"reference": "grpo", "target_fraction": 0.99} | dict(config.get("analysis") or {})
 # What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
 INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"

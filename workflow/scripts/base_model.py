@@ -49,5 +49,7 @@ with (
         model_kwargs=dict(cfg.get("model") or {}),
         learning_rate=float(cfg.get("learning_rate", 3e-3)),
         device="cuda" if granted else "cpu",
+        bounded=bool(task.get("bounded", False)),
+        sft_box_error=tuple(float(v) for v in cfg.get("sft_box_error", (0.0, 0.0))),
     )
     print(summary)

@@ -26,8 +26,10 @@ def build_base(
     model_kwargs: dict,
     learning_rate: float = 3e-3,
     device: str = "cpu",
+    bounded: bool = False,
+    sft_box_error: tuple[float, float] = (0.0, 0.0),
 ) -> dict:
-    from d3s.data.synthetic import arithmetic_problems
+    from d3s.data.synthetic import arithmetic_problems, demonstrations
     from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -42,12 +44,17 @@ def build_base(
     model = build_model(tokenizer, seed=seed, **model_kwargs)
     model.to(device)  # initialised on the CPU, so the initial weights are the same on every device
     problems = arithmetic_problems(
-        sft_problems, seed=1000 + seed, min_ops=min_ops, max_ops=max_ops, max_operand=max_operand
+        sft_problems,
+        seed=1000 + seed,
+        min_ops=min_ops,
+        max_ops=max_ops,
+        max_operand=max_operand,
+        bounded=bounded,
     )
     losses = sft_warm_start(
         model,
         tokenizer,
-        [(p.prompt, p.completion) for p in problems],
+        demonstrations(problems, sft_box_error, seed=seed),
         steps=sft_steps,
         seed=seed,
         learning_rate=learning_rate,
@@ -61,6 +68,8 @@ def build_base(
         "min_ops": min_ops,
         "max_ops": max_ops,
         "max_operand": max_operand,
+        "bounded": bounded,
+        "sft_box_error": list(sft_box_error),
         "seed": seed,
         "threads": threads,
         "device": device,

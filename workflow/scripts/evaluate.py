@@ -70,7 +70,9 @@ def sample_settings(job: EvalJob) -> dict[str, str]:
     }
     if "synthetic" in ev["benchmarks"]:
         synthetic = task | dict(ev.get("synthetic") or {})
-        settings["--synthetic"] = ",".join(f"{k}={v}" for k, v in synthetic.items())
+        settings["--synthetic"] = ",".join(
+            f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in synthetic.items()
+        )
     if job.limit:
         settings["--limit"] = str(job.limit)
     for key in ("max_model_len", "dtype"):
