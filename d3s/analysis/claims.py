@@ -233,7 +233,7 @@ def ratio_row(claim: Claim, per_seed: pd.DataFrame, method: str, reference: str)
     return _row(claim, method, reference, result, "geometric mean of the per-seed ratios")
 
 
-def _curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> tuple[np.ndarray, np.ndarray]:
+def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> tuple[np.ndarray, np.ndarray]:
     """(seeds, steps) arrays of Pass@1 and of ``x`` for ``method``'s trained checkpoints (step > 0)."""
     rows = curves[(curves["method"] == method) & (curves["step"] > 0)]  # step 0 is the base model
     value = rows.pivot_table(index="seed", columns="step", values="value").reindex(seeds)
@@ -291,7 +291,7 @@ def speedup_row(
     }
     if not seeds:
         return _row(claim, method, reference, empty)
-    arrays = _curve_arrays(curves, method, seeds, x), _curve_arrays(curves, reference, seeds, x)
+    arrays = curve_arrays(curves, method, seeds, x), curve_arrays(curves, reference, seeds, x)
     estimate = speedup(*arrays, np.arange(len(seeds)), fraction)
     result = empty | {"estimate": estimate, "n": len(seeds)}
     note = "never reached the target (speedup 0)" if estimate == 0 else ""

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from d3s.analysis.claims import curve_arrays, speedup
 from d3s.manifest import atomic_write_text
 from d3s.orchestration.settings_check import Provenance
 
@@ -120,33 +121,22 @@ def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1) -> p
     return curve.sort_values(["method", "seed", "step"]).reset_index(drop=True)
 
 
-def speedup_to_target(curves: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99, x: str = "step"):
-    """PODS speedup: the seed-mean curve of each method vs the time (``x``) at which it first reaches
-    ``fraction`` x the reference's best seed-mean accuracy over its trained checkpoints (step > 0);
-    speedup = reference time / method time, NaN for a method that never reaches the target."""
-    mean = curves.groupby(["method", "step"], as_index=False).agg(
-        value=("value", "mean"), **{x: (x, "mean")} if x != "step" else {}
-    )
-    mean = mean[mean["step"] > 0]  # the shared base model (step 0) is no training time
-    ref = mean[mean["method"] == reference]
-    if ref.empty:
-        return pd.DataFrame()
-    target = fraction * ref["value"].max()
-    ref_time = _first_reach(ref.sort_values("step"), x, target)
-    rows = []
-    for method, group in mean.groupby("method"):
-        group = group.sort_values("step")
-        t = _first_reach(group, x, target)
-        rows.append(
-            {
-                "method": method,
-                "target": target,
-                f"{x}_to_target": t,
-                "speedup": ref_time / t if t and not math.isnan(t) and t > 0 else float("nan"),
-                "best": group["value"].max(),
-            }
+def speedups(
+    curves: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99, x: str = "step"
+) -> pd.Series:
+    """PODS speedup of every method: the reference's time (``x``) to ``fraction`` of its best seed-mean Pass@1
+    over the method's, on the seeds both have (NaN: never reached). Point estimates; the intervals and
+    verdicts are the claims table's (d3s.analysis.claims)."""
+    out = {}
+    for method in sorted(curves["method"].unique()):
+        seeds = sorted(
+            set(curves.loc[curves["method"] == method, "seed"])
+            & set(curves.loc[curves["method"] == reference, "seed"])
         )
-    return pd.DataFrame(rows)
+        arrays = (curve_arrays(curves, m, seeds, x) for m in (method, reference))
+        value = speedup(*arrays, np.arange(len(seeds)), fraction) if seeds else math.nan
+        out[method] = value if value > 0 else math.nan
+    return pd.Series(out, dtype=float)
 
 
 def efficiency_table(
@@ -159,7 +149,7 @@ def efficiency_table(
     per_method = final.groupby("method")["value"].agg(["mean", "std", "count"])
     ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
     speed = {
-        x: speedup_to_target(curves, reference, fraction, x).set_index("method")
+        x: speedups(curves, reference, fraction, x)
         for x in ("step", "update_tokens_cumulative", "wall_clock")
     }
     rows = []
@@ -177,7 +167,6 @@ def efficiency_table(
             "seeds": int(summary["count"]),
         }
         for x, label in (("step", "steps"), ("update_tokens_cumulative", "tokens"), ("wall_clock", "time")):
-            table = speed[x]
-            row[f"speedup_{label}"] = table.loc[method, "speedup"] if method in table.index else np.nan
+            row[f"speedup_{label}"] = speed[x].get(method, np.nan)
         rows.append(row)
     return pd.DataFrame(rows)
