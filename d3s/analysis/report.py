@@ -282,6 +282,12 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         "(see results/paper/README.md).",
         "",
     ]
+    for _, row in claims[claims["claim"] == "ordering_agrees_with_paper"].iterrows():
+        out += [
+            f"Direction test against {row['reference']}: {_interval(row)} of the method pairs ({row['method']}) "
+            f"in the paper's order (0.5 = chance; seed bootstrap, {row['seeds']} seeds): **{row['verdict']}**.",
+            "",
+        ]
     t3 = pd.read_csv(paper_dir / "d3s_table3.csv")
     out += [
         "Paper, Table 3 [N]:",
