@@ -20,24 +20,6 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
-def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML run config (see d3s/runs/run.py); flags below override it")
-    parser.add_argument("--method", choices=sorted(METHODS), help="method from the registry (default grpo)")
-    parser.add_argument("--model", help="'tiny' (built in code, SFT warm start) or a model path / hub id")
-    parser.add_argument("--output-dir", help="run directory (metrics.jsonl, resolved_config.yaml, final/)")
-    parser.add_argument("--seed", help="numpy/torch seed, 0 to 2**32 - 1 (default 0)")
-    parser.add_argument("--threads", help="torch threads (default 1)")
-    parser.add_argument("--max-steps", help="shortcut for trainer.max_steps")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a trainer (D3SConfig) field, e.g. --set learning_rate=1e-6; the value is converted to "
-        "the field's type (lists and mappings in YAML/JSON: --set reward_weights=[1,0.5])",
-    )
-
-
 def build_train_config(args: argparse.Namespace) -> dict:
     """The run config of ``d3s train``: the --config file, then the flags, every value typed and checked.
 
@@ -83,9 +65,23 @@ def run_train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="d3s", description="D3S / PODS / GRPO reproduction suite")
     sub = parser.add_subparsers(dest="command", required=True)
-    train_parser = sub.add_parser("train", help="train one method (TRL GRPO + D3S selection)")
-    _add_train_arguments(train_parser)
-    train_parser.set_defaults(handler=run_train)
+    train = sub.add_parser("train", help="train one method (TRL GRPO + D3S selection)")
+    train.add_argument("--config", help="YAML run config (see d3s/runs/run.py); flags below override it")
+    train.add_argument("--method", choices=sorted(METHODS), help="method from the registry (default grpo)")
+    train.add_argument("--model", help="'tiny' (built in code, SFT warm start) or a model path / hub id")
+    train.add_argument("--output-dir", help="run directory (metrics.jsonl, resolved_config.yaml, final/)")
+    train.add_argument("--seed", help="numpy/torch seed, 0 to 2**32 - 1 (default 0)")
+    train.add_argument("--threads", help="torch threads (default 1)")
+    train.add_argument("--max-steps", help="shortcut for trainer.max_steps")
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a trainer (D3SConfig) field, e.g. --set learning_rate=1e-6; the value is converted to "
+        "the field's type (lists and mappings in YAML/JSON: --set reward_weights=[1,0.5])",
+    )
+    train.set_defaults(handler=run_train)
 
     from d3s.evaluation.cli import add_eval_arguments, run_eval
 

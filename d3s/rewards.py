@@ -93,16 +93,12 @@ def normalize_gold(gold: Gold) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _strip_math_delimiters(text: str) -> str:
-    """Remove unescaped ``$`` delimiters, keeping ``\\$`` (a literal dollar sign)."""
-    return re.sub(r"(\\.)|\$", lambda match: match.group(1) or "", text, flags=re.DOTALL).strip()
-
-
 def gold_candidates(gold: str) -> list[str]:
     """The forms tried, in order, to parse one gold string (first non-empty parse wins)."""
     if "\\boxed" in gold:
         return [gold]
-    bare = _strip_math_delimiters(gold)
+    # unescaped $ delimiters removed, \$ (a literal dollar sign) kept
+    bare = re.sub(r"(\\.)|\$", lambda match: match.group(1) or "", gold, flags=re.DOTALL).strip()
     forms = [f"\\boxed{{{bare}}}", f"${bare}$", gold]
     return list(dict.fromkeys(f for f in forms if f.strip("$ ")))
 
@@ -151,18 +147,16 @@ def last_boxed_answer(completion: str) -> str | None:
 
 
 def _last_box(completion: str) -> str | None | object:
-    last = None
-    for match in _BOX_COMMAND.finditer(completion):
-        last = match
-    if last is None:
+    boxes = list(_BOX_COMMAND.finditer(completion))
+    if not boxes:
         return _NO_BOX
-    return (_box_content(completion, last.end()) or "").strip() or None
+    return (_box_content(completion, boxes[-1].end()) or "").strip() or None
 
 
 def count_boxes(completion: str) -> int:
     """How many ``\\boxed`` / ``\\fbox`` commands ``completion`` holds (the policies can only disagree
     when there is at least one)."""
-    return sum(1 for _ in _BOX_COMMAND.finditer(completion))
+    return len(_BOX_COMMAND.findall(completion))
 
 
 class _MathVerifyGrader:

@@ -19,10 +19,11 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import psutil
 from transformers import TrainerCallback
 
 from d3s.manifest import atomic_write_text, git_state, hardware, now, package_versions
@@ -62,10 +63,7 @@ def machine() -> dict[str, Any]:
     info["python"] = platform.python_version()
     info["torch_threads"] = torch.get_num_threads()
     info["torch_interop_threads"] = torch.get_num_interop_threads()
-    try:
-        info["load_average_1min"] = os.getloadavg()[0]
-    except OSError:
-        info["load_average_1min"] = None
+    info["load_average_1min"] = psutil.getloadavg()[0]
     return info
 
 
@@ -79,19 +77,6 @@ def _grading_worker_pids() -> list[int]:
     return [worker.process.pid for worker in grader._workers if worker.process.poll() is None]
 
 
-def _child_cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds of running processes, from /proc (0 where unavailable)."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / ticks
-
-
 def cpu_clock() -> float:
     """CPU seconds used so far by this process and the grading worker subprocesses.
 
@@ -99,7 +84,11 @@ def cpu_clock() -> float:
     ratios of CPU times are the steadier measure of work (single-threaded code: equal to wall time on an
     idle machine). Worker time has the kernel's tick resolution (10 ms): meaningful summed over steps.
     """
-    return time.process_time() + _child_cpu_seconds(_grading_worker_pids())
+    seconds = time.process_time()
+    for pid in _grading_worker_pids():
+        with suppress(psutil.Error):  # a worker that just exited
+            seconds += sum(psutil.Process(pid).cpu_times()[:2])  # user + system
+    return seconds
 
 
 def timed(
@@ -108,8 +97,8 @@ def timed(
     """Median wall and CPU seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
 
     ``min_seconds``: keep repeating past ``repeats`` until this much wall time was measured, so very
-    short calls still get enough samples for a stable median. Returns medians, min, max, samples and the
-    last call's ``result``.
+    short calls still get enough samples for a stable median. Returns the medians, the number of timed
+    calls (``repeats``) and the last call's ``result``.
     """
     for _ in range(warmup):
         fn()
@@ -123,11 +112,7 @@ def timed(
     return {
         "median_s": statistics.median(samples),
         "cpu_median_s": statistics.median(cpu_samples),
-        "min_s": min(samples),
-        "max_s": max(samples),
         "repeats": len(samples),
-        "samples_s": samples,
-        "cpu_samples_s": cpu_samples,
         "result": result,
     }
 
@@ -218,14 +203,11 @@ TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
 
 
 def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
-    """The tiny model warm-started exactly as ``d3s train`` does for ``model: tiny``, saved to ``path``."""
-    from d3s.data.synthetic import arithmetic_problems
-    from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
+    """The tiny model warm-started by ``d3s train`` for ``model: tiny`` (default ``tiny:`` options), saved to ``path``."""
+    from d3s.runs.run import load_run_model
 
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=seed)
-    problems = arithmetic_problems(2000, seed=1000, **TINY_TASK)
-    sft_warm_start(model, tokenizer, [(p.prompt, p.completion) for p in problems], steps=sft_steps)
+    path.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_run_model({"model": "tiny", "seed": seed, "tiny": {"sft_steps": sft_steps}}, path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -139,9 +139,8 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     trainer._calculate_rewards = _wrap(recorder, trainer._calculate_rewards, "reward_s")
     trainer.compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
     model = trainer.model
-    model.generate = _wrap(
-        recorder, model.generate, "generate_s", "generate"
-    )  # TRL calls the unwrapped model
+    # TRL calls the unwrapped model's generate
+    model.generate = _wrap(recorder, model.generate, "generate_s", "generate")
     metrics = trainer._metrics["train"]
     compute_loss = trainer.compute_loss
 

@@ -33,6 +33,7 @@ distributions at 3,000 tokens (see ``ENTROPY_MODELS``); the result is written to
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import multiprocessing
@@ -141,19 +142,15 @@ def enable_checkpointing(trainer: Any) -> None:
     )
 
 
-def micro_batches(trainer: Any, batch: dict) -> list[dict]:
-    """The step's batch as TRL's ``_prepare_inputs`` splits it (without its shuffle: timing does not depend on it)."""
+def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
+    """Backward of the step's loss, micro-batch by micro-batch (``split``: as TRL's ``_prepare_inputs`` splits the
+    step's batch, without its shuffle, which timing does not depend on) or in one pass."""
     from trl.trainer.utils import split_tensor_dict
 
-    return split_tensor_dict(batch, trainer.args.steps_per_generation)
-
-
-def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
-    """Backward of the step's loss, micro-batch by micro-batch (``split``) or in one pass."""
     model = trainer.model
     model.train()
     trainer.trained_tokens = 0  # tokens whose log-prob reached the gradient in this step
-    for part in micro_batches(trainer, batch) if split else [batch]:
+    for part in split_tensor_dict(batch, trainer.args.steps_per_generation) if split else [batch]:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(model, part)
         trainer.accelerator.backward(loss)
@@ -313,13 +310,10 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
     batches = {"all": full, "kept": kept_rows(full)}
     per_variant = {name: batches[VARIANTS[name][2]] for name in VARIANTS}
 
-    def builder(name: str):
-        width = int(full["completion_mask"].shape[1])
-        return lambda: make_trainer(
-            name, model, work / label, micro_batch, rows, device, args.weights, True, width
-        )
-
-    results = measure({name: builder(name) for name in VARIANTS}, per_variant, args.repeats, cuda)
+    width = int(full["completion_mask"].shape[1])
+    setup = (model, work / label, micro_batch, rows, device, args.weights, True, width)
+    builders = {name: functools.partial(make_trainer, name, *setup) for name in VARIANTS}
+    results = measure(builders, per_variant, args.repeats, cuda)
     if not cuda and not args.skip_cpu_memory:
         for name in VARIANTS:
             results[name]["peak_rss_growth_mib"] = cpu_memory(

@@ -73,7 +73,7 @@ BAD_INPUT = [
     (f"{EVAL} --grading-workers 0", "argument --grading-workers: must be a positive integer"),
     (f"{EVAL} --grading-time-limit 0", "--grading-time-limit must be positive seconds"),
     (f"{EVAL} --bootstrap -1", "argument --bootstrap: must be a positive integer"),
-    (f"{EVAL} --dtype float99", "--dtype must be one of auto, bfloat16, float16, float32"),
+    (f"{EVAL} --dtype float99", "argument --dtype: invalid choice: 'float99'"),
     (f"{EVAL} --tensor-parallel-size 0", "argument --tensor-parallel-size: must be a positive integer"),
     (f"{EVAL} --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1]"),
     (f"{EVAL} --max-model-len 0", "argument --max-model-len: must be a positive integer"),

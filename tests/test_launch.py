@@ -135,17 +135,18 @@ def _wait_for_file(path: Path, within_s: float = 60.0) -> str:
 # ---- commands and settings ----------------------------------------------------------------------------
 
 
-def test_accelerate_command_on_cpu_without_config():
-    command = accelerate_command(["worker.py", "a"], num_processes=2, main_process_port=29555)
+def test_accelerate_command_follows_its_config_file():
+    options = {"config_file": "ddp.yaml", "main_process_port": 29555, "threads_per_process": 2}
+    command = accelerate_command(["worker.py", "a"], num_processes=2, **options)
     assert command == [
-        PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--num_processes", "2", "--num_machines", "1",
-        "--main_process_port", "29555", "worker.py", "a",
+        PY, "-m", "accelerate.commands.launch", "--config_file", "ddp.yaml", "--num_processes", "2",
+        "--num_machines", "1", "--main_process_port", "29555", "--num_cpu_threads_per_process", "2",
+        "worker.py", "a",
     ]  # fmt: skip
-    single = accelerate_command(["worker.py"], num_processes=1)
-    assert "--multi_gpu" not in single and single[-3:] == ["--num_machines", "1", "worker.py"]
+    module = accelerate_command(["d3s.cli", "train"], num_processes=1, module=True, **options)
+    assert module[-3:] == ["--module", "d3s.cli", "train"]
     with pytest.raises(ValueError, match="num_processes"):
-        accelerate_command(["worker.py"], num_processes=0)
+        accelerate_command(["worker.py"], num_processes=0, **options)
 
 
 def test_accelerate_configs_are_valid_accelerate_files():

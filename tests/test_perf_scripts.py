@@ -116,6 +116,7 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S (kept-token
     head, checkpointed) has the gradient of the masked head without checkpointing on the same micro-batches."""
     from helpers import save_tiny
+    from trl.trainer.utils import split_tensor_dict
 
     model_dir = save_tiny(tmp_path / "model", seed=3)
     batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
@@ -143,7 +144,8 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
 
     grpo = trainer("grpo", checkpointing=True)
     assert grpo.model.is_gradient_checkpointing and grpo.args.steps_per_generation == 4
-    assert [len(part["advantages"]) for part in update_cost.micro_batches(grpo, batch)] == [8, 8, 8, 8]
+    parts = split_tensor_dict(batch, grpo.args.steps_per_generation)  # as accumulate_gradient splits it
+    assert [len(part["advantages"]) for part in parts] == [8, 8, 8, 8]
     update_cost.accumulate_gradient(grpo, batch)
     assert len(layer_calls) == 8  # 4 micro-batches, each forward once more in the backward (recompute)
     micro = _gradients(grpo)
@@ -155,7 +157,8 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     kept = update_cost.kept_rows(batch)
     d3s = trainer("d3s", checkpointing=True)
     assert d3s.kept_token_head and d3s.model.is_gradient_checkpointing
-    assert [len(part["advantages"]) for part in update_cost.micro_batches(d3s, kept)] == [2, 2, 2, 2]
+    parts = split_tensor_dict(kept, d3s.args.steps_per_generation)
+    assert [len(part["advantages"]) for part in parts] == [2, 2, 2, 2]
     update_cost.accumulate_gradient(d3s, kept)
     assert 0 < d3s.trained_tokens < int(kept["completion_mask"].sum())  # the token level kept a subset
     masked = trainer("d3s (masked head)", checkpointing=False)

@@ -20,7 +20,7 @@ import io
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +35,6 @@ from d3s.evaluation.metrics import policy_disagreement
 from d3s.manifest import atomic_write_text
 from d3s.rewards import ANSWER_POLICIES, Grader, count_boxes, last_boxed_answer
 
-AUDIT_COLUMNS = (
-    "benchmark",
-    "problems",
-    "gold_parsed",
-    "gold_unparsable",
-    "gold_as_text",
-    "with_reference",
-    "reference_answer_found",
-    "reference_verified",
-    "reference_verified_pct",
-    "timeouts",
-)
-
 
 @dataclass
 class AuditRow:
@@ -59,15 +46,11 @@ class AuditRow:
     with_reference: int = 0  # problems with a reference solution
     reference_answer_found: int = 0  # ... whose final answer could be located (boxed / ####)
     reference_verified: int = 0  # ... that verifies against the gold
+    reference_verified_pct: str = ""  # of those found
     timeouts: int = 0
     unparsable_examples: list[str] = field(default_factory=list)
     text_gold_examples: list[str] = field(default_factory=list)
     mismatch_examples: list[str] = field(default_factory=list)  # "id: reference != gold"
-
-    @property
-    def reference_verified_pct(self) -> str:
-        found = self.reference_answer_found
-        return f"{100.0 * self.reference_verified / found:.1f}" if found else ""
 
     def details(self) -> list[str]:
         """The examples behind the counts: unparsable gold answers and reference mismatches."""
@@ -118,31 +101,12 @@ def audit_benchmark(
             row.mismatch_examples.append(
                 f"{problems[index].problem_id}: {answer!r} vs gold {problems[index].gold!r}"
             )
+    if reference_jobs:
+        row.reference_verified_pct = f"{100.0 * row.reference_verified / len(reference_jobs):.1f}"
     return row
 
 
-def run_audit(
-    data_dir: str | os.PathLike[str] | None, benchmarks: Sequence[str] | None, grader: Grader
-) -> list[AuditRow]:
-    """Audit ``benchmarks`` (default: all with a local copy, synthetic included)."""
-    names = benchmarks or [n for n in BENCHMARKS if n == "synthetic" or local_copy(n, data_dir)]
-    return [audit_benchmark(name, data_dir, grader) for name in names]
-
-
 # ------------------------------------------------------------------------- answer-policy disagreement
-
-DISAGREEMENT_COLUMNS = (
-    "source",
-    "benchmark",
-    "completions",
-    "with_box",
-    "with_2plus_boxes",
-    "disagree",
-    "disagree_pct",
-    "math_verify_only_correct",
-    "last_boxed_only_correct",
-    "timeouts",
-)
 
 
 @dataclass
@@ -153,14 +117,14 @@ class DisagreementRow:
     with_box: int
     with_2plus_boxes: int
     disagree: int
+    disagree_pct: str = field(init=False)
     math_verify_only_correct: int
     last_boxed_only_correct: int
     timeouts: int
     examples: list[str] = field(default_factory=list)  # "id: verdicts, last box, gold"
 
-    @property
-    def disagree_pct(self) -> str:
-        return f"{100.0 * self.disagree / self.completions:.2f}" if self.completions else ""
+    def __post_init__(self) -> None:
+        self.disagree_pct = f"{100.0 * self.disagree / self.completions:.2f}" if self.completions else ""
 
     def details(self) -> list[str]:
         """The samples on which the policies disagree."""
@@ -222,12 +186,16 @@ def reference_disagreement(
     return rows
 
 
-def _samples_files(path: Path) -> list[Path]:
+def samples_files(path: Path) -> list[Path]:
+    """The ``samples.jsonl`` files of an ``--audit-samples`` path: the file itself or an evaluation's."""
     if path.is_file():
         return [path]
     files = sorted(path.glob("*/samples.jsonl")) or sorted(path.glob("samples.jsonl"))
     if not files:
-        raise FileNotFoundError(f"{path}: no samples.jsonl there or in its benchmark folders")
+        raise ValueError(
+            f"--audit-samples {path}: no samples.jsonl there or in its benchmark folders (give the file, or an "
+            "evaluation directory)"
+        )
     return files
 
 
@@ -236,7 +204,7 @@ def samples_disagreement(paths: Iterable[str | os.PathLike[str]], grader: Grader
     names the benchmark) or an evaluation directory holding ``<benchmark>/samples.jsonl``."""
     rows = []
     for path in paths:
-        for file in _samples_files(Path(path)):
+        for file in samples_files(Path(path)):
             items = []
             for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
                 if not line.strip():
@@ -252,6 +220,11 @@ def samples_disagreement(paths: Iterable[str | os.PathLike[str]], grader: Grader
 
 
 # ------------------------------------------------------------------------------------------ report
+
+
+def _columns(row_type: type) -> list[str]:
+    """A table's columns: the fields of its rows, but the examples (listed under the table)."""
+    return [f.name for f in fields(row_type) if not f.name.endswith("examples")]
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Any]) -> str:
@@ -275,14 +248,17 @@ def audit_report(
     out_dir: Path | None = None,
 ) -> str:
     """Both audit tables and their examples as text; with ``out_dir``, also written there as
-    ``grader_audit.{csv,md}``, ``policy_disagreement.{csv,md}`` and their ``*_examples.txt``."""
-    rows = run_audit(data_dir, benchmarks, grader)
+    ``grader_audit.{csv,md}``, ``policy_disagreement.{csv,md}`` and their ``*_examples.txt``.
+
+    ``benchmarks`` None: every benchmark with a local copy, synthetic included."""
+    names = benchmarks or [n for n in BENCHMARKS if n == "synthetic" or local_copy(n, data_dir)]
+    rows = [audit_benchmark(name, data_dir, grader) for name in names]
     policy_rows = reference_disagreement(data_dir, [row.benchmark for row in rows], grader)
     policy_rows += samples_disagreement(samples, grader)
     policies = "answer policies (math_verify: every box as one set answer; last_boxed: the last box only):"
     tables = [
-        ("grader_audit", AUDIT_COLUMNS, rows, ""),
-        ("policy_disagreement", DISAGREEMENT_COLUMNS, policy_rows, policies),
+        ("grader_audit", _columns(AuditRow), rows, ""),
+        ("policy_disagreement", _columns(DisagreementRow), policy_rows, policies),
     ]
     parts, written = [], []
     for stem, columns, table_rows, title in tables:

@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 BACKENDS = ("auto", "vllm", "transformers")
@@ -28,17 +28,13 @@ class GenerationSettings:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        for name in ("samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -126,10 +122,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
 def truncate_at_eos(token_ids: Sequence[int], eos_ids: Iterable[int]) -> list[int]:
     """The completion up to and including its first EOS (all of it when it has none)."""
     eos = set(eos_ids)
-    for position, token in enumerate(token_ids):
-        if token in eos:
-            return list(token_ids[: position + 1])
-    return list(token_ids)
+    end = next((position + 1 for position, token in enumerate(token_ids) if token in eos), len(token_ids))
+    return list(token_ids[:end])
 
 
 class TransformersBackend:
@@ -227,24 +221,20 @@ class VLLMBackend:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
-        batch_size: int = 64,
         tokenizer: Any = None,
     ) -> None:
         import vllm  # only here: the transformers path must work without vLLM installed
 
         self._vllm = vllm
-        self.batch_size = batch_size
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
-        llm_kwargs: dict[str, Any] = {
-            "model": model_path,
-            "seed": seed,
-            "dtype": dtype,
-            "tensor_parallel_size": tensor_parallel_size,
-            "gpu_memory_utilization": gpu_memory_utilization,
-        }
-        if max_model_len is not None:
-            llm_kwargs["max_model_len"] = max_model_len
-        self.llm = vllm.LLM(**llm_kwargs)
+        self.llm = vllm.LLM(
+            model=model_path,
+            seed=seed,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,  # None: the model's own
+        )
 
     def generate(
         self,
@@ -268,9 +258,8 @@ class VLLMBackend:
             for seed in seeds
         ]
         outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
-        results: list[list[Sample]] = []
-        for request in outputs:
-            samples = [
+        return [
+            [
                 Sample(
                     text=choice.text,
                     num_tokens=len(choice.token_ids),
@@ -278,5 +267,5 @@ class VLLMBackend:
                 )
                 for choice in request.outputs
             ]
-            results.append(samples)
-        return results
+            for request in outputs
+        ]

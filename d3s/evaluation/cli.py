@@ -32,7 +32,6 @@ from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIM
 from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
-EVAL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def _positive_int(text: str) -> int:
@@ -132,7 +131,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
             f"seconds per answer before it counts as wrong and timed out ({DEFAULT_TIME_LIMIT_S:g})",
         ),
         "--bootstrap": (_positive_int, 1000, "bootstrap resamples for the CI (1000)"),
-        "--dtype": (str, "auto", "model dtype: auto, bfloat16, float16, float32"),
+        "--dtype": (("auto", "bfloat16", "float16", "float32"), "auto", "model dtype (auto)"),
         "--tensor-parallel-size": (_positive_int, 1, "vLLM tensor parallel size"),
         "--gpu-memory-utilization": (_number, 0.9, "vLLM GPU memory fraction"),
         "--max-model-len": (_positive_int, None, "vLLM max model length"),
@@ -172,13 +171,10 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     if audit_samples and not args.audit:
         raise ValueError("--audit-samples is read by the grader audit only: add --audit, or drop it")
     for path in audit_samples:
-        if not (path.is_file() or (path / "samples.jsonl").is_file() or any(path.glob("*/samples.jsonl"))):
-            raise ValueError(
-                f"--audit-samples {path}: no samples.jsonl there (give the file, or an evaluation directory)"
-            )
-        files = [path] if path.is_file() else [path / "samples.jsonl", *path.glob("*/samples.jsonl")]
-        for file in files:
-            if file.is_file() and not file.read_text(encoding="utf-8").strip():
+        from d3s.evaluation.audit import samples_files
+
+        for file in samples_files(path):
+            if not file.read_text(encoding="utf-8").strip():
                 raise ValueError(
                     f"--audit-samples {file} is empty; give an evaluation's samples.jsonl, or drop it"
                 )
@@ -190,8 +186,6 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
         raise ValueError("--out is required: the directory for samples.jsonl and summary.json")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory for samples.jsonl and summary.json")
-    if args.dtype not in EVAL_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(EVAL_DTYPES)}; got {args.dtype!r}")
     bad_k = [k for k in args.k if k > args.samples]
     if bad_k:
         raise ValueError(
@@ -220,22 +214,18 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     return names, settings, backend
 
 
-def _run_audit(args: argparse.Namespace, names: list[str] | None) -> int:
-    from d3s.evaluation.audit import audit_report
-    from d3s.rewards import Grader
-
-    with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
-        print(audit_report(args.data_dir, names, args.audit_samples, grader, args.out))
-    return 0
-
-
 def run_eval(args: argparse.Namespace) -> int:
     """Run ``d3s eval`` with parsed ``args``; returns the process exit code (2 = bad arguments or data)."""
     try:
         names, settings, backend_name = validate_eval_args(args)
         if args.audit:
-            explicit = args.benchmarks != DEFAULT_BENCHMARKS
-            return _run_audit(args, names if explicit else None)
+            from d3s.evaluation.audit import audit_report
+            from d3s.rewards import Grader
+
+            chosen = names if args.benchmarks != DEFAULT_BENCHMARKS else None
+            with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
+                print(audit_report(args.data_dir, chosen, args.audit_samples, grader, args.out))
+            return 0
         # every benchmark up front: missing or malformed data fails before the model loads
         problems = {
             name: load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic)
@@ -284,7 +274,6 @@ def _evaluate(
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
-            batch_size=batch_size,
             tokenizer=tokenizer,
         )
     else:

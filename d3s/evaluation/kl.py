@@ -70,10 +70,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
 def probe_completions(
     policy: Any,
     tokenizer: Any,
@@ -94,7 +90,6 @@ def probe_completions(
         raise ValueError("the KL probe needs at least one prompt")
     eos_ids = _eos_ids(policy, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-    batch_size = settings.batch_size
     # Every sampling setting explicit: a model's own generation defaults (top_k, repetition penalty) would
     # make the sampler differ from the distribution that is scored.
     generation = GenerationConfig(
@@ -112,14 +107,14 @@ def probe_completions(
         for prompt in prompts
         for _ in range(settings.samples)
     ]
-    device = _device(policy)
+    device = policy.device
     was_training = policy.training
     policy.eval()
     out: list[tuple[list[int], list[int]]] = []
     with torch.no_grad():
         try:
-            for chunk, start in enumerate(range(0, len(rows), batch_size)):
-                batch = rows[start : start + batch_size]
+            for chunk, start in enumerate(range(0, len(rows), settings.batch_size)):
+                batch = rows[start : start + settings.batch_size]
                 width = max(len(ids) for ids in batch)
                 input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
                 attention = torch.zeros((len(batch), width), dtype=torch.long)
@@ -157,7 +152,7 @@ def completion_logprobs(
     """
     import torch
 
-    device = _device(model)
+    device = model.device
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = []
@@ -213,7 +208,6 @@ def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence
     if len(policy_logps) != len(reference_logps) or not policy_logps:
         raise ValueError("kl_estimates needs the same, non-zero number of policy and reference completions")
     k1_sum = k3_sum = 0.0
-    sequence_k1 = []
     tokens = 0
     for logp, ref in zip(policy_logps, reference_logps, strict=True):
         if logp.shape != ref.shape:
@@ -221,16 +215,15 @@ def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence
         k1, k3 = per_token_kl(logp, ref)
         k1_sum += float(k1.sum())
         k3_sum += float(k3.sum())
-        sequence_k1.append(float(k1.sum()))
         tokens += logp.numel()
     if tokens == 0:
         raise ValueError("the probe completions have no tokens")
     return {
         "k1": k1_sum / tokens,
         "k3": k3_sum / tokens,
-        "k1_per_sequence": sum(sequence_k1) / len(sequence_k1),
+        "k1_per_sequence": k1_sum / len(policy_logps),
         "tokens": tokens,
-        "sequences": len(sequence_k1),
+        "sequences": len(policy_logps),
     }
 
 
@@ -311,7 +304,5 @@ def measure_checkpoint_kl(
         "written": now(),
         **result,
     }
-    atomic_write_text(
-        out, json.dumps(record, indent=2, sort_keys=True) + "\n"
-    )  # readers never see half a file
+    atomic_write_text(out, json.dumps(record, indent=2, sort_keys=True) + "\n")  # never half a file
     return record

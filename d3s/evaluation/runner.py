@@ -104,29 +104,23 @@ def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str,
     """
     if not path.exists():
         return {}
-    raw = path.read_bytes()
-    pieces = raw.split(b"\n")
-    complete_lines, tail = pieces[:-1], pieces[-1]  # tail: bytes after the last newline (a cut-off line)
+    *complete_lines, tail = path.read_bytes().split(b"\n")  # tail: bytes after the last newline (cut off)
     discarded = 1 if tail.strip() else 0
-    by_problem: dict[str, list[tuple[dict[str, Any], str]]] = {}
-    for line in complete_lines:
-        if not line.strip():
-            continue
+    by_problem: dict[str, list[tuple[int, dict[str, Any], str]]] = {}
+    for line in filter(bytes.strip, complete_lines):
         try:
             record = json.loads(line)
-            problem_id = str(record["problem_id"])
-            int(record["sample_index"])
+            entry = (int(record["sample_index"]), record, line.decode("utf-8") + "\n")
+            by_problem.setdefault(str(record["problem_id"]), []).append(entry)
         except (ValueError, KeyError, TypeError):
             discarded += 1
-            continue
-        by_problem.setdefault(problem_id, []).append((record, line.decode("utf-8") + "\n"))
     completed: dict[str, list[dict[str, Any]]] = {}
     kept_lines: list[str] = []
     for problem_id, entries in by_problem.items():
-        indices = sorted(int(r["sample_index"]) for r, _ in entries)
-        if indices == list(range(samples)):
-            completed[problem_id] = sorted((r for r, _ in entries), key=lambda r: int(r["sample_index"]))
-            kept_lines.extend(line for _, line in entries)
+        entries.sort(key=lambda entry: entry[0])
+        if [index for index, _, _ in entries] == list(range(samples)):
+            completed[problem_id] = [record for _, record, _ in entries]
+            kept_lines.extend(line for _, _, line in entries)
         else:
             discarded += len(entries)
     if discarded:
@@ -139,15 +133,8 @@ def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str,
     return completed
 
 
-def _run_identity(run: BenchmarkRun, resolved_template: str, grader: Grader) -> dict[str, Any]:
-    """The settings that make samples comparable; resuming with different ones is refused."""
-    return {
-        "benchmark": run.benchmark,
-        "model_path": run.model_path,
-        "template": resolved_template,
-        "generation": run.settings.to_dict(),
-        "answer_extraction": grader.answer_extraction,
-    }
+# The settings that make samples comparable (run.json); resuming with different ones is refused.
+RUN_IDENTITY = ("benchmark", "model_path", "template", "generation", "answer_extraction")
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -226,6 +213,7 @@ def evaluate_benchmark(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Generate and grade every problem not already done, then write and return the summary."""
+    import torch
     from tqdm.auto import tqdm
 
     spec = get_benchmark(run.benchmark)
@@ -233,7 +221,8 @@ def evaluate_benchmark(
     # Chat templates already hold any BOS token; plain prompts get the tokenizer's special tokens.
     add_special_tokens = resolved_template != "qwen_math_cot"
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    _check_resume(run.out_dir, _run_identity(run, resolved_template, grader))
+    config = _eval_config(run, resolved_template, grader, backend.name)
+    _check_resume(run.out_dir, {key: config[key] for key in RUN_IDENTITY})
     samples_path = run.out_dir / SAMPLES_FILE
     completed = load_completed_samples(samples_path, run.settings.samples)
     primary = run.scoring.answer_policy
@@ -243,7 +232,10 @@ def evaluate_benchmark(
         lines = [json.dumps(r, ensure_ascii=False) + "\n" for records in completed.values() for r in records]
         atomic_write_text(samples_path, "".join(lines))
     todo = [p for p in run.problems if p.problem_id not in completed]
-    manifest = _start_manifest(run, resolved_template, grader, backend.name)
+    manifest = {"kind": "evaluation"} | build_manifest(
+        config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
+    )
+    manifest["model_run"] = _model_run(manifest["inputs"])
     manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
     manifest["problems_generated"] = len(todo)
     write_manifest(run.out_dir / MANIFEST_FILE, manifest)
@@ -320,18 +312,16 @@ def _eval_inputs(run: BenchmarkRun) -> dict[str, Path]:
     return inputs
 
 
-def _start_manifest(
+def _eval_config(
     run: BenchmarkRun, resolved_template: str, grader: Grader, backend_name: str
 ) -> dict[str, Any]:
-    """The manifest of one benchmark's evaluation, as it starts (``finished`` is set at the end)."""
-    import torch
-
-    config = {
+    """The settings of one benchmark's evaluation, as its manifest records them."""
+    return {
         "benchmark": run.benchmark,
         "model_path": run.model_path,
         "template_requested": run.template,
         "template": resolved_template,
-        "generation": run.settings.to_dict(),
+        "generation": asdict(run.settings),
         "answer_extraction": grader.answer_extraction,
         "answer_policy": run.scoring.answer_policy,
         "grading_time_limit_s": grader.time_limit,
@@ -342,11 +332,6 @@ def _start_manifest(
         "problems_sha256": problems_sha256(run.problems),
         **run.extra_provenance,
     }
-    manifest = {"kind": "evaluation"} | build_manifest(
-        config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
-    )
-    manifest["model_run"] = _model_run(manifest["inputs"])
-    return manifest
 
 
 def _model_run(inputs: dict[str, Any]) -> dict[str, Any] | None:
@@ -365,9 +350,6 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
     parts = {name: json.loads((out_dir / name / MANIFEST_FILE).read_text(encoding="utf-8")) for name in names}
     first = next(iter(parts.values()))
     per_run = ("benchmark", "model_path")
-    inputs: dict[str, Any] = {}
-    for part in parts.values():
-        inputs |= part["inputs"]
     manifest = {
         "kind": "evaluation",
         "config": {
@@ -382,7 +364,7 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
             key: first[key]
             for key in ("seed", "torch_threads", "torch_interop_threads", "versions", "git", "hardware")
         },
-        "inputs": inputs,
+        "inputs": {name: entry for part in parts.values() for name, entry in part["inputs"].items()},
         "started": min(part["started"] for part in parts.values()),
         "finished": None
         if any(part["finished"] is None for part in parts.values())
@@ -427,21 +409,17 @@ def summarize_benchmark(
     """Pass@k under every answer policy over the problems of ``run`` (the primary policy's at the top
     level), and how often the policies disagree; problems with unparsable gold are excluded and counted."""
     primary = run.scoring.answer_policy
+    every = [r["by_policy"] for problem in run.problems for r in completed[problem.problem_id]]
+    timeouts = {p: sum(bool(r[p]["timed_out"]) for r in every) for p in ANSWER_POLICIES}
+    grading_errors = {p: sum(r[p]["grading_error"] is not None for r in every) for p in ANSWER_POLICIES}
     counts: dict[str, list[tuple[int, int]]] = {policy: [] for policy in ANSWER_POLICIES}
     correct_samples = dict.fromkeys(ANSWER_POLICIES, 0)
-    timeouts = dict.fromkeys(ANSWER_POLICIES, 0)
-    grading_errors = dict.fromkeys(ANSWER_POLICIES, 0)
     unparsable: list[str] = []
     verdicts: list[tuple[bool, bool]] = []
     multi_box = truncated = total_samples = 0
     for problem in run.problems:
         records = completed[problem.problem_id]
         truncated += sum(r.get("finish_reason") == "length" for r in records)
-        for policy in ANSWER_POLICIES:
-            timeouts[policy] += sum(bool(r["by_policy"][policy]["timed_out"]) for r in records)
-            grading_errors[policy] += sum(
-                r["by_policy"][policy]["grading_error"] is not None for r in records
-            )
         if not all(r["gold_parsed"] for r in records):
             unparsable.append(problem.problem_id)  # reported, never scored as wrong
             continue
@@ -481,7 +459,7 @@ def summarize_benchmark(
         "timeouts": timeouts[primary],
         "grading_errors": grading_errors[primary],
         "truncated_samples": truncated,
-        "generation": run.settings.to_dict(),
+        "generation": asdict(run.settings),
         "backend": backend_name,
         "template": resolved_template,
         "answer_extraction": grader.answer_extraction,

@@ -292,31 +292,23 @@ def accelerate_command(
     target: Sequence[str],
     *,
     num_processes: int,
-    config_file: str | os.PathLike[str] | None = None,
-    main_process_port: int | None = None,
-    threads_per_process: int | None = None,
+    config_file: str | os.PathLike[str],
+    main_process_port: int,
+    threads_per_process: int,
     module: bool = False,
     python: str = sys.executable,
 ) -> list[str]:
     """``accelerate launch`` of ``target`` (a script and its arguments, or a module with ``module=True``).
 
-    With a config file the launcher follows its ``distributed_type``; without one, two or more processes
-    use the multi-process launcher (torchrun underneath: gloo when there is no GPU), one the plain one.
+    The launcher follows the config file's ``distributed_type`` (workflow/accelerate/: DDP, ZeRO-2, ZeRO-3, or
+    one process).
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-    command = [python, "-m", "accelerate.commands.launch"]
-    if config_file is not None:
-        command += ["--config_file", str(config_file)]
-    else:
-        if num_processes > 1:
-            command += ["--multi_gpu"]
-        command += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    command = [python, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     command += ["--num_processes", str(num_processes), "--num_machines", "1"]
-    if main_process_port is not None:
-        command += ["--main_process_port", str(main_process_port)]
-    if threads_per_process is not None:
-        command += ["--num_cpu_threads_per_process", str(threads_per_process)]
+    command += ["--main_process_port", str(main_process_port)]
+    command += ["--num_cpu_threads_per_process", str(threads_per_process)]
     if module:
         command += ["--module"]
     return command + [str(part) for part in target]
@@ -357,18 +349,18 @@ def _die_with_parent() -> None:
 def start_process_group(
     command: Sequence[str],
     *,
+    log_path: str | os.PathLike[str],
     env: Mapping[str, str] | None = None,
-    log_path: str | os.PathLike[str] | None = None,
 ) -> subprocess.Popen:
     """Start ``command`` as the leader of a new process group (so it and all its children can be stopped)."""
     # The child gets its own copy of the log's descriptor; this process closes its copy at once.
-    with open(log_path, "ab") if log_path is not None else contextlib.nullcontext() as log:
+    with open(log_path, "ab") as log:
         return subprocess.Popen(
             list(command),
             env=dict(env) if env is not None else None,
             stdin=subprocess.DEVNULL,
             stdout=log,
-            stderr=subprocess.STDOUT if log is not None else None,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
@@ -417,8 +409,8 @@ def signals_raise_system_exit() -> Iterator[None]:
             signal.signal(signum, old)
 
 
-def _tail(path: str | os.PathLike[str] | None, lines: int = 20) -> str:
-    if path is None or not Path(path).is_file():
+def _tail(path: str | os.PathLike[str], lines: int = 20) -> str:
+    if not Path(path).is_file():
         return ""
     return "\n".join(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
@@ -429,11 +421,10 @@ def vllm_server(
     *,
     host: str,
     port: int,
+    log_path: str | os.PathLike[str],
     gpu_ids: Sequence[str] = (),
-    log_path: str | os.PathLike[str] | None = None,
     startup_timeout_s: float = 1200.0,
     stop_grace_s: float = 30.0,
-    poll_s: float = 1.0,
 ) -> Iterator[str]:
     """A vLLM server process for TRL's server mode, alive exactly as long as the ``with`` block; yields its URL.
 
@@ -443,7 +434,7 @@ def vllm_server(
     stops it.
     """
     env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else {})
-    process = start_process_group(command, env=env, log_path=log_path)
+    process = start_process_group(command, log_path=log_path, env=env)
     stop = functools.partial(stop_process_group, process, grace_s=stop_grace_s)
     atexit.register(stop)
     url = f"http://{host}:{port}/health"
@@ -468,7 +459,7 @@ def vllm_server(
                     f"(train.launch.vllm_server.startup_timeout_s); its log ({log_path}) ends with:\n"
                     f"{_tail(log_path)}"
                 )
-            time.sleep(poll_s)
+            time.sleep(1.0)
         yield url
     finally:
         stop()
@@ -498,7 +489,7 @@ def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 @dataclasses.dataclass
-class GpuLease:
+class GpuLease(contextlib.AbstractContextManager):
     """GPU ids held by this process until ``release`` (or its exit: the kernel drops its locks)."""
 
     ids: list[str]
@@ -507,9 +498,6 @@ class GpuLease:
     def release(self) -> None:
         while self.fds:
             os.close(self.fds.pop())  # closing the only descriptor of a lock file releases its flock
-
-    def __enter__(self) -> GpuLease:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
@@ -708,7 +696,7 @@ def run_training_job(
             )
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"GPUs {train_ids}: {' '.join(command)}\n")
-        process = start_process_group(command, env=training_env(train_ids), log_path=log_path)
+        process = start_process_group(command, log_path=log_path, env=training_env(train_ids))
         stack.callback(stop_process_group, process)
         code = process.wait()
     if code != 0:

@@ -2,9 +2,9 @@
 
 ``D3SCheckpointState`` is a transformers callback. Its counters are an ``ExportableState``: Trainer saves
 them in each checkpoint's trainer_state.json (``stateful_callbacks``), and the callback reads them back when training
-resumes. ``on_save``, after Trainer wrote the checkpoint on every rank, copies the run's logs into it, writes
-d3s_state.json (what ``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with ``full_state_checkpoints:
-latest``, cuts the older checkpoints to their weights.
+resumes. ``on_save``, after Trainer wrote the checkpoint on every rank, writes d3s_state.json (what
+``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with ``full_state_checkpoints: latest``, cuts the
+older checkpoints to their weights.
 """
 
 from __future__ import annotations

@@ -395,15 +395,16 @@ def coerce_run_config(config: Any, *, source: str | None = None) -> dict[str, An
     return out
 
 
-def check_model_dir(model: str, what: str) -> None:
+def check_model_dir(model: str, what: str) -> bool:
     """A local model path must be a directory with a readable config.json (checked before any weights load).
 
     ``what`` names the setting in the message ("model", "--model"). Hub ids pass (they are resolved online).
+    Returns whether ``model`` is a local path (False: a hub id).
     """
     path = Path(model).expanduser()
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1 or path.exists()
     if not looks_local:
-        return
+        return False
     config = path / "config.json"
     if not config.is_file():
         raise ConfigError(
@@ -416,6 +417,7 @@ def check_model_dir(model: str, what: str) -> None:
         raise ConfigError(f"{what}: {config} is not valid JSON ({err}); re-save the model there") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{what}: {config} has no model_type; it is not a transformers model config")
+    return True
 
 
 def one_line(message: object) -> str:

@@ -139,7 +139,9 @@ def _model_init_kwargs(args) -> dict[str, Any]:
     return kwargs
 
 
-def _load_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str, Any] | None = None):
+def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str, Any] | None = None):
+    """(model, tokenizer) of a run: loaded from its path, or ``tiny`` built and warm-started by SFT (its losses
+    written to ``output_dir``/sft_losses.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_name = config.get("model", "tiny")
@@ -222,11 +224,6 @@ def _flat(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key != "trainer"} | trainer
 
 
-def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
-    """One line per change: ``key: old -> new``."""
-    return "\n".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
-
-
 def supersede_run(
     output_dir: str | os.PathLike[str], reason: str, *, label: str, metrics_log: str | None = "metrics.jsonl"
 ) -> Path | None:
@@ -307,7 +304,7 @@ def train(config: dict[str, Any]) -> Path:
     from d3s.rewards import accuracy_reward
     from d3s.trainer import D3STrainer
 
-    model, tokenizer = _load_model(config, output_dir, _model_init_kwargs(args))
+    model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
     rows = _training_rows(config, tokenizer)
     resolved = {
         **config,
@@ -366,16 +363,11 @@ def train(config: dict[str, Any]) -> Path:
 
 def _input_files(config: dict[str, Any]) -> dict[str, Path]:
     """Files whose checksums go into the manifest: the local benchmark copy and the model config."""
-    files: dict[str, Path] = {}
-    name = (config.get("dataset") or {}).get("name", "synthetic")
-    if name != "synthetic":
-        from d3s.data.benchmarks import get_benchmark, resolve_data_dir
+    from d3s.data.benchmarks import local_copy
 
-        root = resolve_data_dir(config.get("data_dir"))
-        if root is not None and (root / get_benchmark(name).local_path).is_file():
-            files["dataset"] = root / get_benchmark(name).local_path
-    files |= model_files(str(config.get("model", "tiny")))  # weights, config, tokenizer
-    return files
+    dataset = local_copy((config.get("dataset") or {}).get("name", "synthetic"), config.get("data_dir"))
+    files = {"dataset": dataset} if dataset is not None else {}
+    return files | model_files(str(config.get("model", "tiny")))  # weights, config, tokenizer
 
 
 def _plain(value: Any) -> Any:

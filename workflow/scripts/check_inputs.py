@@ -23,6 +23,7 @@ from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
 from d3s.manifest import atomic_write_text, now
+from d3s.runs.config import check_model_dir
 
 
 def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
@@ -38,13 +39,7 @@ def check_base_model(request: dict[str, Any]) -> dict[str, Any]:
     if base["kind"] == "tiny":
         return {"kind": "tiny", "found": "built by rule base_model"}
     path = str(base["path"])
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or Path(path).expanduser().exists()
-    if looks_local:
-        if not (Path(path).expanduser() / "config.json").is_file():
-            raise ValueError(
-                f"base_model.path {path}: no model there (expected {Path(path) / 'config.json'}); set it to a "
-                "model directory or a Hugging Face id"
-            )
+    if check_model_dir(path, "base_model.path"):  # a local directory, checked
         return {"path": path, "found": "local directory"}
     from huggingface_hub import model_info, try_to_load_from_cache
 

@@ -91,23 +91,13 @@ def other_options(job: EvalJob) -> dict[str, str]:
         "--out": str(job.out),
         "--grading-workers": "1",
     }
-    if ev.get("answer_policy") is not None:  # the primary policy: d3s eval relabels, never regenerates
-        options["--answer-policy"] = str(ev["answer_policy"])
-    if ev.get("batch_size"):
-        options["--batch-size"] = str(ev["batch_size"])
-    if ev.get("data_dir"):
-        options["--data-dir"] = str(ev["data_dir"])
     if job.gpu_ids:
         options["--tensor-parallel-size"] = str(ev.get("tensor_parallel_size", len(job.gpu_ids)))
-    if ev.get("gpu_memory_utilization") is not None:
-        options["--gpu-memory-utilization"] = str(ev["gpu_memory_utilization"])
+    # (answer_policy, the primary policy: d3s eval relabels the kept samples, never regenerates them)
+    for key in ("answer_policy", "batch_size", "data_dir", "gpu_memory_utilization"):
+        if ev.get(key):
+            options[f"--{key.replace('_', '-')}"] = str(ev[key])
     return options
-
-
-def resume_key(job: EvalJob) -> dict[str, Any]:
-    """The model's files (checksums; a hub id has none) and the sample settings."""
-    files = {name: sha256_file(path) for name, path in model_files(job.model).items()}
-    return {"model_files": files, "settings": sample_settings(job)}
 
 
 def keep_or_move_aside(out: Path, key: dict[str, Any]) -> str | None:
@@ -122,18 +112,13 @@ def keep_or_move_aside(out: Path, key: dict[str, Any]) -> str | None:
     if previous is None:
         why = f"no {RESUME_KEY_FILE}: unknown model and settings"
     else:
-        files = sorted(set(previous["model_files"]) | set(key["model_files"]))
-        changed = [
-            f"model file {name}"
-            for name in files
-            if previous["model_files"].get(name) != key["model_files"].get(name)
-        ]
-        changed += [
-            f"{option} {previous['settings'].get(option)} -> {key['settings'].get(option)}"
-            for option in sorted(set(previous["settings"]) | set(key["settings"]))
-            if previous["settings"].get(option) != key["settings"].get(option)
-        ]
-        why = "; ".join(changed)
+        old, new = ({f"model file {n}": h for n, h in k["model_files"].items()} for k in (previous, key))
+        old, new = old | previous["settings"], new | key["settings"]
+        why = "; ".join(  # a changed model file by name only (its checksums say nothing to the reader)
+            name if name.startswith("model file") else f"{name} {old.get(name)} -> {new.get(name)}"
+            for name in sorted(old.keys() | new.keys())
+            if old.get(name) != new.get(name)
+        )
     aside = out.with_name(f"{out.name}.superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     out.rename(aside)
     return f"moved the previous evaluation aside to {aside} ({why}); starting over"
@@ -151,21 +136,17 @@ def generate_and_grade(job: EvalJob) -> None:
         raise SystemExit(f"d3s eval failed with exit code {code}: see {smk.log[0]}")
 
 
-def kl_probe_settings(kl: dict[str, Any], trainer: dict[str, Any]) -> KLProbeSettings:
-    """eval.kl, with the sampling settings training used where eval.kl leaves them out."""
-    defaults = {
-        "max_new_tokens": trainer.get("max_completion_length", 256),  # TRL's default
-        "temperature": trainer.get("temperature", 1.0),
-    }
-    return KLProbeSettings(**(defaults | dict(kl)))
-
-
 def measure_kl(job: EvalJob) -> None:
     """eval.kl: the KL to the initial policy on the run's probe (d3s.evaluation.kl), into <out>/kl.json.
 
     Resumes: a kl.json of the same model (the evaluation's resume key moved any other model's aside) and the
     same probe settings is kept; otherwise it is measured (again) and replaced atomically."""
-    settings = kl_probe_settings(ev["kl"], dict(smk.params.train.get("trainer") or {}))
+    trainer = dict(smk.params.train.get("trainer") or {})
+    defaults = {  # the sampling settings training used, where eval.kl leaves them out
+        "max_new_tokens": trainer.get("max_completion_length", 256),  # TRL's default
+        "temperature": trainer.get("temperature", 1.0),
+    }
+    settings = KLProbeSettings(**(defaults | dict(ev["kl"])))
     settings.validate()
     path = job.out / KL_FILE
     if path.is_file() and json.loads(path.read_text(encoding="utf-8")).get("settings") == asdict(settings):
@@ -215,7 +196,9 @@ with (
     job = EvalJob(
         model, out, int(smk.params.samples), list(smk.params.k), limit, list(gpu_ids) if gpus else []
     )
-    key = resume_key(job)
+    # the resume key: the model's files (checksums; a hub id has none) and the sample settings
+    files = {name: sha256_file(path) for name, path in model_files(job.model).items()}
+    key = {"model_files": files, "settings": sample_settings(job)}
     outcome = keep_or_move_aside(out, key)
     if outcome:
         print(outcome, flush=True)

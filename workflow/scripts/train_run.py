@@ -19,7 +19,7 @@ from d3s.orchestration.launch import (
     train_launch,
     write_yaml,
 )
-from d3s.runs.run import config_differences, describe_changes, supersede_run
+from d3s.runs.run import config_differences, supersede_run
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 method, seed = smk.wildcards.method, int(smk.wildcards.seed)
@@ -55,7 +55,8 @@ restart_reason = None
 changes = config_differences(run_dir, config)
 if changes:
     metrics_log = config["trainer"].get("metrics_log", "metrics.jsonl")
-    reason = "configuration changed:\n" + describe_changes(changes)
+    lines = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()]
+    reason = "\n".join(["configuration changed:", *lines])
     moved = supersede_run(run_dir, reason, label="config-changed", metrics_log=metrics_log)
     restart_reason = f"configuration changed ({', '.join(changes)}): starting over" + (
         f"; the previous run's files are in {moved}" if moved else ""
