@@ -7,7 +7,7 @@ TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds
 With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
 
 The compute savings (log-prob passes on the kept rollouts only; the LM head only at the kept tokens) are opt-in
-mixins in d3s/savings/, off unless D3SConfig switches them on; checkpoint state is a callback in d3s/runs/checkpoints.py. The TRL
+mixins in d3s/savings/, off unless D3SConfig switches them on; checkpoint state is a callback in d3s/callbacks/checkpoints.py. The TRL
 internals used are listed and checked in d3s/trl_contract.py.
 """
 
@@ -21,15 +21,15 @@ import torch
 from trl import GRPOTrainer
 
 from d3s import trl_contract
-from d3s.rewards import bind_answer_policy
-from d3s.runs.checkpoints import CpuRanksOptimizerLoad, D3SCheckpointState
-from d3s.runs.logs import (
+from d3s.callbacks.checkpoints import CpuRanksOptimizerLoad, D3SCheckpointState
+from d3s.callbacks.logs import (
     JsonlMetricsCallback,
     NanGuardCallback,
     append_anatomy,
     sample_anatomy,
     token_anatomy,
 )
+from d3s.rewards import bind_answer_policy
 from d3s.savings import DeferredLogprobPasses, KeptTokenHead
 from d3s.selection import renormalize_advantages, select_samples, token_keep_mask, token_scores
 from d3s.trainer_config import D3SConfig

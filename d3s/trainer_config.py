@@ -8,9 +8,9 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from d3s.callbacks.checkpoints import FULL_STATE_CHECKPOINTS
 from d3s.methods import get_method
 from d3s.rewards import ANSWER_POLICIES
-from d3s.runs.checkpoints import FULL_STATE_CHECKPOINTS
 from d3s.selection import SAMPLE_RULES, SAMPLE_SCOPES, SCHEDULES, TOKEN_RULES, TOKEN_SCOPES, Schedule
 
 # Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked before

@@ -18,6 +18,7 @@ import yaml
 from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
+from d3s.callbacks.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
 from d3s.orchestration.launch import (
     SERVER_FIELDS_SET_BY_WORKFLOW,
     TrainLaunch,
@@ -25,7 +26,6 @@ from d3s.orchestration.launch import (
     build_run_config,
     prepare_training_job,
 )
-from d3s.runs.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
 from d3s.runs.run import (
     PER_ATTEMPT_TRAINER_KEYS,
     config_differences,
@@ -423,7 +423,7 @@ def test_checkpoint_state_is_restored_from_trainer_state_or_from_an_older_checkp
 
     from transformers import TrainerState
 
-    from d3s.runs.checkpoints import D3SCheckpointState
+    from d3s.callbacks.checkpoints import D3SCheckpointState
 
     args = SimpleNamespace(output_dir=str(tmp_path))
     saved = TrainerState(global_step=4, stateful_callbacks=[D3SCheckpointState(update_tokens_total=123)])

@@ -316,15 +316,3 @@ def _evaluate(
     print(format_results_table(summaries, args.k))
     print(f"results in {out}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from d3s.cli import OneLineArgumentParser
-
-    parser = OneLineArgumentParser(prog="d3s eval", description=__doc__.splitlines()[0])
-    add_eval_arguments(parser)
-    return run_eval(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import yaml
 
+from d3s.callbacks.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
 from d3s.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
 from d3s.methods import get_method
-from d3s.runs.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
 from d3s.runs.config import TOP_LEVEL_KEYS, TinyOptions, check_model_dir, coerce_run_config
 
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
