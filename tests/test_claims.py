@@ -219,3 +219,22 @@ def test_ordering_agreement_with_the_paper():
     assert half["estimate"] == pytest.approx(2 / 3)  # grpo < pods and grpo < d3s agree; pods > d3s does not
     one_seed = ordering_row(final[final["seed"] == 0], {"grpo": 40.0, "d3s": 45.0}, "D3S Table 1")
     assert one_seed["verdict"] == "inconclusive" and math.isnan(one_seed["ci_low"])
+
+
+def test_a_method_is_compared_with_its_own_baseline_where_it_ran():
+    """GSPO+D3S against GSPO (the paper's Table 3), every other method against the default reference."""
+    curves = _curves(
+        {"grpo": [[0.4, 0.5, 0.6]] * 3, "gspo": [[0.4, 0.45, 0.5]] * 3, "gspo_d3s": [[0.4, 0.5, 0.55]] * 3},
+        {"grpo": 1, "gspo": 1, "gspo_d3s": 1},
+    )
+    ends = curves[curves["step"].isin([0, 2])]
+    evals = ends.assign(k=1, final=lambda d: d["step"] == 2, benchmark="synthetic")
+    metrics = pd.DataFrame(columns=["method", "seed", "step"])
+    methods = ["grpo", "gspo", "gspo_d3s"]
+    table = claims_table(evals, curves, metrics, methods, "grpo", references={"gspo_d3s": "gspo"})
+    pass1 = table[table["claim"] == "pass_at_1"].set_index("method")
+    assert pass1.loc["gspo_d3s", "reference"] == "gspo" and pass1.loc["gspo", "reference"] == "grpo"
+    assert pass1.loc["gspo_d3s", "estimate"] == pytest.approx(5.0)
+    without_gspo = claims_table(evals[evals["method"] != "gspo"], curves, metrics, ["grpo", "gspo_d3s"], "grpo",
+                                references={"gspo_d3s": "gspo"})  # fmt: skip
+    assert set(without_gspo.loc[without_gspo["claim"] == "pass_at_1", "reference"]) == {"grpo"}

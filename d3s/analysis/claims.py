@@ -337,14 +337,17 @@ def claims_table(
     reference: str = "grpo",
     fraction: float = 0.99,
     paper: Mapping[str, Mapping[str, float]] | None = None,
+    references: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
     """Every claim for every method against ``reference``, each method's gain over the base model, and
     whether our ordering of the methods agrees with each of the ``paper``'s tables (name -> method -> Pass@1).
+    ``references`` gives a method its own baseline instead (e.g. ``{"gspo_d3s": "gspo"}``), where it ran.
 
     ``evals``: d3s.analysis.io.load_evals (final models, and the base model at step 0); ``curves``:
     d3s.analysis.tables.learning_curves (Pass@1 by method, seed, step; wall_clock); ``metrics``:
     d3s.analysis.io.load_metrics (grad_norm, entropy, selection/update_tokens, step_time per step).
     """
+    default_reference = reference
     final = per_seed_pass_at_k(evals, 1)
     base = per_seed_pass_at_k(evals, 1, step0=True)
     final_k = per_seed_pass_at_k(evals, int(evals.loc[evals["final"].astype(bool), "k"].max()))
@@ -365,7 +368,10 @@ def claims_table(
             return pd.DataFrame(columns=["method", "seed", "value"])
         return run_means[["method", "seed", column]].rename(columns={column: "value"})
 
-    for method in (m for m in methods if m != reference):
+    for method in (m for m in methods if m != default_reference):
+        # a method's own baseline where the paper has one (GSPO+D3S against GSPO), if it ran
+        reference = (references or {}).get(method, default_reference)
+        reference = reference if reference in methods else default_reference
         rows += [
             difference_row(CLAIMS["pass_at_1"], final, method, reference, 100),
             difference_row(CLAIMS["pass_at_k"], final_k, method, reference, 100),

@@ -93,6 +93,7 @@ def write_claims(results: Path, paper_dir: Path, config: dict) -> pd.DataFrame:
         analysis.get("reference", "grpo"),
         analysis.get("target_fraction", 0.99),
         paper_pass_at_1(paper_dir),
+        analysis.get("references", {"gspo_d3s": "gspo"}),
     )
     write_table(table, results / "tables" / "claims.csv", load_provenance(results, allow_mixed=allow_mixed))
     return table
