@@ -123,3 +123,27 @@ def test_smoke_workflow_end_to_end(tmp_path):
     html = run_snakemake(["--configfile", "config/smoke.yaml", "--report", "report.html"], work, timeout=300)
     assert html.returncode == 0, html.stdout[-2000:] + html.stderr[-2000:]
     assert (work / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("task", "bounded", "yes", "'yes' is not of type 'boolean'"),
+        ("base_model", "sft_box_error", [0.1], "is too short"),
+        ("base_model", "sft_box_error", [0.1, 1.5], "1.5 is greater than the maximum of 1"),
+        ("analysis", "references", {"gspo_d3s": 3}, "3 is not of type 'string'"),
+    ],
+)
+def test_schema_refuses_bad_testbed_and_claims_options(section, key, value, message):
+    """The options of the testbed and the claims: defaults filled in, bad values refused naming the value."""
+    from snakemake.utils import validate
+
+    schema = str(REPO_ROOT / "config" / "schema.yaml")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
+    validate(cfg, schema)
+    assert cfg["task"]["bounded"] is False and cfg["base_model"]["sft_box_error"] == [0.0, 0.0]
+    assert cfg["analysis"]["references"] == {"gspo_d3s": "gspo"}
+    cfg[section][key] = value
+    with pytest.raises(Exception) as error:
+        validate(cfg, schema)
+    assert message in str(error.value)
