@@ -26,6 +26,9 @@ class Method:
     token_keep_ratio_init: float = 1.0
     token_keep_ratio_final: float = 1.0
     schedule: str = "constant"
+    # Optimizer steps per generation batch: GSPO splits each rollout batch into 4 mini-batches (GSPO paper v2,
+    # section 5.1; TRL's GSPO docs: steps_per_generation = 4 x gradient_accumulation_steps).
+    minibatches_per_generation: int = 1
     # TRL GRPOConfig fields the method needs (GSPO's sequence-level ratio and tiny clip range).
     trl_settings: dict[str, Any] = field(default_factory=dict)
 
@@ -128,12 +131,16 @@ METHODS: dict[str, Method] = {
         token_keep_ratio_final=0.20,
     ),
     "gspo": Method(
-        "D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio", trl_settings=GSPO_TRL
+        "D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, each rollout "
+        "batch in 4 mini-batches (one optimizer step each)",
+        minibatches_per_generation=4,
+        trl_settings=GSPO_TRL,
     ),
     "gspo_d3s": Method(
-        "D3S Table 1 row 'GSPO+D3S': D3S selection on top of GSPO",
+        "D3S Table 1 row 'GSPO+D3S': D3S selection on top of GSPO (the sequence ratio over the kept tokens)",
         sample_rule="max_variance",
         sample_scope="batch",
+        minibatches_per_generation=4,
         trl_settings=GSPO_TRL,
         **_D3S_SCHEDULE,
     ),

@@ -7,7 +7,7 @@ Sample level (which rollouts train):
 
 Token level (which tokens of the kept rollouts train):
     token_scores          |A| * H (D3S) or H alone (the 80/20 rule)
-    token_keep_mask       top-K% of valid tokens per batch or per sequence, >= 1 token per sequence
+    token_keep_mask       top-K% of valid tokens per batch (the generation batch, in the trainer) or per sequence
 
 Schedule:
     Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
@@ -41,13 +41,13 @@ import torch
 SampleRule = Literal["max_variance", "random", "max_reward", "none"]
 SampleScope = Literal["group", "batch"]
 TokenRule = Literal["adv_entropy", "entropy", "none"]
-TokenScope = Literal["batch", "sequence"]
+TokenScope = Literal["batch", "micro_batch", "sequence"]
 ScheduleKind = Literal["constant", "linear"]
 
 SAMPLE_RULES: tuple[str, ...] = ("max_variance", "random", "max_reward", "none")
 SAMPLE_SCOPES: tuple[str, ...] = ("group", "batch")
 TOKEN_RULES: tuple[str, ...] = ("adv_entropy", "entropy", "none")
-TOKEN_SCOPES: tuple[str, ...] = ("batch", "sequence")
+TOKEN_SCOPES: tuple[str, ...] = ("batch", "micro_batch", "sequence")
 SCHEDULES: tuple[str, ...] = ("constant", "linear")
 
 
@@ -252,10 +252,10 @@ def token_keep_mask(
 ) -> torch.Tensor:
     """Boolean (B, T) mask of the top ``token_keep_ratio`` of valid tokens by score.
 
-    ``batch`` ranks all valid tokens of the batch together, ``sequence`` ranks within each sequence. The
-    count kept is ceil(K * valid) (exact by rank, not a quantile threshold, so ties never inflate it; ties
-    go to the earlier token). Padding is never selected, and every sequence with a valid token keeps at
-    least its best-scoring one.
+    ``batch`` (and ``micro_batch``: the caller hands over one micro-batch) ranks all valid tokens of the given
+    rows together, ``sequence`` ranks within each sequence. The count kept is ceil(K * valid), exact by rank,
+    not a quantile threshold, so ties never inflate it; ties go to the earlier token. Padding is never
+    selected. A sequence may keep no token at all: the paper ranks the tokens of the batch, not per sequence.
     """
     _check_choice("token_scope", scope, TOKEN_SCOPES)
     if not 0.0 < token_keep_ratio <= 1.0:
@@ -267,24 +267,19 @@ def token_keep_mask(
     valid = valid_mask.bool()
     _check_finite("token scores", scores[valid])
     masked = scores.detach().to(torch.float32).masked_fill(~valid, float("-inf"))
-    if scope == "batch":
-        flat = masked.flatten()
-        order = torch.sort(flat, descending=True, stable=True).indices
-        ranks = torch.empty_like(order)
-        ranks[order] = torch.arange(flat.numel(), device=flat.device)
-        keep = (ranks < _keep_count(token_keep_ratio, valid.sum())).view_as(valid)
-    else:
+    if scope == "sequence":
         order = torch.sort(masked, dim=1, descending=True, stable=True).indices
         ranks = torch.empty_like(order).scatter_(
             1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order)
         )
         keep = ranks < _keep_count(token_keep_ratio, valid.sum(dim=1)).unsqueeze(1)
-    keep &= valid
-    has_valid = valid.any(dim=1)
-    best = masked.argmax(dim=1)
-    rows = torch.arange(valid.shape[0], device=valid.device)
-    keep[rows[has_valid], best[has_valid]] = True
-    return keep
+    else:
+        flat = masked.flatten()
+        order = torch.sort(flat, descending=True, stable=True).indices
+        ranks = torch.empty_like(order)
+        ranks[order] = torch.arange(flat.numel(), device=flat.device)
+        keep = (ranks < _keep_count(token_keep_ratio, valid.sum())).view_as(valid)
+    return keep & valid
 
 
 # --------------------------------------------------------------------------------------------------------------

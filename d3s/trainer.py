@@ -1,24 +1,28 @@
 """D3STrainer: TRL's GRPO with sample- and token-level down-sampling (D3S, PODS and the methods they compare).
 
-TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds two things:
-  1. after TRL scored the rollouts, keep a subset (``_generate_and_score_completions``), decided from the
-     gathered batch identically on every rank, and re-index every per-rollout tensor;
-  2. in the loss, train only the top-K% tokens by |A| x H (``get_high_entropy_mask``, TRL's token-mask hook).
+TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds two things, both decided once
+per generation batch, from the gathered batch, identically on every rank:
+  1. after TRL scored the rollouts, keep a subset (``_generate_and_score_completions``) and re-index every
+     per-rollout tensor;
+  2. over the kept rollouts of every rank, the top-K% tokens by |A| x H, carried as the per-rollout tensor
+     ``token_mask`` that TRL splits with the batch; the loss trains only those tokens (``_compute_loss``).
 With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
 
 The compute savings (log-prob passes on the kept rollouts only; the LM head only at the kept tokens) are opt-in
 mixins in d3s/savings/, off unless D3SConfig switches them on; checkpoint state is a callback in d3s/callbacks/checkpoints.py. The TRL
-internals used are listed and checked in d3s/trl_contract.py.
+internals used are listed and checked in d3s/trl_contract.py; docs/fidelity.md writes out each method's objective.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 
 from d3s import trl_contract
 from d3s.callbacks.checkpoints import CpuRanksOptimizerLoad, D3SCheckpointState
@@ -43,16 +47,38 @@ class HookState:
 
     # set in _calculate_rewards, read in _generate_and_score_completions: TRL does not return the rewards
     rewards_per_func: torch.Tensor | None = None
-    # set in _compute_loss, read in get_high_entropy_mask(entropies, mask, threshold): TRL passes no
-    # advantages
+    # set in _compute_loss, read by the hooks TRL calls inside it without the inputs (get_high_entropy_mask,
+    # the kept-token head)
     loss_inputs: dict | None = None
-    # the token mask of the current loss call, None until chosen: TRL's _compute_loss does not return it
+    # the token mask of the current loss call (None: every token trains): read by the KL coefficient and the
+    # kept-token head, which TRL calls without it
     token_mask: torch.Tensor | None = None
+    # the entropies of the current loss call's gradient pass: TRL's logged entropy is over its loss mask, which
+    # the kept tokens replace under sequence-level ratios and token_norm "selected"
+    loss_entropies: torch.Tensor | None = None
     # set per generation batch, read by the first token selection after it (the anatomy log's token record)
     anatomy_tokens_due: bool = False
     # savings (d3s/savings/deferred.py): True while TRL scores a batch whose log-prob passes wait for
     # selection; TRL calls _get_per_token_logps_and_entropies inside _generate_and_score_completions
     deferring_logprobs: bool = False
+
+
+class SelectedTokensBeta(float):
+    """beta for TRL's ``per_token_loss + self.beta * per_token_kl``, which TRL adds after its token mask: the KL
+    then trains the selected tokens only (the paper's "only selected tokens contribute to the gradient")."""
+
+    def __new__(cls, beta: float, hook_state: HookState) -> SelectedTokensBeta:
+        coefficient = super().__new__(cls, beta)
+        coefficient.hook_state = hook_state
+        return coefficient
+
+    def __mul__(self, other: Any) -> Any:
+        mask = self.hook_state.token_mask
+        if isinstance(other, torch.Tensor) and mask is not None:
+            return float(self) * (other * mask)
+        return float(self) * other
+
+    __rmul__ = __mul__
 
 
 class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GRPOTrainer):
@@ -95,52 +121,97 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         else:
             kept_advantages = all_advantages[kept]
         self._log_selection(keep, all_advantages, kept, kept_advantages)
-        if not drops_rollouts:
-            return output
-        selected = self._keep_rows(output, kept, kept_advantages)
-        if self.args.defer_logprob_passes:
-            selected = self.run_deferred_logprob_passes(selected)  # savings: only the kept rows are forwarded
+        selected = output
+        if drops_rollouts:
+            selected = self._keep_rows(output, kept, kept_advantages)
+            if self.args.defer_logprob_passes:  # savings: only the kept rows are forwarded
+                selected = self.run_deferred_logprob_passes(selected)
+        if self._token_keep_ratio() < 1.0 and self.args.token_scope != "micro_batch":
+            selected["token_mask"] = self._select_tokens(selected)
+            if self.args.token_norm == "selected":  # dapo's normaliser: the kept tokens of every rank
+                selected["num_items_in_batch"] = self.accelerator.gather(selected["token_mask"].sum()).sum()
         return selected
 
-    # ---- 2. token level: train the top-K% tokens by |A| x H ------------------------------------------------
+    # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts ----------------------------------
+
+    def _select_tokens(self, batch: dict) -> torch.Tensor:
+        """The token mask of a generation batch, ranked over the kept rollouts of every rank (D3S eq. for T)."""
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            # the sampling policy's entropies: with mu = 1 the loss pass would compute the same values
+            _, entropies, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                ids,
+                attention,
+                batch["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size,
+                compute_entropy=True,
+            )
+        valid = batch["completion_mask"] * batch.get("tool_mask", 1)
+        if "importance_sampling_ratio" in batch:  # rollouts (or tokens) vLLM's IS correction zeroed never rank
+            valid = valid * (batch["importance_sampling_ratio"] != 0)
+        return self._rank_tokens(batch, entropies, valid.bool())
+
+    def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        scores = token_scores(inputs["advantages"], entropies, self.args.token_rule)
+        token_keep_ratio, scope = self._token_keep_ratio(), self.args.token_scope
+        if scope != "sequence" and self.accelerator.num_processes > 1:
+            # Rank over the rows of every rank, exactly as a single process would see them.
+            rows, cols = scores.shape
+            pad = self.accelerator.pad_across_processes
+            all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
+            all_valid = self.accelerator.gather(pad(valid, dim=1, pad_index=0))
+            rank = self.accelerator.process_index
+            keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)[
+                rank * rows : (rank + 1) * rows, :cols
+            ]
+        else:
+            keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
+        self._log_token_selection(inputs, entropies, scores, keep, valid)
+        return keep
 
     def _compute_loss(self, model, inputs):
         training = self.model.training
-        ratio = self.selection_schedule.token_keep_ratio(self.training_progress())
-        # K; TRL calls get_high_entropy_mask only while this is < 1 (K = 1: every token trains)
-        self.top_entropy_quantile = ratio if training and self.args.token_rule != "none" else 1.0
-        self._hook_state.loss_inputs, self._hook_state.token_mask = inputs, None
-        loss = super()._compute_loss(model, inputs)
+        token_mask = inputs.get("token_mask") if training else None
+        micro_batch = training and self.args.token_scope == "micro_batch" and self._token_keep_ratio() < 1.0
+        # TRL calls get_high_entropy_mask (which returns the mask) only while this is < 1
+        self.top_entropy_quantile = 0.0 if token_mask is not None or micro_batch else 1.0
+        self._hook_state.token_mask, given = token_mask, inputs
+        if token_mask is not None and self._kept_tokens_are_the_loss_mask():
+            # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every
+            # denominator counts them (token_norm "selected")
+            inputs = {**inputs, "tool_mask": inputs.get("tool_mask", 1) * token_mask}
+        self._hook_state.loss_inputs = inputs
+        with self._kl_on_selected_tokens(training):
+            loss = super()._compute_loss(model, inputs)
         if training:
-            self._log_tokens_trained(inputs)
+            if token_mask is not None and self._kept_tokens_are_the_loss_mask():
+                self._log_entropy_of_every_token(given)
+            self._log_tokens_trained(given)
         return loss
 
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
     ) -> torch.Tensor:
-        """The top-K% tokens by |A| x H (or H), not TRL's entropy quantile (its ``threshold`` is 1 - K)."""
-        if self._hook_state.token_mask is None:  # else the kept-token head chose it, inside the forward pass
-            self._select_tokens(entropies, mask)
+        """The token mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
+        if self._hook_state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
+            self._hook_state.token_mask = self._rank_tokens(self._hook_state.loss_inputs, entropies, mask.bool())
         return self._hook_state.token_mask
 
-    def _select_tokens(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        scores = token_scores(self._hook_state.loss_inputs["advantages"], entropies, self.args.token_rule)
-        token_keep_ratio, scope = self.top_entropy_quantile, self.args.token_scope
-        if scope == "batch" and self.accelerator.num_processes > 1:
-            # Rank over the micro-batch of every rank, exactly as a single process would see it.
-            rows, cols = scores.shape
-            pad = self.accelerator.pad_across_processes
-            all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
-            all_mask = self.accelerator.gather(pad(mask, dim=1, pad_index=0))
-            rank = self.accelerator.process_index
-            keep = token_keep_mask(all_scores, all_mask, token_keep_ratio, scope)[
-                rank * rows : (rank + 1) * rows, :cols
-            ]
-        else:
-            keep = token_keep_mask(scores, mask, token_keep_ratio, scope)
-        self._hook_state.token_mask = keep
-        self._log_token_selection(entropies, scores, keep, mask)
-        return keep
+    def _kept_tokens_are_the_loss_mask(self) -> bool:
+        return self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
+
+    @contextmanager
+    def _kl_on_selected_tokens(self, training: bool):
+        """kl_tokens "selected": TRL's beta * KL counts the selected tokens only, for this loss call."""
+        beta = self.beta
+        if training and beta != 0.0 and self.args.kl_tokens == "selected":
+            self.beta = SelectedTokensBeta(beta, self._hook_state)
+        try:
+            yield
+        finally:
+            self.beta = beta
 
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
@@ -162,6 +233,12 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
         self.add_callback(NanGuardCallback())  # after the metrics log, so the NaN step is recorded
         self.add_callback(D3SCheckpointState())
+
+    def _token_keep_ratio(self) -> float:
+        """K at the current point of the schedule; 1 when the method has no token level."""
+        if self.args.token_rule == "none":
+            return 1.0
+        return self.selection_schedule.token_keep_ratio(self.training_progress())
 
     def training_progress(self) -> float:
         """p = step / max_steps, where the schedule of N and K is read."""
@@ -252,19 +329,19 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             append_anatomy(self.args.output_dir, record)
 
     def _log_token_selection(
-        self, entropies: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
+        self, inputs: dict, entropies: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor
     ) -> None:
         if self._hook_state.anatomy_tokens_due:
-            self._hook_state.anatomy_tokens_due = False  # the first micro-batch of the step stands for it
+            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
             if self.accelerator.is_main_process:
                 record = token_anatomy(
                     self.state.global_step,
-                    self.top_entropy_quantile,
-                    self._hook_state.loss_inputs,
+                    self._token_keep_ratio(),
+                    inputs,
                     entropies,
                     scores,
                     keep,
-                    mask,
+                    valid,
                     self.args.anatomy_examples,
                     self.processing_class.decode,
                 )
@@ -272,6 +349,20 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         stats = torch.stack([(entropies.detach() * keep).sum(), keep.sum()]).to(torch.float64)
         stats = self.accelerator.reduce(stats, reduction="sum")
         self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
+
+    def _log_entropy_of_every_token(self, inputs: dict) -> None:
+        """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token, as always."""
+        entropies, mask = self._hook_state.loss_entropies, inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        totals = self.accelerator.reduce(
+            torch.stack([(entropies.detach() * mask).sum(), mask.sum()]).to(torch.float64), reduction="sum"
+        )
+        self._metrics["train"]["entropy"][-1] = (totals[0] / totals[1].clamp(min=1)).item()
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if kwargs.get("compute_entropy") and torch.is_grad_enabled():  # the gradient pass of _compute_loss
+            self._hook_state.loss_entropies = entropies
+        return logps, entropies, aux
 
     def _log_tokens_trained(self, inputs: dict) -> None:
         chosen = self._hook_state.token_mask

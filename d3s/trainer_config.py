@@ -93,8 +93,10 @@ class D3SConfig(GRPOConfig):
         "Token score: 'adv_entropy' = |A| x entropy, 'entropy' = the 80/20 rule, 'none'.", TOKEN_RULES
     )
     token_scope: str | None = _from_method(
-        "'batch': top-K% over the valid tokens of the micro-batch, gathered across ranks; 'sequence': top-K% "
-        "within each completion.",
+        "'batch': top-K% over the valid tokens of the kept rollouts of the whole generation batch, all ranks, "
+        "chosen once after sample selection (the paper's T); 'micro_batch': over each micro-batch as TRL's "
+        "entropy mask does (depends on the micro-batch size, for comparison); 'sequence': top-K% within each "
+        "completion.",
         TOKEN_SCOPES,
     )
     token_keep_ratio: float | None = _from_method(
@@ -103,6 +105,26 @@ class D3SConfig(GRPOConfig):
     token_keep_ratio_final: float | None = _from_method("K at the end of training under a linear schedule.")
     schedule: str | None = _from_method(
         "linear moves N and K from their initial to final values in p = step / max_steps.", SCHEDULES
+    )
+    minibatches_per_generation: int | None = _from_method(
+        "Optimizer steps per generation batch (GSPO: 4); steps_per_generation becomes this x "
+        "gradient_accumulation_steps, so each update after the first is off-policy and the ratio clip acts."
+    )
+    token_norm: str = field(
+        default="all",
+        metadata={
+            "choices": ["all", "selected"],
+            "help": "Loss denominators under token selection: 'all' counts every completion token, as without "
+            "selection (TRL's and the 80/20 paper's convention); 'selected' counts the kept tokens only.",
+        },
+    )
+    kl_tokens: str = field(
+        default="selected",
+        metadata={
+            "choices": ["selected", "all"],
+            "help": "With beta != 0 and token selection: 'selected' puts the KL term on the kept tokens only (the "
+            "D3S paper: only selected tokens contribute to the gradient); 'all': on every token (TRL's order).",
+        },
     )
     metrics_log: str | None = field(
         default="metrics.jsonl",
@@ -181,9 +203,29 @@ class D3SConfig(GRPOConfig):
                     f"{name} override, or build the config with D3SConfig.for_method({self.method!r}, ...), "
                     "which sets it"
                 )
+        self._mini_batch_generation(method)
         super().__post_init__()
         self._resolve_from_method(method)
         self._validate()
+
+    def _mini_batch_generation(self, method) -> None:
+        """steps_per_generation = mini-batches x gradient accumulation (before TRL derives its geometry)."""
+        if self.minibatches_per_generation is None:
+            self.minibatches_per_generation = method.minibatches_per_generation
+        minibatches = self.minibatches_per_generation
+        if not isinstance(minibatches, int) or minibatches < 1:
+            raise ValueError(f"minibatches_per_generation must be an integer >= 1; got {minibatches!r}")
+        if minibatches == 1:
+            return
+        wanted = minibatches * self.gradient_accumulation_steps
+        if self.generation_batch_size is not None or self.steps_per_generation not in (None, wanted):
+            raise ValueError(
+                f"method {self.method!r} updates {minibatches} times per generation batch, so "
+                f"steps_per_generation must be {minibatches} x gradient_accumulation_steps = {wanted} (got "
+                f"steps_per_generation={self.steps_per_generation}, generation_batch_size="
+                f"{self.generation_batch_size}): unset both, or set minibatches_per_generation: 1"
+            )
+        self.steps_per_generation = wanted
 
     def _resolve_from_method(self, method) -> None:
         keep_init, keep_final = method.keep_per_prompt(self.num_generations)
@@ -234,6 +276,7 @@ class D3SConfig(GRPOConfig):
                 "renormalize=True re-normalises the summed reward per group; it needs "
                 "multi_objective_aggregation='sum_then_normalize'"
             )
+        self._validate_token_loss()
         if self.token_rule != "none" and self.use_liger_kernel:
             raise ValueError(
                 "token-level selection uses TRL's entropy-mask hook, which Liger kernels skip; "
@@ -250,6 +293,27 @@ class D3SConfig(GRPOConfig):
                     f"({micro}) a multiple of num_generations ({G}), or choose keep values N with N x {micro} "
                     f"divisible by {G}."
                 )
+
+    def _validate_token_loss(self) -> None:
+        """Combinations of the token level with the loss that cannot mean what they say, refused up front."""
+        if self.token_rule == "none":
+            return
+        sequence_level = self.importance_sampling_level == "sequence"
+        if self.token_scope == "micro_batch" and (sequence_level or self.token_norm == "selected"):
+            raise ValueError(
+                "token_scope micro_batch chooses the token mask inside the loss, too late for sequence-level "
+                "ratios or token_norm selected, which need it before: set token_scope: batch"
+            )
+        if sequence_level and self.loss_type != "grpo":
+            raise ValueError(
+                f"sequence-level ratios with token selection average the ratio over the kept tokens and need "
+                f"loss_type grpo (GSPO's sequence mean); got loss_type {self.loss_type!r}"
+            )
+        if self.kl_tokens == "all" and (sequence_level or self.token_norm == "selected"):
+            raise ValueError(
+                "kl_tokens all needs token_norm all and token-level ratios (the kept tokens are the loss mask "
+                "otherwise): set kl_tokens: selected"
+            )
 
     @property
     def selection_schedule(self) -> Schedule:

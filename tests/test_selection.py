@@ -518,16 +518,12 @@ def test_token_scores_rules():
 
 def brute_force_token_mask(scores, valid, token_keep_ratio, scope):
     keep = torch.zeros_like(valid, dtype=torch.bool)
-    groups = [list(range(scores.shape[0]))] if scope == "batch" else [[r] for r in range(scores.shape[0])]
+    groups = [[r] for r in range(scores.shape[0])] if scope == "sequence" else [list(range(scores.shape[0]))]
     for rows in groups:
         cells = [(r, t) for r in rows for t in range(scores.shape[1]) if valid[r, t]]
         cells.sort(key=lambda rt: (-scores[rt].item(), rt))  # stable: earlier position first on ties
         for rt in cells[: math.ceil(token_keep_ratio * len(cells) - 1e-9)]:
             keep[rt] = True
-    for r in range(scores.shape[0]):
-        cells = [t for t in range(scores.shape[1]) if valid[r, t]]
-        if cells:
-            keep[r, max(cells, key=lambda t: (scores[r, t].item(), -t))] = True
     return keep
 
 
@@ -536,7 +532,7 @@ def brute_force_token_mask(scores, valid, token_keep_ratio, scope):
     rows=st.integers(1, 5),
     cols=st.integers(1, 7),
     token_keep_ratio=st.sampled_from([0.05, 0.2, 0.25, 0.5, 0.9, 1.0]),
-    scope=st.sampled_from(["batch", "sequence"]),
+    scope=st.sampled_from(["batch", "micro_batch", "sequence"]),
     ties=st.booleans(),
     seed=st.integers(0, 10_000),
 )
@@ -552,15 +548,18 @@ def test_token_keep_mask_matches_brute_force(rows, cols, token_keep_ratio, scope
     keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
     assert torch.equal(keep, brute_force_token_mask(scores, valid, token_keep_ratio, scope))
     assert not (keep & ~valid).any(), "padding must never be selected"
-    assert torch.equal(keep.any(1), valid.any(1)), "every sequence with tokens keeps at least one"
+    if scope == "sequence":
+        assert torch.equal(keep.any(1), valid.any(1)), "ceil(K x n) keeps at least one token of a sequence"
+    else:  # no forced token: exactly ceil(K x valid) of the batch, the paper's top-K%
+        assert keep.sum().item() == math.ceil(token_keep_ratio * valid.sum().item() - 1e-9)
 
 
 def test_token_keep_mask_exact_fraction_despite_ties():
     scores = torch.zeros(4, 10)  # all tied, e.g. zero-advantage rollouts
     valid = torch.ones(4, 10, dtype=torch.bool)
     keep = token_keep_mask(scores, valid, 0.2, "batch")
-    # 8 by rank (0.2 x 40, not 9 from 0.2 * 40 = 8.000000000000002) plus one forced per row: rows 1-3
-    assert keep.sum().item() == 8 + 3
+    # 8 by rank (0.2 x 40, not 9 from 0.2 * 40 = 8.000000000000002), no token forced into rows 1-3
+    assert keep.sum().item() == 8 and keep[0, :8].all() and not keep[1:].any()
     assert token_keep_mask(scores, valid, 0.2, "sequence").sum(1).tolist() == [2, 2, 2, 2]
 
 

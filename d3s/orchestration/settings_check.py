@@ -76,6 +76,7 @@ SELECTION_FIELDS = (
     "token_keep_ratio",
     "token_keep_ratio_final",
     "schedule",
+    "minibatches_per_generation",
 )
 METHOD_TRL_FIELDS = tuple(sorted({name for method in METHODS.values() for name in method.trl_settings}))
 TRAINER = "config.resolved_trainer."

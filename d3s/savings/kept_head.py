@@ -3,26 +3,25 @@ update trains.
 
 With a token keep ratio K < 1 the loss multiplies every unselected token by zero, yet TRL's fused LM head still
 projects, and back-propagates through, every completion position. ``add_kept_token_head`` wraps the model's
-forward (after TRL's ``add_fused_lm_head``) with one more keyword, ``select_tokens``. Given it, the forward
+forward (after TRL's ``add_fused_lm_head``) with one more keyword, ``select_tokens``: a boolean mask of the
+positions that train. Given it, the forward
 
   1. runs the backbone once (with gradient),
   2. scores every labelled position without gradient: log-probability and entropy, in TRL's chunked kernel,
-  3. asks ``select_tokens(entropy)`` which positions train (the |A| x H top-K% mask needs the entropies),
-  4. projects only those positions through the LM head with gradient.
+  3. projects only the selected positions through the LM head with gradient.
 
 Unselected positions carry their no-gradient log-probability, so the loss, every logged metric and the gradients
 equal the straightforward masked computation, while the head's backward (and its tile buffer) shrinks with K.
 The call goes through the model's own forward, so DDP, DeepSpeed and PEFT wrappers see an ordinary forward.
 
 ``KeptTokenHead`` plugs it into the trainer: the gradient pass of ``_compute_loss`` goes through
-``_get_per_token_logps_and_entropies``, which calls the model with ``select_tokens`` = the trainer's token
-selection; the mask chosen there is the one TRL's ``get_high_entropy_mask`` hook then returns.
+``_get_per_token_logps_and_entropies``, which calls the model with the token mask the trainer chose for the
+generation batch before the loss (d3s/trainer.py).
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -37,8 +36,6 @@ logger = logging.get_logger(__name__)
 
 # Vocabulary tile width of TRL's fused head (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
 VOCAB_CHUNK = 32768
-
-TokenSelector = Callable[[torch.Tensor], torch.Tensor]
 
 # Losses in which an unselected token's log-prob reaches the loss only through the token mask.
 PER_TOKEN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
@@ -66,13 +63,14 @@ def kept_token_head_unsupported(model: PreTrainedModel) -> str | None:
 def add_kept_token_head(
     model: PreTrainedModel, temperature: float, cast_lm_head_to_fp32: bool = False
 ) -> None:
-    """Let ``model(..., labels=labels, select_tokens=fn)`` back-propagate through the LM head only where fn says."""
+    """Let ``model(..., labels=labels, select_tokens=mask)`` back-propagate through the LM head only where the
+    boolean ``mask`` (the shape of ``labels[:, 1:]``) is true."""
     reason = kept_token_head_unsupported(model)
     if reason:
         raise ValueError(reason)
     inner_forward = model.forward  # TRL's fused head: every call without select_tokens goes there unchanged
 
-    def forward(self, *args, select_tokens: TokenSelector | None = None, labels=None, **kwargs):
+    def forward(self, *args, select_tokens: torch.Tensor | None = None, labels=None, **kwargs):
         if select_tokens is None:
             return inner_forward(*args, labels=labels, **kwargs)
         kwargs.pop("fused_lm_head", None)
@@ -104,7 +102,7 @@ def add_kept_token_head(
                     ("entropy",),
                 )
             entropy = scored_entropy.new_zeros(valid.shape).masked_scatter(valid, scored_entropy)
-            keep = select_tokens(entropy) & valid
+            keep = select_tokens.to(valid.device) & valid
             kept_logps, *_ = ChunkedLogProbFunction.apply(
                 hidden[keep], weight, bias, labels[keep], temperature, VOCAB_CHUNK, None, 1.0, ()
             )
@@ -138,10 +136,10 @@ class KeptTokenHead:
 
     def _kept_token_head_blocker(self) -> str | None:
         """Why unselected tokens may still need a gradient (None: the kept-token head is exact)."""
-        if self.beta != 0.0:
-            return "beta != 0: the KL term trains every token"
-        if self.importance_sampling_level != "token":
-            return "a sequence-level importance ratio (GSPO) reaches every token of a kept sequence"
+        if self.args.token_scope == "micro_batch":
+            return "token_scope micro_batch chooses the token mask inside the loss, after the forward pass"
+        if self.beta != 0.0 and self.args.kl_tokens == "all":
+            return "beta != 0 with kl_tokens all: the KL term trains every token"
         if self.loss_type not in PER_TOKEN_LOSSES:
             losses = ", ".join(PER_TOKEN_LOSSES)
             return f"loss_type {self.loss_type!r} is not one of the per-token losses {losses}"
@@ -167,7 +165,7 @@ class KeptTokenHead:
             and not any(value is not None for value in model_extras.values())  # not multimodal
             and torch.is_grad_enabled()
             and self.model.training
-            and self.top_entropy_quantile < 1.0
+            and self._hook_state.token_mask is not None
         ):
             return self._kept_token_logps(model, input_ids, attention_mask, logits_to_keep)
         return super()._get_per_token_logps_and_entropies(
@@ -182,19 +180,11 @@ class KeptTokenHead:
         )
 
     def _kept_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
-        """Log-probs with gradient at the kept tokens only; the trainer's token mask is chosen inside."""
+        """Log-probs with gradient only at the tokens of the trainer's mask, chosen before the loss."""
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100  # only the completion is scored, as in TRL
-        loss_inputs = self._hook_state.loss_inputs
-        loss_mask = loss_inputs["completion_mask"] * loss_inputs.get("tool_mask", 1)
-
-        def select_tokens(entropy: torch.Tensor) -> torch.Tensor:
-            keep = torch.zeros_like(entropy, dtype=torch.bool)
-            keep[:, -logits_to_keep:] = self._select_tokens(entropy[:, -logits_to_keep:], loss_mask)
-            return keep
-
+        keep = torch.zeros_like(labels[:, 1:], dtype=torch.bool)
+        keep[:, -logits_to_keep:] = self._hook_state.token_mask
         with self.accelerator.autocast():
-            outputs = model(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels, select_tokens=select_tokens
-            )
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, select_tokens=keep)
         return outputs.log_probs[:, -logits_to_keep:], outputs.entropy[:, -logits_to_keep:], None
