@@ -58,6 +58,10 @@ class HookState:
     loss_entropies: torch.Tensor | None = None
     # set per generation batch, read by the first token selection after it (the anatomy log's token record)
     anatomy_tokens_due: bool = False
+    # True from the start of scoring until the old-policy log-prob pass (TRL's, or the deferred one) ran:
+    # that pass is asked for entropies too, so the token level needs no pass of its own
+    old_policy_entropies_wanted: bool = False
+    old_policy_entropies: torch.Tensor | None = None
     # savings (d3s/savings/deferred.py): True while TRL scores a batch whose log-prob passes wait for
     # selection; TRL calls _get_per_token_logps_and_entropies inside _generate_and_score_completions
     deferring_logprobs: bool = False
@@ -97,8 +101,11 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         drops_rollouts = (
             self.model.training and self.args.sample_rule != "none" and keep < self.num_generations
         )
+        selects_tokens = self.model.training and self._token_keep_ratio() < 1.0
+        self._hook_state.old_policy_entropies_wanted = selects_tokens
         with self.logprob_passes_deferred(drops_rollouts and self.args.defer_logprob_passes):
             output = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, advantages
+        self._take_old_policy_entropies(output)
         if not self.model.training:
             return output
         all_advantages = self.accelerator.gather(output["advantages"])  # the batch of every rank
@@ -126,28 +133,38 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             selected = self._keep_rows(output, kept, kept_advantages)
             if self.args.defer_logprob_passes:  # savings: only the kept rows are forwarded
                 selected = self.run_deferred_logprob_passes(selected)
-        if self._token_keep_ratio() < 1.0 and self.args.token_scope != "micro_batch":
-            selected["token_mask"] = self._select_tokens(selected)
+                self._take_old_policy_entropies(selected)
+        self._hook_state.old_policy_entropies_wanted = False
+        entropies = selected.pop("old_policy_entropies", None)
+        if selects_tokens and self.args.token_scope != "micro_batch":
+            selected["token_mask"] = self._select_tokens(selected, entropies)
             if self.args.token_norm == "selected":  # dapo's normaliser: the kept tokens of every rank
                 selected["num_items_in_batch"] = self.accelerator.gather(selected["token_mask"].sum()).sum()
         return selected
 
     # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts ----------------------------------
 
-    def _select_tokens(self, batch: dict) -> torch.Tensor:
-        """The token mask of a generation batch, ranked over the kept rollouts of every rank (D3S eq. for T)."""
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            # the sampling policy's entropies: with mu = 1 the loss pass would compute the same values
-            _, entropies, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                ids,
-                attention,
-                batch["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
-                compute_entropy=True,
-            )
+    def _select_tokens(self, batch: dict, entropies: torch.Tensor | None = None) -> torch.Tensor:
+        """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T).
+
+        ``entropies``: the old-policy pass's, where TRL ran one (vLLM, GSPO's mini-batches, num_iterations > 1);
+        otherwise a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
+        """
+        if entropies is None:
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            with (
+                torch.no_grad(),
+                disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            ):
+                _, entropies, _ = self._get_per_token_logps_and_entropies(
+                    self.model,
+                    ids,
+                    attention,
+                    batch["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size,
+                    compute_entropy=True,
+                )
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
         if "importance_sampling_ratio" in batch:  # rollouts (or tokens) vLLM's IS correction zeroed never rank
             valid = valid * (batch["importance_sampling_ratio"] != 0)
@@ -358,11 +375,24 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         )
         self._metrics["train"]["entropy"][-1] = (totals[0] / totals[1].clamp(min=1)).item()
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        state = self._hook_state
+        # TRL's (or the deferred) old-policy pass is the first no-gradient pass of the policy while scoring
+        old_policy_pass = state.old_policy_entropies_wanted and model is self.model and not torch.is_grad_enabled()
+        if old_policy_pass:
+            kwargs["compute_entropy"] = True
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if old_policy_pass and entropies is not None:  # None: a placeholder while the pass is deferred
+            state.old_policy_entropies, state.old_policy_entropies_wanted = entropies, False
         if kwargs.get("compute_entropy") and torch.is_grad_enabled():  # the gradient pass of _compute_loss
-            self._hook_state.loss_entropies = entropies
+            state.loss_entropies = entropies
         return logps, entropies, aux
+
+    def _take_old_policy_entropies(self, batch: dict) -> None:
+        """Move the old-policy pass's entropies into the batch, as a per-rollout tensor selection indexes."""
+        if self._hook_state.old_policy_entropies is not None:
+            batch["old_policy_entropies"] = self._hook_state.old_policy_entropies
+            self._hook_state.old_policy_entropies = None
 
     def _log_tokens_trained(self, inputs: dict) -> None:
         chosen = self._hook_state.token_mask

@@ -180,6 +180,7 @@ def _batch(vocab: int, rows: int = 16, prompt_len: int = 6, completion_len: int 
         "completion_mask": completion_mask,
         "advantages": torch.randn(rows, generator=gen),
         "num_items_in_batch": completion_mask.sum(),
+        "ref_per_token_logps": -2.0 + 0.5 * torch.randn(rows, completion_len, generator=gen),  # read if beta != 0
     }
 
 
@@ -194,7 +195,7 @@ def _loss_and_grads(trainer, inputs):
         name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None
     }
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return loss.detach(), grads, trainer._last_token_mask.clone(), metrics
+    return loss.detach(), grads, inputs["token_mask"].clone(), metrics
 
 
 @pytest.mark.parametrize(
@@ -204,6 +205,9 @@ def _loss_and_grads(trainer, inputs):
         ("d3s", {"token_scope": "sequence", "token_keep_ratio": 0.2}),
         ("d2s", {"loss_type": "grpo"}),
         ("entropy_8020", {"loss_type": "bnpo"}),
+        ("d3s", {"beta": 0.04}),  # the KL on the selected tokens only (kl_tokens: selected)
+        ("d3s", {"token_norm": "selected"}),
+        ("gspo_d3s", {}),  # the sequence ratio over the kept tokens
     ],
 )
 def test_kept_token_head_equals_the_masked_computation(
@@ -220,6 +224,9 @@ def test_kept_token_head_equals_the_masked_computation(
         )
         trainer = make_trainer(tiny_sft_model, args)
         assert trainer.kept_token_head is kept
+        inputs = _batch(vocab=trainer.model.config.vocab_size)
+        trainer.model.train()
+        inputs["token_mask"] = trainer._select_tokens(inputs)  # chosen once per generation batch, before the loss
         projected = []
         apply = kept_head_module.ChunkedLogProbFunction.apply
 
@@ -228,7 +235,6 @@ def test_kept_token_head_equals_the_masked_computation(
             return _apply(hidden, *rest)
 
         monkeypatch.setattr(kept_head_module.ChunkedLogProbFunction, "apply", spy)
-        inputs = _batch(vocab=trainer.model.config.vocab_size)
         results[kept] = _loss_and_grads(trainer, inputs)
         monkeypatch.undo()
         if kept:  # no-gradient scoring of every valid token, then the gradient pass on the kept ones only
@@ -250,8 +256,8 @@ def test_kept_token_head_equals_the_masked_computation(
 @pytest.mark.parametrize(
     "method, overrides, reason",
     [
-        ("d3s", {"beta": 0.04}, "KL term"),
-        ("gspo_d3s", {}, "sequence-level importance ratio"),
+        ("d3s", {"beta": 0.04, "kl_tokens": "all"}, "KL term trains every token"),
+        ("d3s", {"token_scope": "micro_batch"}, "inside the loss"),
         ("d3s", {"loss_type": "vespo"}, "per-token losses"),
     ],
 )
