@@ -166,7 +166,9 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                     compute_entropy=True,
                 )
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
-        if "importance_sampling_ratio" in batch:  # rollouts (or tokens) vLLM's IS correction zeroed never rank
+        if (
+            "importance_sampling_ratio" in batch
+        ):  # rollouts (or tokens) vLLM's IS correction zeroed never rank
             valid = valid * (batch["importance_sampling_ratio"] != 0)
         return self._rank_tokens(batch, entropies, valid.bool())
 
@@ -213,7 +215,9 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     ) -> torch.Tensor:
         """The token mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
         if self._hook_state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
-            self._hook_state.token_mask = self._rank_tokens(self._hook_state.loss_inputs, entropies, mask.bool())
+            self._hook_state.token_mask = self._rank_tokens(
+                self._hook_state.loss_inputs, entropies, mask.bool()
+            )
         return self._hook_state.token_mask
 
     def _kept_tokens_are_the_loss_mask(self) -> bool:
@@ -346,7 +350,12 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             append_anatomy(self.args.output_dir, record)
 
     def _log_token_selection(
-        self, inputs: dict, entropies: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor
+        self,
+        inputs: dict,
+        entropies: torch.Tensor,
+        scores: torch.Tensor,
+        keep: torch.Tensor,
+        valid: torch.Tensor,
     ) -> None:
         if self._hook_state.anatomy_tokens_due:
             self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
@@ -369,7 +378,10 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
 
     def _log_entropy_of_every_token(self, inputs: dict) -> None:
         """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token, as always."""
-        entropies, mask = self._hook_state.loss_entropies, inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        entropies, mask = (
+            self._hook_state.loss_entropies,
+            inputs["completion_mask"] * inputs.get("tool_mask", 1),
+        )
         totals = self.accelerator.reduce(
             torch.stack([(entropies.detach() * mask).sum(), mask.sum()]).to(torch.float64), reduction="sum"
         )
@@ -378,7 +390,9 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         state = self._hook_state
         # TRL's (or the deferred) old-policy pass is the first no-gradient pass of the policy while scoring
-        old_policy_pass = state.old_policy_entropies_wanted and model is self.model and not torch.is_grad_enabled()
+        old_policy_pass = (
+            state.old_policy_entropies_wanted and model is self.model and not torch.is_grad_enabled()
+        )
         if old_policy_pass:
             kwargs["compute_entropy"] = True
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)

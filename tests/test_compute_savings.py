@@ -180,7 +180,8 @@ def _batch(vocab: int, rows: int = 16, prompt_len: int = 6, completion_len: int 
         "completion_mask": completion_mask,
         "advantages": torch.randn(rows, generator=gen),
         "num_items_in_batch": completion_mask.sum(),
-        "ref_per_token_logps": -2.0 + 0.5 * torch.randn(rows, completion_len, generator=gen),  # read if beta != 0
+        "ref_per_token_logps": -2.0
+        + 0.5 * torch.randn(rows, completion_len, generator=gen),  # read if beta != 0
     }
 
 
@@ -226,7 +227,9 @@ def test_kept_token_head_equals_the_masked_computation(
         assert trainer.kept_token_head is kept
         inputs = _batch(vocab=trainer.model.config.vocab_size)
         trainer.model.train()
-        inputs["token_mask"] = trainer._select_tokens(inputs)  # chosen once per generation batch, before the loss
+        inputs["token_mask"] = trainer._select_tokens(
+            inputs
+        )  # chosen once per generation batch, before the loss
         projected = []
         apply = kept_head_module.ChunkedLogProbFunction.apply
 

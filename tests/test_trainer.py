@@ -339,6 +339,10 @@ def test_anatomy_log_records_what_selection_did(tmp_path, tiny_sft_model, method
             expected = [abs(example["advantage"]) * h for h in example["entropy"]]
             assert example["score"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
             kept = [sc for sc, chosen in zip(example["score"], example["selected"], strict=True) if chosen]
-            dropped = [sc for sc, chosen in zip(example["score"], example["selected"], strict=True) if not chosen]
-            if kept and dropped:  # top-K of the batch: within a completion, no dropped token outranks a kept one
+            dropped = [
+                sc for sc, chosen in zip(example["score"], example["selected"], strict=True) if not chosen
+            ]
+            if (
+                kept and dropped
+            ):  # top-K of the batch: within a completion, no dropped token outranks a kept one
                 assert min(kept) >= max(dropped)

@@ -186,5 +186,7 @@ class KeptTokenHead:
         keep = torch.zeros_like(labels[:, 1:], dtype=torch.bool)
         keep[:, -logits_to_keep:] = self._hook_state.token_mask
         with self.accelerator.autocast():
-            outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, select_tokens=keep)
+            outputs = model(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, select_tokens=keep
+            )
         return outputs.log_probs[:, -logits_to_keep:], outputs.entropy[:, -logits_to_keep:], None
