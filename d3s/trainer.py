@@ -180,7 +180,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             rows, cols = scores.shape
             pad = self.accelerator.pad_across_processes
             all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
-            all_valid = self.accelerator.gather(pad(valid, dim=1, pad_index=0))
+            all_valid = self.accelerator.gather(pad(valid.int(), dim=1, pad_index=0)).bool()  # gloo: no bool
             rank = self.accelerator.process_index
             keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)[
                 rank * rows : (rank + 1) * rows, :cols

@@ -43,6 +43,23 @@ def main(model_path: str, method: str, out_dir: str) -> None:
         return kept
 
     trainer_module.select_samples = recording_select
+    token_decisions: list[dict] = []
+    real_token_mask = trainer_module.token_keep_mask
+
+    def recording_token_mask(scores, valid, token_keep_ratio, scope):
+        keep = real_token_mask(scores, valid, token_keep_ratio, scope)
+        token_decisions.append(
+            {
+                "scores": scores.tolist(),
+                "valid": valid.tolist(),
+                "ratio": token_keep_ratio,
+                "scope": scope,
+                "keep": keep.tolist(),
+            }
+        )
+        return keep
+
+    trainer_module.token_keep_mask = recording_token_mask
 
     class Recording(trainer_module.D3STrainer):
         def _generate_and_score_completions(self, inputs):
@@ -87,6 +104,7 @@ def main(model_path: str, method: str, out_dir: str) -> None:
         "world_size": trainer.accelerator.num_processes,
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "decisions": decisions,
+        "token_decisions": token_decisions,
         "batches": batches,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     }

@@ -8,6 +8,7 @@ under plain torchrun.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 from helpers import REPO_ROOT
 
 from d3s.orchestration.launch import accelerate_command, free_port
-from d3s.selection import select_samples
+from d3s.selection import select_samples, token_keep_mask
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 DDP_CONFIG = REPO_ROOT / "workflow" / "accelerate" / "ddp.yaml"
@@ -76,3 +77,11 @@ def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method
         total_tokens = local[0]["local_tokens"] + local[1]["local_tokens"]
         assert local[0]["num_items_in_batch"] == local[1]["num_items_in_batch"] == total_tokens
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    # the token mask: ranked once per generation batch over the gathered rows of both ranks, as one process would
+    tokens = [r["token_decisions"] for r in ranks]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == (3 if method == "d3s" else 0)
+    for decision in tokens[0]:
+        scores, valid = torch.tensor(decision["scores"]), torch.tensor(decision["valid"])
+        again = token_keep_mask(scores, valid, decision["ratio"], decision["scope"])
+        assert again.tolist() == decision["keep"]
+        assert again.sum() == math.ceil(decision["ratio"] * valid.sum().item() - 1e-9)

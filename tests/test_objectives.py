@@ -349,3 +349,39 @@ def test_the_applied_gradient_is_the_objectives(tmp_path, tiny_sft_model, monkey
         torch.testing.assert_close(
             applied[name], expected[name].to(applied[name].dtype), rtol=1e-3, atol=1e-5 * scale, msg=name
         )
+
+
+# ---- invariance: the mask and the summed gradient do not depend on how the batch is cut -----------------------
+
+
+def one_step(model_path, tmp_path, monkeypatch, micro_rollouts: int, **overrides):
+    """One d2s step (N = 2 of 8, K = 5 %) on a 32-rollout generation batch, its 8 kept rollouts cut into
+    micro-batches of ``micro_rollouts`` (gradient accumulation 8 / micro_rollouts)."""
+    accumulation = 8 // micro_rollouts
+    settings = dict(per_device_train_batch_size=32 // accumulation, gradient_accumulation_steps=accumulation)
+    tag = f"{micro_rollouts}-{'-'.join(map(str, overrides.values()))}"
+    trainer, record, probe = run_trainer(
+        model_path, tmp_path / tag, monkeypatch, "d2s", settings | {"max_steps": 1} | overrides
+    )
+    (_, batch), *_ = record["selected"]
+    return batch, probe.grads[0]
+
+
+@pytest.mark.slow
+def test_token_mask_and_gradient_do_not_depend_on_micro_batch_or_accumulation(
+    tmp_path, tiny_sft_model, monkeypatch
+):
+    runs = {size: one_step(tiny_sft_model, tmp_path, monkeypatch, size) for size in (2, 4, 8)}
+    batch, grads = runs[8]  # one micro-batch, no accumulation
+    assert batch["token_mask"].any()
+    for size in (2, 4):  # accumulation 4 and 2
+        other, other_grads = runs[size]
+        assert rows_of(other) == rows_of(batch), "the same generation batch"
+        assert torch.equal(other["token_mask"], batch["token_mask"])
+        for name in grads:
+            torch.testing.assert_close(other_grads[name], grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+    # TRL's per-micro-batch ranking (kept as token_scope micro_batch) is what depended on the cut
+    _, small = one_step(tiny_sft_model, tmp_path, monkeypatch, 2, token_scope="micro_batch")
+    _, whole = one_step(tiny_sft_model, tmp_path, monkeypatch, 8, token_scope="micro_batch")
+    assert any(not torch.allclose(small[name], whole[name], rtol=1e-3, atol=1e-6) for name in whole)
