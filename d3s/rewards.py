@@ -5,24 +5,30 @@ answer, so a model is rewarded during training exactly as it is scored afterward
 
 How an answer is graded:
 
-* **Gold** is normalised first (``$`` delimiters removed, then wrapped as ``\\boxed{...}``) because
+* **Gold** is normalised as predictions are (:func:`normalize_answer`, so ``-3./2`` is -3/2, not a string),
+  then ``$`` delimiters are removed and it is wrapped as ``\\boxed{...}``, because
   math-verify returns ``[]`` for bare LaTeX such as ``\\dfrac{9}{7}``; if the boxed form does not parse,
   ``$...$`` and the raw string are tried. A list of golds (OlympiadBench's ``final_answer``) counts as
   correct when any of them matches. Gold that parses in none of these forms is *unparsable*: it is
   reported (``gold_parsed=False``, reward ``None``), never scored as wrong.
-* **Completions** are parsed with ``\\boxed{}`` answers first (``boxed_match_priority=0``); without a
-  boxed answer math-verify falls back to "answer is ..." anchors and the last LaTeX or plain expression
-  (``answer_extraction="boxed_first"``, the Qwen2.5-Math evaluation convention), or finds nothing
-  (``"boxed_only"``).
-* **Which boxed answer counts** (the *answer policy*). ``math_verify`` (the default) gives the whole
-  completion to math-verify, which reads *every* ``\\boxed{}`` it finds together as one set answer:
-  ``\\boxed{18} ... wait, actually \\boxed{20}`` is the answer {18, 20} and does not match the gold 20.
-  ``last_boxed`` takes only the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; ``\\boxed 5``
-  without braces is the token after it), as the Qwen2.5-Math evaluation toolkit does, and verifies that
-  single answer with the same math-verify settings, so only the choice of box differs. A last box
-  whose braces never close (a cut-off completion) or that is empty is no answer (wrong). Without any
-  box both policies read the completion the same way (``answer_extraction`` decides the fallback), so
-  they can only disagree on completions that contain a box.
+* **What counts as the answer** (:func:`extract_answer`, docs/evaluation.md has an example per rule).
+  Where a completion has a box, only boxes are read, never free text; an empty or unclosed last box is no
+  answer (wrong). Box contents are normalised (:func:`normalize_answer`: trailing punctuation, ``18.``,
+  unit words, a sentence's leading number) and deduplicated before math-verify parses them. Without a
+  box: the last ``<answer>`` tag, else the text after the last "answer is", else math-verify's fallback
+  (anchors, last expression) on the completion's last characters (``answer_extraction="boxed_first"``,
+  the Qwen2.5-Math evaluation convention), or nothing (``"boxed_only"``).
+* **Which answer counts** (the *answer policy*). ``math_verify`` (the default) reads every distinct box
+  together as one set answer, as math-verify does: ``\\boxed{18} ... wait, actually \\boxed{20}`` is
+  the answer {18, 20} and does not match the gold 20. ``last_boxed`` takes only the last ``\\boxed{...}``
+  / ``\\fbox{...}`` (balanced braces; ``\\boxed 5`` without braces is the token after it), as the
+  Qwen2.5-Math evaluation toolkit does. ``answer_tag`` (PODS's format) takes the last
+  ``<answer>...</answer>`` (its last box if it has one, else its text); without a tag it reads the
+  completion as ``last_boxed`` does. The same math-verify settings verify every policy's answer.
+* **Bounded work.** One linear pass finds every box; each distinct answer is parsed once; more than
+  ``MAX_DISTINCT_BOXES`` distinct boxes or an answer over ``MAX_ANSWER_CHARS`` is wrong without parsing.
+  A completion looping over a thousand boxes is graded in milliseconds; the time limit below is only a
+  last guard against what sympy cannot finish.
 * ``verify(gold, pred)`` is called gold first: the comparison is not symmetric.
 * **Time limit.** math-verify's own timeouts use ``signal.alarm``, which fails off the main thread and
   cannot stop everything, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``)
@@ -594,7 +600,8 @@ def grade(
     """True when the completion's final answer equals the gold answer (math-verify, gold first).
 
     ``policy``: ``"math_verify"`` reads all boxed answers together as one set answer (math-verify's
-    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention).
+    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention);
+    ``"answer_tag"`` the last ``<answer>`` tag (PODS's format).
     """
     return grade_detailed(completion, gold, policy, grader=grader).correct
 
