@@ -241,7 +241,9 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
         if last is None or not normalize_answer(last):
             return None
         if policy == "math_verify":
-            distinct = [a for a in dict.fromkeys(normalize_answer(c) for c in contents if c is not None) if a]
+            # raw duplicates dropped first (a loop repeats the same box), then normalised duplicates
+            unique = (normalize_answer(c) for c in dict.fromkeys(contents) if c is not None)
+            distinct = [answer for answer in dict.fromkeys(unique) if answer]
         else:
             distinct = [normalize_answer(last)]
         if len(distinct) > MAX_DISTINCT_BOXES or sum(map(len, distinct)) > MAX_ANSWER_CHARS:
