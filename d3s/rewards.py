@@ -5,24 +5,30 @@ answer, so a model is rewarded during training exactly as it is scored afterward
 
 How an answer is graded:
 
-* **Gold** is normalised first (``$`` delimiters removed, then wrapped as ``\\boxed{...}``) because
+* **Gold** is normalised as predictions are (:func:`normalize_answer`, so ``-3./2`` is -3/2, not a string),
+  then ``$`` delimiters are removed and it is wrapped as ``\\boxed{...}``, because
   math-verify returns ``[]`` for bare LaTeX such as ``\\dfrac{9}{7}``; if the boxed form does not parse,
   ``$...$`` and the raw string are tried. A list of golds (OlympiadBench's ``final_answer``) counts as
   correct when any of them matches. Gold that parses in none of these forms is *unparsable*: it is
   reported (``gold_parsed=False``, reward ``None``), never scored as wrong.
-* **Completions** are parsed with ``\\boxed{}`` answers first (``boxed_match_priority=0``); without a
-  boxed answer math-verify falls back to "answer is ..." anchors and the last LaTeX or plain expression
-  (``answer_extraction="boxed_first"``, the Qwen2.5-Math evaluation convention), or finds nothing
-  (``"boxed_only"``).
-* **Which boxed answer counts** (the *answer policy*). ``math_verify`` (the default) gives the whole
-  completion to math-verify, which reads *every* ``\\boxed{}`` it finds together as one set answer:
-  ``\\boxed{18} ... wait, actually \\boxed{20}`` is the answer {18, 20} and does not match the gold 20.
-  ``last_boxed`` takes only the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; ``\\boxed 5``
-  without braces is the token after it), as the Qwen2.5-Math evaluation toolkit does, and verifies that
-  single answer with the same math-verify settings, so only the choice of box differs. A last box
-  whose braces never close (a cut-off completion) or that is empty is no answer (wrong). Without any
-  box both policies read the completion the same way (``answer_extraction`` decides the fallback), so
-  they can only disagree on completions that contain a box.
+* **What counts as the answer** (:func:`extract_answer`, docs/evaluation.md has an example per rule).
+  Where a completion has a box, only boxes are read, never free text; an empty or unclosed last box is no
+  answer (wrong). Box contents are normalised (:func:`normalize_answer`: trailing punctuation, ``18.``,
+  unit words, a sentence's leading number) and deduplicated before math-verify parses them. Without a
+  box: the last ``<answer>`` tag, else the text after the last "answer is", else math-verify's fallback
+  (anchors, last expression) on the completion's last characters (``answer_extraction="boxed_first"``,
+  the Qwen2.5-Math evaluation convention), or nothing (``"boxed_only"``).
+* **Which answer counts** (the *answer policy*). ``math_verify`` (the default) reads every distinct box
+  together as one set answer, as math-verify does: ``\\boxed{18} ... wait, actually \\boxed{20}`` is
+  the answer {18, 20} and does not match the gold 20. ``last_boxed`` takes only the last ``\\boxed{...}``
+  / ``\\fbox{...}`` (balanced braces; ``\\boxed 5`` without braces is the token after it), as the
+  Qwen2.5-Math evaluation toolkit does. ``answer_tag`` (PODS's format) takes the last
+  ``<answer>...</answer>`` (its last box if it has one, else its text); without a tag it reads the
+  completion as ``last_boxed`` does. The same math-verify settings verify every policy's answer.
+* **Bounded work.** One linear pass finds every box; each distinct answer is parsed once; more than
+  ``MAX_DISTINCT_BOXES`` distinct boxes or an answer over ``MAX_ANSWER_CHARS`` is wrong without parsing.
+  A completion looping over a thousand boxes is graded in milliseconds; the time limit below is only a
+  last guard against what sympy cannot finish.
 * ``verify(gold, pred)`` is called gold first: the comparison is not symmetric.
 * **Time limit.** math-verify's own timeouts use ``signal.alarm``, which fails off the main thread and
   cannot stop everything, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``)
@@ -50,8 +56,10 @@ from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any, Literal
 
 AnswerExtraction = Literal["boxed_first", "boxed_only"]
-AnswerPolicy = Literal["math_verify", "last_boxed"]
-ANSWER_POLICIES: tuple[AnswerPolicy, ...] = ("math_verify", "last_boxed")
+AnswerPolicy = Literal["math_verify", "last_boxed", "answer_tag"]
+ANSWER_POLICIES: tuple[AnswerPolicy, ...] = ("math_verify", "last_boxed", "answer_tag")
+# The two policies that read boxes (compared with each other in evaluation and the audit).
+BOXED_POLICIES: tuple[AnswerPolicy, AnswerPolicy] = ("math_verify", "last_boxed")
 DEFAULT_ANSWER_POLICY: AnswerPolicy = "math_verify"
 Gold = str | int | float | Sequence[str | int | float]
 
@@ -113,30 +121,150 @@ def check_answer_policy(policy: str) -> AnswerPolicy:
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _NO_BOX = object()  # sentinel: the completion has no box at all
 
+# Work per completion is bounded by what it holds: each distinct answer is parsed once, and answers no
+# benchmark has (longer than this, or more distinct boxes than this) are wrong without being parsed.
+MAX_ANSWER_CHARS = 1000
+MAX_DISTINCT_BOXES = 32
+FALLBACK_TAIL_CHARS = 1000  # without a box or an anchor, the last expression is looked for here
 
-def _box_content(text: str, start: int) -> str | None:
-    """The argument of a box command ending at ``start``: ``{...}`` with balanced braces (escaped
-    ``\\{`` ``\\}`` skipped), or without braces the token up to the next space or ``$`` (without
-    trailing punctuation); None when the braces never close."""
-    i = start
-    while i < len(text) and text[i] in " \t":
-        i += 1
-    if i == len(text) or text[i] != "{":
-        return re.split(r"[\s$]", text[i:], maxsplit=1)[0].rstrip(".,;:")  # a sentence's punctuation
-    depth, begin = 0, i + 1
-    while i < len(text):
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANCHOR = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*", re.IGNORECASE)
+_MATH_DELIMITERS = re.compile(r"^(?:\$\$|\$|\\\[|\\\()\s*([^$]*?)\s*(?:\$\$|\$|\\\]|\\\))$", re.DOTALL)
+_TRAILING_PUNCTUATION = re.compile(r"(?<!\\)[\s.,;:]+$")  # not "!": 5! is an answer
+_DOT_WITHOUT_DECIMALS = re.compile(r"(?<=\d)\.(?!\d)")  # "18." and "-3./2": the dot is punctuation
+_UNIT_TEXT = re.compile(r"^(.*?[\d}])\s*\\(?:text|mbox|mathrm)\{\s*~?[A-Za-z][A-Za-z .]*\}$", re.DOTALL)
+# A number (with sign, decimals, thousands separators or a fraction) followed by words: a sentence answer.
+_LEADING_NUMBER = re.compile(r"^(-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)\s+(?:[A-Za-z]{2,}|\()")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _brace_matches(text: str) -> dict[int, int]:
+    """Index of every ``{`` -> index of its ``}`` in one linear pass (escaped ``\\{`` ``\\}`` skipped);
+    unclosed braces are absent."""
+    matches: dict[int, int] = {}
+    stack: list[int] = []
+    i, n = 0, len(text)
+    while i < n:
         char = text[i]
         if char == "\\":
             i += 2  # an escaped brace (or any command's first letter) never opens or closes a group
             continue
         if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:i]
+            stack.append(i)
+        elif char == "}" and stack:
+            matches[stack.pop()] = i
         i += 1
-    return None
+    return matches
+
+
+def _box_contents(text: str) -> list[str | None]:
+    """The argument of every box command in ``text``, in order: ``{...}`` with balanced braces, or without
+    braces the token up to the next space or ``$`` (without trailing punctuation); None when the braces
+    never close. Linear in the length of ``text`` whatever the number of boxes."""
+    commands = list(_BOX_COMMAND.finditer(text))
+    if not commands:
+        return []
+    matches = _brace_matches(text) if "{" in text else {}
+    contents: list[str | None] = []
+    for command in commands:
+        i = command.end()
+        while i < len(text) and text[i] in " \t":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            close = matches.get(i)
+            contents.append(None if close is None else text[i + 1 : close])
+        else:
+            contents.append(re.split(r"[\s$]", text[i : i + MAX_ANSWER_CHARS], maxsplit=1)[0].rstrip(".,;:"))
+    return contents
+
+
+def normalize_answer(text: str) -> str:
+    """An answer as it is compared, for predictions and gold alike: math delimiters, trailing punctuation
+    (``18.``), a dot after an integer (``-3./2``), unit words after a number (``540 \\text{ meters}``)
+    and the words of a sentence answer after its leading number (``10 cups (for all 20 chickens)``)
+    removed."""
+    text = _TRAILING_PUNCTUATION.sub("", text.strip())
+    for _ in range(2):  # "$\[ ... \]$" nests at most twice
+        delimited = _MATH_DELIMITERS.match(text)
+        if delimited:
+            text = _TRAILING_PUNCTUATION.sub("", delimited.group(1))
+    text = _DOT_WITHOUT_DECIMALS.sub("", text)
+    unit = _UNIT_TEXT.match(text)
+    if unit:
+        text = unit.group(1).strip()
+    sentence = _LEADING_NUMBER.match(text)
+    if sentence:
+        number = sentence.group(1)
+        text = number.replace(",", "") if _THOUSANDS.fullmatch(number) else number
+    return text.strip()
+
+
+def _last_answer_tag(completion: str) -> str | None | object:
+    """The content of the last ``<answer>...</answer>``; None when it is empty or an ``<answer>`` opened
+    after it never closes (cut off); _NO_BOX when there is no ``<answer>`` at all."""
+    opened = completion.rfind("<answer>")
+    if opened < 0:
+        return _NO_BOX
+    tags = list(_ANSWER_TAG.finditer(completion))
+    if not tags or tags[-1].start() != opened:
+        return None
+    return tags[-1].group(1).strip() or None
+
+
+def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
+    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong).
+
+    Where a completion has a box, only boxes are read: ``last_boxed`` and ``answer_tag`` (inside the
+    last ``<answer>``) the last one, ``math_verify`` every distinct one together as one set answer; an
+    empty or unclosed last box is no answer. Without a box the fallback reads the last ``<answer>`` tag,
+    else the text after the last "answer is" / "answer:", else the completion's last
+    ``FALLBACK_TAIL_CHARS`` characters (math-verify then takes the last expression there).
+    ``fallback=False`` (``answer_extraction="boxed_only"``): without a box (or answer tag under
+    ``answer_tag``), no answer.
+    """
+    if policy == "answer_tag":
+        tag = _last_answer_tag(completion)
+        if tag is None:  # empty or cut-off answer tag
+            return None
+        if tag is not _NO_BOX:
+            return _read_boxes_or_text(tag, "last_boxed", fallback=False)  # type: ignore[arg-type]
+        policy = "last_boxed"  # no tag at all: read as last_boxed reads it
+    if not fallback and not _BOX_COMMAND.search(completion):
+        return None
+    return _read_boxes_or_text(completion, policy, fallback=True)
+
+
+def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str | None:
+    contents = _box_contents(text)
+    if contents:
+        last = contents[-1]
+        if last is None or not normalize_answer(last):
+            return None
+        if policy == "math_verify":
+            # raw duplicates dropped first (a loop repeats the same box), then normalised duplicates
+            unique = (normalize_answer(c) for c in dict.fromkeys(contents) if c is not None)
+            distinct = [answer for answer in dict.fromkeys(unique) if answer]
+        else:
+            distinct = [normalize_answer(last)]
+        if len(distinct) > MAX_DISTINCT_BOXES or sum(map(len, distinct)) > MAX_ANSWER_CHARS:
+            return None
+        return " ".join(f"\\boxed{{{answer}}}" for answer in distinct)
+    if fallback:
+        tag = _last_answer_tag(text)
+        if tag is None:  # an empty or cut-off answer tag: the model's answer is missing
+            return None
+        if isinstance(tag, str):  # a plain <answer>27</answer> wins over earlier LaTeX fragments
+            return _read_boxes_or_text(tag, policy, fallback=False)
+    anchors = list(_ANCHOR.finditer(text))
+    region = text[anchors[-1].end() :].split("\n", 1)[0] if anchors else text
+    if anchors or not fallback:
+        answer = normalize_answer(region)
+        if answer and len(answer) <= MAX_ANSWER_CHARS:
+            # plain text answers ("Evelyn", "(3, \frac{\pi}{2})") parse as LaTeX only when boxed
+            return answer if "$" in answer else f"\\boxed{{{answer}}}"
+        if not fallback:
+            return None
+    return text[-FALLBACK_TAIL_CHARS:] or None
 
 
 def last_boxed_answer(completion: str) -> str | None:
@@ -147,10 +275,10 @@ def last_boxed_answer(completion: str) -> str | None:
 
 
 def _last_box(completion: str) -> str | None | object:
-    boxes = list(_BOX_COMMAND.finditer(completion))
-    if not boxes:
+    contents = _box_contents(completion)
+    if not contents:
         return _NO_BOX
-    return (_box_content(completion, boxes[-1].end()) or "").strip() or None
+    return (contents[-1] or "").strip() or None
 
 
 def count_boxes(completion: str) -> int:
@@ -176,13 +304,19 @@ class _MathVerifyGrader:
             if answer_extraction == "boxed_first"
             else [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
         )
+        self._fallback = answer_extraction == "boxed_first"
         self.parse_gold = functools.lru_cache(maxsize=_GOLD_CACHE_SIZE)(self._parse_gold)
 
     def _parse_gold(self, golds: tuple[str, ...]) -> list[list[Any]]:
         """One parsed list per gold string that parses; [] when none does."""
         parsed_golds = []
         for gold in golds:
-            for form in gold_candidates(gold):
+            # normalised as predictions are (18. -> 18, -3./2 -> -3/2) before the forms as written
+            normalized = gold if "\\boxed" in gold else normalize_answer(gold)
+            forms = (
+                gold_candidates(normalized) + gold_candidates(gold) if normalized else gold_candidates(gold)
+            )
+            for form in dict.fromkeys(forms):
                 parsed = self._parse(form, self._gold_config, parsing_timeout=None)
                 if parsed:
                     parsed_golds.append(parsed)
@@ -198,13 +332,9 @@ class _MathVerifyGrader:
             if not parsed_golds:
                 return out | {"gold_parsed": False}
             out["gold_as_text"] = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
-            answer_text = completion
-            if policy == "last_boxed":
-                last = _last_box(completion)
-                if last is None:  # the last box is empty or cut off: no answer
-                    return out
-                if last is not _NO_BOX:  # without any box, the completion is read as math_verify reads it
-                    answer_text = f"\\boxed{{{last}}}"
+            answer_text = extract_answer(completion, policy, self._fallback)
+            if answer_text is None:  # an empty or cut-off last box (or answer tag): no answer
+                return out
             pred = self._parse(answer_text, self._pred_config, parsing_timeout=None)
             if pred:
                 # parse() returns [sympy_object, matched_string]; the string is what the model wrote.
@@ -472,7 +602,8 @@ def grade(
     """True when the completion's final answer equals the gold answer (math-verify, gold first).
 
     ``policy``: ``"math_verify"`` reads all boxed answers together as one set answer (math-verify's
-    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention).
+    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention);
+    ``"answer_tag"`` the last ``<answer>`` tag (PODS's format).
     """
     return grade_detailed(completion, gold, policy, grader=grader).correct
 
@@ -545,3 +676,49 @@ def bind_answer_policy(reward_funcs: Any, policy: AnswerPolicy) -> Any:
     if isinstance(reward_funcs, (list, tuple)):
         return type(reward_funcs)(bind(f) for f in reward_funcs)
     return bind(reward_funcs)
+
+
+# --------------------------------------------------------------------------------------------------
+# PODS's reward: correctness 1.0 plus a format term (max 0.2), for completions in its
+# <think>...</think><answer>...</answer> format.
+# --------------------------------------------------------------------------------------------------
+
+PODS_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+PODS_FORMAT_WEIGHT = 0.1  # times max(0, 1 - 0.01 * characters outside the format)
+PODS_CHARS_PENALTY = 0.01
+PODS_TAG_WEIGHT = 0.025  # per tag that appears exactly once
+_PODS_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+
+
+def pods_format_score(completion: str) -> float:
+    """PODS's format term of one completion: 0.1 * max(0, 1 - 0.01 * characters outside
+    ``<think>...</think><answer>...</answer>``) + 0.025 per tag appearing exactly once (0 to 0.2).
+    Without the structure every character is outside; whitespace around the completion is not counted."""
+    text = completion.strip()
+    matched = _PODS_FORMAT.search(text)
+    outside = len(text) - (matched.end() - matched.start()) if matched else len(text)
+    structure = PODS_FORMAT_WEIGHT * max(0.0, 1.0 - PODS_CHARS_PENALTY * outside)
+    return structure + PODS_TAG_WEIGHT * sum(text.count(tag) == 1 for tag in PODS_TAGS)
+
+
+def pods_format_reward(completions: Sequence[str | Sequence[dict[str, Any]]], **kwargs: Any) -> list[float]:
+    """TRL reward function: PODS's format term (:func:`pods_format_score`) of each completion. With
+    :func:`accuracy_reward` (graded under the ``answer_tag`` policy) it makes PODS's reward (max 1.2):
+    ``REWARD_SETS["pods"]``."""
+    return [pods_format_score(completion_text(c)) for c in completions]
+
+
+# The reward functions a run config picks by name (``reward:`` in a `d3s train` YAML); TRL sums them.
+REWARD_SETS: dict[str, tuple[Callable[..., list[float | None]], ...]] = {
+    "accuracy": (accuracy_reward,),
+    "pods": (accuracy_reward, pods_format_reward),
+}
+DEFAULT_REWARD_SET = "accuracy"
+
+
+def reward_functions(name: str = DEFAULT_REWARD_SET) -> list[Callable[..., list[float | None]]]:
+    """The reward functions of the set ``name`` (:data:`REWARD_SETS`); the trainer grades their
+    :func:`accuracy_reward` under its ``answer_policy``."""
+    if name not in REWARD_SETS:
+        raise ValueError(f"reward must be one of {', '.join(REWARD_SETS)}; got {name!r}")
+    return list(REWARD_SETS[name])

@@ -30,6 +30,23 @@ def test_d3s_train_cli_writes_a_complete_run_directory(tmp_path):
     assert json.loads((run / "train_summary.json").read_text())["steps"] == 2
 
 
+@pytest.mark.slow
+def test_d3s_train_with_pods_reward_and_answer_tag_policy(tmp_path):
+    """reward: pods trains on accuracy_reward (under trainer.answer_policy) plus PODS's format term."""
+    trainer = {"max_steps": 1, "per_device_train_batch_size": 16, "num_generations": 8}
+    path = write_config(
+        tmp_path,
+        reward="pods",
+        trainer=trainer | {"max_completion_length": 16, "answer_policy": "answer_tag"},
+    )
+    assert main(["train", "--config", str(path)]) == 0
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = next(s for s in steps if "loss" in s)
+    assert {"rewards/accuracy_reward/mean", "rewards/pods_format_reward/mean"} <= set(logged)
+    resolved = yaml.safe_load((tmp_path / "run" / "resolved_config.yaml").read_text())
+    assert resolved["reward"] == "pods" and resolved["resolved_trainer"]["answer_policy"] == "answer_tag"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

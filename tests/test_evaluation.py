@@ -34,7 +34,7 @@ from d3s.evaluation.runner import (
     evaluate_benchmark,
     load_completed_samples,
 )
-from d3s.rewards import Grader
+from d3s.rewards import ANSWER_POLICIES, Grader
 
 TINY_SETTINGS = GenerationSettings(samples=4, temperature=0.6, top_p=0.95, max_new_tokens=16, seed=0)
 
@@ -275,9 +275,9 @@ def test_end_to_end_every_benchmark(tiny_model: Path, tmp_path: Path, shared_dat
         # both answer policies, per sample and in the summary (math_verify is the primary by default)
         assert summary["answer_policy"] == "math_verify"
         assert summary["by_policy"]["math_verify"]["pass_at_k"] == summary["pass_at_k"]
-        assert set(summary["by_policy"]) == {"math_verify", "last_boxed"}
+        assert set(summary["by_policy"]) == set(ANSWER_POLICIES)
         for record in records:
-            assert set(record["by_policy"]) == {"math_verify", "last_boxed"}
+            assert set(record["by_policy"]) == set(ANSWER_POLICIES)
             assert record["correct"] == record["by_policy"]["math_verify"]["correct"]
         disagreeing = sum(
             r["by_policy"]["math_verify"]["correct"] != r["by_policy"]["last_boxed"]["correct"]

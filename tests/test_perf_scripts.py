@@ -16,6 +16,8 @@ import torch
 from helpers import REPO_ROOT
 from transformers.utils import logging as hf_logging
 
+from d3s.rewards import ANSWER_POLICIES
+
 COMMON_KEYS = {"name", "created", "machine", "versions", "git", "settings", "rows", "notes"}
 
 # script -> keys every row of its kind must have
@@ -33,6 +35,7 @@ SCRIPTS = {
     },
     "eval_throughput": {"kind", "seconds"},
     "grading_time_limit": {"kind", "seconds"},
+    "grading_throughput": {"kind", "seconds", "completions_per_s"},
 }
 
 
@@ -70,6 +73,16 @@ def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest
         )
         (batch,) = [row for row in record["rows"] if row["kind"] == "batch"]
         assert batch["answers"] == len(answers) and batch["timeouts"] == batch["restarts"] >= 1
+        return
+    if name == "grading_throughput":
+        mix = [row for row in record["rows"] if row["kind"] == "mix"]
+        assert {(row["policy"], row["workers"]) for row in mix} == {
+            (policy, workers) for policy in ANSWER_POLICIES for workers in (1, 2)
+        }
+        # the issue-20 bound: no looping completion takes 0.5 s, none times out
+        assert all(row["timeouts"] == 0 and row["slowest_by_kind_s"]["looping"] < 0.5 for row in mix)
+        (step,) = [row for row in record["rows"] if row["kind"] == "step"]
+        assert step["completions"] == 4 * 8 and step["seconds"] > 0
         return
     rows = [row for row in record["rows"] if "seconds" in row or "step_s" in row]
     main = [row for row in rows if SCRIPTS[name] <= set(row)]

@@ -332,8 +332,8 @@ ISSUE_EXAMPLE = r"\boxed{18} ... wait, actually \boxed{20}"  # the issue's examp
 POLICY_CASES = [
     # (completion, gold, math_verify correct, last_boxed correct)
     (ISSUE_EXAMPLE, "20", False, True),  # math-verify reads {18, 20}; the last box is 20
-    # Inside $...$ math-verify reads one box (here the last): its set reading depends on the layout.
-    (r"So $x = \boxed{18}$... wait, actually $x = \boxed{20}$.", "20", True, True),
+    # math_verify reads every distinct box as one set answer, whatever the layout ($...$ or not)
+    (r"So $x = \boxed{18}$... wait, actually $x = \boxed{20}$.", "20", False, True),
     (r"\boxed{20} ... hmm, no: \boxed{18}", "20", False, False),  # first right, last wrong: both wrong
     (r"\boxed{18} and \boxed{20}", "18, 20", True, False),  # a set answer spread over boxes
     (r"\boxed{3} then \boxed{\frac{1}{2}}", "0.5", False, True),  # nested braces in the last box
@@ -341,11 +341,11 @@ POLICY_CASES = [
     (r"\boxed 5", "5", True, True),  # no braces: the token after the command
     (r"\boxed{7} or \boxed 5", "5", False, True),
     (r"\boxed{7}, then \boxed 5.", "5", False, True),  # the sentence's period is not part of the answer
-    (r"\fbox{7}", "7", False, True),  # \fbox counts as a box for last_boxed only
+    (r"\fbox{7}", "7", True, True),  # \fbox is a box under both policies
     (r"\boxed{18} wait \boxed{20}", r"\boxed{20}", False, True),  # a box inside the gold
     ("I don't know", "5", False, False),  # no box, no answer: both wrong
     ("The answer is 68", "68", True, True),  # no box: both fall back the same way (boxed_first)
-    (r"\boxed{3} wait, it is \boxed{12", "3", True, False),  # the last box never closes: no answer
+    (r"\boxed{3} wait, it is \boxed{12", "3", False, False),  # the last box never closes: no answer
     (
         r"\boxed{7} and finally \boxed{}",
         "7",
@@ -415,7 +415,7 @@ def test_both_policies_under_the_time_limit_and_inline(grader: Grader) -> None:
     verdicts = {
         p: [r.correct for r in v] for p, v in inline.grade_many_by_policy([ISSUE_EXAMPLE], ["20"]).items()
     }
-    assert verdicts == {"math_verify": [False], "last_boxed": [True]}
+    assert verdicts == {"math_verify": [False], "last_boxed": [True], "answer_tag": [True]}
 
 
 def test_accuracy_reward_under_each_policy() -> None:
@@ -465,3 +465,231 @@ def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
     reward = trainer.reward_funcs[0]
     assert reward.__name__ == "accuracy_reward" and trainer.reward_func_names == ["accuracy_reward"]
     assert reward(completions=[ISSUE_EXAMPLE], answer=["20"]) == [1.0]
+
+
+# ------------------------------------------------- issue 20: what counts as the answer, and how fast
+
+FAST_S = 0.5  # no completion of these kinds may take longer to grade (the issue's bound)
+REASONING = "We add the two cases and simplify the fraction before checking the constraint again. " * 40
+
+
+def looping_completions(gold: str) -> dict[str, str]:
+    """Completions that loop: 1,000+ boxes, mostly the same, as lines or run together (math-verify reads
+    run-together boxes as one growing set answer: seconds per completion before deduplication)."""
+    same = r"\frac{" + str(2 * int(gold)) + "}{2}"
+    variants = [same if i % 40 else rf"\frac{{{i}}}{{7}}" for i in range(1200)]
+    return {
+        "lines": REASONING + "".join(f"The final answer is $\\boxed{{{same}}}$.\n" for _ in range(1100)),
+        "run together": REASONING + " ".join(f"\\boxed{{{same}}}" for _ in range(1300)),
+        "with variants": REASONING + " ".join(f"\\boxed{{{v}}}" for v in variants),
+        "cut off": REASONING + " ".join(f"\\boxed{{{same}}}" for _ in range(1000)) + r" \boxed{\frac{1",
+    }
+
+
+def test_looping_completions_graded_fast_without_timeouts() -> None:
+    completions = looping_completions("12")
+    with Grader(num_workers=1) as fast:  # the default 5 s limit: only a last guard
+        fast.grade(r"\boxed{1}", "1")  # start the worker before timing
+        results = fast.grade_many_by_policy(list(completions.values()), ["12"] * len(completions))
+        assert fast.timeouts == 0
+    for policy, graded in results.items():
+        for kind, result in zip(completions, graded, strict=True):
+            assert not result.timed_out and result.error is None, (policy, kind)
+            assert result.seconds < FAST_S, (policy, kind, result.seconds)
+    last_boxed = [r.correct for r in results["last_boxed"]]
+    assert last_boxed == [True, True, True, False]  # the cut-off last box is no answer
+    # math_verify: one distinct box is the answer; distinct variants make a set answer (wrong)
+    assert [r.correct for r in results["math_verify"]] == [True, True, False, False]
+
+
+def test_many_distinct_boxes_are_wrong_without_parsing() -> None:
+    distinct = " ".join(f"\\boxed{{{i}}}" for i in range(rewards.MAX_DISTINCT_BOXES + 1))
+    assert rewards.extract_answer(distinct, "math_verify") is None
+    assert rewards.extract_answer(distinct, "last_boxed") == rf"\boxed{{{rewards.MAX_DISTINCT_BOXES}}}"
+    assert rewards.extract_answer(r"\boxed{" + "1+" * 1000 + "1}", "last_boxed") is None  # too long
+
+
+RESTATED_QUESTION = (
+    "Find the value of $m$ such that $m + 3 = 10$. Let me restate: we need $m$ where $m + 3 = 10$. "
+    "So the answer is \\boxed{}"
+)
+CUT_OFF = r"We get $x = p - q$, and the remainder is $\frac{1}{8}$. Hence \boxed{p - q - \frac{1}{8"
+
+
+@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+def test_empty_or_cut_off_last_box_is_wrong_never_free_text(policy: str, grader: Grader) -> None:
+    for completion, gold in [
+        (RESTATED_QUESTION, "m"),  # free text holds $m$: it must not be read
+        (RESTATED_QUESTION, "7"),
+        (CUT_OFF, r"p - q - \frac{1}{8}"),
+        (CUT_OFF, r"\frac{1}{8}"),
+        (r"The answer is 5, so \boxed{5} ... \boxed{ }", "5"),  # a blank last box
+    ]:
+        result = grader.grade(completion, gold, policy)  # type: ignore[arg-type]
+        assert not result.correct and result.extracted is None and not result.timed_out, (completion, gold)
+    # a box that parses as nothing gives no answer either, not the free text around it
+    assert not grader.grade(r"The answer is 42. \boxed{\,}", "42", policy).correct  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        (r"so she has \boxed{18.}", "18"),
+        (r"\boxed{5.}", "5"),
+        (r"$\boxed{2.5;}$", "2.5"),
+        (r"\boxed{5!}", "120"),
+    ],
+)
+def test_trailing_punctuation_inside_the_box(completion: str, gold: str, policy: str, grader: Grader) -> None:
+    assert grader.grade(completion, gold, policy).correct  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "correct"),
+    [
+        (r"\boxed{-1.5}", "-3./2", True),  # the gold parsed only as text before normalisation
+        (r"\boxed{-\frac{3}{2}}", "-3./2", True),
+        (r"\boxed{1.5}", "-3./2", False),
+        (r"\boxed{18}", "18.", True),
+        (r"\boxed{540}", r"540 \text{ meters}", True),  # units dropped from gold as from predictions
+        (r"\boxed{10 cups}", "10", True),
+    ],
+)
+def test_gold_normalised_like_predictions(completion: str, gold: str, correct: bool, grader: Grader) -> None:
+    result = grader.grade(completion, gold, "last_boxed")
+    assert result.correct is correct and result.gold_parsed and not result.gold_as_text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("18.", "18"),
+        ("-3./2", "-3/2"),
+        ("2.5", "2.5"),
+        ("$\\frac{1}{2}$.", "\\frac{1}{2}"),
+        ("\\[540 \\text{ meters}\\]", "540"),
+        ("\\frac{1}{2} \\text{ inches}", "\\frac{1}{2}"),
+        ("10 cups (to feed all 20 chickens)", "10"),
+        ("1,200 dollars", "1200"),
+        ("\\text{Monday}", "\\text{Monday}"),
+        ("(3, \\frac{\\pi}{2})", "(3, \\frac{\\pi}{2})"),
+        ("5!", "5!"),
+        ("Evelyn.", "Evelyn"),
+    ],
+)
+def test_normalize_answer(text: str, expected: str) -> None:
+    assert rewards.normalize_answer(text) == expected
+
+
+SENTENCE = "Each chicken eats half a cup. The answer is 10 cups (enough for all 20 chickens)."
+
+
+@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+def test_sentence_answers_not_credited_for_a_quoted_number(policy: str, grader: Grader) -> None:
+    for completion in [
+        SENTENCE,
+        r"\boxed{10 cups (enough for all 20 chickens)}",
+        "<answer>10 cups (all 20 chickens)</answer>",
+    ]:
+        assert not grader.grade(completion, "20", policy).correct, completion  # type: ignore[arg-type]
+        assert grader.grade(completion, "10", policy).correct, completion  # type: ignore[arg-type]
+
+
+FALLBACK_CASES = [
+    # (completion without a box, gold, correct)
+    (
+        r"In polar form the point is therefore... The answer is (3, \frac{\pi}{2}).",
+        r"\left( 3, \frac{\pi}{2} \right)",
+        True,
+    ),
+    ("Alice runs 5 miles per hour and Evelyn 7 miles per hour. The answer is Evelyn.", "Evelyn", True),
+    ("Alice runs 5 miles per hour and Evelyn 7 miles per hour. The answer is Evelyn.", "7", False),
+    ("Let City $A$ be the start and City $B$ the end.\n<answer>27</answer>", "27", True),
+    (r"So the total distance is: \[540 \text{ meters}\]", "540", True),
+    (r"The final answer is: \[540 \text{ meters}\]", "540", True),
+    ("She has 3 apples, then buys 15. The answer is 18.", "18", True),
+    ("She has 3 apples, then buys 15. The answer is 18.", "3", False),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "correct"), FALLBACK_CASES)
+@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+def test_fallback_reads_answers_outside_a_box(
+    completion: str, gold: str, correct: bool, policy: str, grader: Grader
+) -> None:
+    result = grader.grade(completion, gold, policy)  # type: ignore[arg-type]
+    assert result.correct is correct and not result.timed_out
+
+
+# ---------------------------------------------------------------------- PODS's <answer> tags and reward
+
+PODS_RIGHT = "<think>\nShe buys 3 packs of 6 eggs: 3 * 6 = 18.\n</think>\n<answer>\n18\n</answer>"
+PODS_BOXED = "<think>\n3 * 6 = 18\n</think>\n<answer>\\boxed{18}</answer>"
+PODS_DRAFT_BOX = "<think>\nFirst guess \\boxed{16}, but 3 * 6 = 18.\n</think>\n<answer>18</answer>"
+PODS_CUT_OFF = "<think>\n3 * 6 = 18\n</think>\n<answer>\n1"
+PODS_EMPTY = "<think>\n3 * 6 = 18\n</think>\n<answer> </answer>"
+
+
+@pytest.mark.parametrize(
+    ("completion", "by_answer_tag", "by_last_boxed"),
+    [
+        (PODS_RIGHT, True, True),  # no box: the fallback reads the answer tag too
+        (PODS_BOXED, True, True),
+        (PODS_DRAFT_BOX, True, False),  # a box in the reasoning: last_boxed reads it, answer_tag the tag
+        (PODS_CUT_OFF, False, False),  # an answer tag that never closes is no answer
+        (PODS_EMPTY, False, False),
+        (r"No tags, but \boxed{18}", True, True),  # no answer tag: read as last_boxed reads it
+        ("<answer>17</answer> then <answer>18</answer>", True, True),  # the last tag counts
+        ("<answer>18</answer> then <answer>17</answer>", False, False),
+    ],
+)
+def test_answer_tag_policy(completion: str, by_answer_tag: bool, by_last_boxed: bool, grader: Grader) -> None:
+    results = grader.grade_many_by_policy([completion], ["18"], ("answer_tag", "last_boxed"))
+    assert results["answer_tag"][0].correct is by_answer_tag
+    assert results["last_boxed"][0].correct is by_last_boxed
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<think>a</think><answer>5</answer>", 0.2),  # all inside, every tag once
+        (" <think>a</think>\n<answer>5</answer>\n", 0.2),  # whitespace around and between is not counted
+        ("<think>a</think><answer>5</answer>" + "x" * 30, 0.1 * 0.7 + 0.1),  # 30 characters outside
+        ("<think>a</think><answer>5</answer>" + "x" * 200, 0.1),  # the structure term floors at 0
+        ("<think>a</think><answer>5</answer><answer>6</answer>", 0.1 * (1 - 0.18) + 0.05),  # tags twice
+        ("The answer is 5", 0.1 * (1 - 0.15)),  # no structure: every character is outside
+        ("", 0.1),
+    ],
+)
+def test_pods_format_score(completion: str, expected: float) -> None:
+    assert rewards.pods_format_score(completion) == pytest.approx(expected)
+
+
+def test_pods_reward_sums_correctness_and_format() -> None:
+    funcs = rewards.bind_answer_policy(rewards.reward_functions("pods"), "answer_tag")
+    assert [f.__name__ for f in funcs] == ["accuracy_reward", "pods_format_reward"]
+    assert funcs[0].answer_policy == "answer_tag"
+    completions = [[{"role": "assistant", "content": c}] for c in (PODS_RIGHT, PODS_DRAFT_BOX, PODS_CUT_OFF)]
+    per_func = [f(completions=completions, answer=["18"] * 3, prompts=["q"] * 3) for f in funcs]
+    totals = [sum(values) for values in zip(*per_func, strict=True)]
+    assert totals[0] == pytest.approx(1.2) and totals[1] == pytest.approx(1.2)
+    # wrong; no structure, so every character is outside; </answer> is missing
+    assert totals[2] == pytest.approx(0.1 * (1 - 0.01 * len(PODS_CUT_OFF)) + 0.075)
+    assert rewards.reward_functions() == [rewards.accuracy_reward]
+    with pytest.raises(ValueError, match="accuracy, pods"):
+        rewards.reward_functions("format")
+
+
+def test_run_config_selects_pods_reward_template_and_policy() -> None:
+    from d3s.data.templates import build_prompt
+    from d3s.runs.config import ConfigError, coerce_run_config
+
+    config = coerce_run_config(
+        {"reward": "pods", "template": "pods", "trainer": {"answer_policy": "answer_tag"}}
+    )
+    assert config["reward"] == "pods" and config["trainer"]["answer_policy"] == "answer_tag"
+    with pytest.raises(ConfigError, match="accuracy, pods"):
+        coerce_run_config({"reward": "format"})
+    prompt = build_prompt("What is 3 * 6?", "pods")  # no chat template: the plain form
+    assert "<think>" in prompt and "<answer>" in prompt and prompt.endswith("What is 3 * 6?\n")

@@ -5,6 +5,10 @@ r"""Prompt templates.
   question as the user message, rendered through the tokenizer's chat template (models without a
   system role get the instruction appended to the user message instead).
 * ``plain``: the same instruction in plain text for base models without a chat template.
+* ``pods``: PODS's answer format: a system message asking for the reasoning inside ``<think>...</think>``
+  and the final answer inside ``<answer>...</answer>`` (graded with ``answer_policy: answer_tag`` and
+  rewarded with ``reward: pods``, d3s.rewards), the question as the user message; in plain text for
+  models without a chat template. The wording is ours; the format is the one PODS grades.
 * ``raw``: the question as is (the synthetic task's prompts are already in the model's format).
 * ``auto``: the benchmark's own default if it has one (``raw`` for synthetic), else ``qwen_math_cot``
   when the tokenizer has a chat template and ``plain`` otherwise.
@@ -14,10 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-TEMPLATES: tuple[str, ...] = ("auto", "qwen_math_cot", "plain", "raw")
+TEMPLATES: tuple[str, ...] = ("auto", "qwen_math_cot", "plain", "raw", "pods")
 
 QWEN_MATH_COT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PLAIN_TEMPLATE = "Question: {question}\n" + QWEN_MATH_COT_INSTRUCTION + "\nAnswer:"
+PODS_INSTRUCTION = (
+    "Think about the problem step by step, then give the final answer. Put the reasoning inside <think> "
+    "</think> and only the final answer inside <answer> </answer>, in this format:\n"
+    "<think>\n...\n</think>\n<answer>\n...\n</answer>"
+)
+PODS_PLAIN_TEMPLATE = PODS_INSTRUCTION + "\n\nQuestion: {question}\n"
 
 
 def resolve_template(name: str, tokenizer: Any = None, benchmark_default: str | None = None) -> str:
@@ -31,14 +41,14 @@ def resolve_template(name: str, tokenizer: Any = None, benchmark_default: str | 
     return "qwen_math_cot" if getattr(tokenizer, "chat_template", None) else "plain"
 
 
-def chat_messages(question: str, system_role: bool = True) -> list[dict[str, str]]:
-    """The Qwen2.5-Math CoT conversation (TRL's conversational prompt format)."""
+def chat_messages(
+    question: str, system_role: bool = True, instruction: str = QWEN_MATH_COT_INSTRUCTION
+) -> list[dict[str, str]]:
+    """The conversation of a chat template (TRL's conversational prompt format): ``instruction`` (the
+    Qwen2.5-Math CoT one by default) as the system message, or after the question without a system role."""
     if system_role:
-        return [
-            {"role": "system", "content": QWEN_MATH_COT_INSTRUCTION},
-            {"role": "user", "content": question},
-        ]
-    return [{"role": "user", "content": f"{question}\n{QWEN_MATH_COT_INSTRUCTION}"}]
+        return [{"role": "system", "content": instruction}, {"role": "user", "content": question}]
+    return [{"role": "user", "content": f"{question}\n{instruction}"}]
 
 
 def build_prompt(
@@ -50,16 +60,22 @@ def build_prompt(
         return question
     if concrete == "plain":
         return PLAIN_TEMPLATE.replace("{question}", question)
-    if not getattr(tokenizer, "chat_template", None):
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    if concrete == "pods" and not has_chat:
+        return PODS_PLAIN_TEMPLATE.replace("{question}", question)
+    instruction = PODS_INSTRUCTION if concrete == "pods" else QWEN_MATH_COT_INSTRUCTION
+    if not has_chat:
         raise ValueError(
             "template 'qwen_math_cot' needs a tokenizer with a chat template; this model has none: "
             "use --template plain (or auto)"
         )
     try:
         return tokenizer.apply_chat_template(
-            chat_messages(question), tokenize=False, add_generation_prompt=True
+            chat_messages(question, instruction=instruction), tokenize=False, add_generation_prompt=True
         )
     except Exception:  # e.g. templates that reject a system role (Gemma, Mistral)
         return tokenizer.apply_chat_template(
-            chat_messages(question, system_role=False), tokenize=False, add_generation_prompt=True
+            chat_messages(question, system_role=False, instruction=instruction),
+            tokenize=False,
+            add_generation_prompt=True,
         )

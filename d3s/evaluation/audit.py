@@ -33,7 +33,7 @@ from d3s.data.benchmarks import (
 )
 from d3s.evaluation.metrics import policy_disagreement
 from d3s.manifest import atomic_write_text
-from d3s.rewards import ANSWER_POLICIES, Grader, count_boxes, last_boxed_answer
+from d3s.rewards import BOXED_POLICIES, Grader, count_boxes, last_boxed_answer
 
 
 @dataclass
@@ -146,8 +146,8 @@ def policy_disagreement_row(
     Boxed items whose gold does not parse are left out (neither policy scores them); items without a box
     are counted as agreeing without grading (both policies read them identically)."""
     boxed = [item for item in items if count_boxes(item[1])]
-    grades = grader.grade_many_by_policy([c for _, c, _ in boxed], [g for _, _, g in boxed])
-    first, second = ANSWER_POLICIES
+    grades = grader.grade_many_by_policy([c for _, c, _ in boxed], [g for _, _, g in boxed], BOXED_POLICIES)
+    first, second = BOXED_POLICIES
     scored = [i for i, r in enumerate(grades[first]) if r.gold_parsed]
     counted = policy_disagreement(
         [(grades[first][i].correct, grades[second][i].correct) for i in scored], names=(first, second)
@@ -161,7 +161,7 @@ def policy_disagreement_row(
         disagree=counted["disagree"],
         math_verify_only_correct=counted[f"{first}_only_correct"],
         last_boxed_only_correct=counted[f"{second}_only_correct"],
-        timeouts=sum(r.timed_out for policy in ANSWER_POLICIES for r in grades[policy]),
+        timeouts=sum(r.timed_out for policy in BOXED_POLICIES for r in grades[policy]),
     )
     for (item_id, completion, gold), a, b in zip(boxed, grades[first], grades[second], strict=True):
         if a.correct != b.correct and len(row.examples) < examples:

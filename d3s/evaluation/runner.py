@@ -48,6 +48,7 @@ from d3s.manifest import (
 )
 from d3s.rewards import (
     ANSWER_POLICIES,
+    BOXED_POLICIES,
     DEFAULT_ANSWER_POLICY,
     AnswerPolicy,
     Grader,
@@ -427,7 +428,7 @@ def summarize_benchmark(
             correct = sum(bool(r["by_policy"][policy]["correct"]) for r in records)
             counts[policy].append((len(records), correct))
             correct_samples[policy] += correct
-        verdicts += [tuple(bool(r["by_policy"][p]["correct"]) for p in ANSWER_POLICIES) for r in records]
+        verdicts += [tuple(bool(r["by_policy"][p]["correct"]) for p in BOXED_POLICIES) for r in records]
         multi_box += sum(r.get("num_boxes", 0) >= 2 for r in records)
         total_samples += len(records)
     scoring = run.scoring
@@ -436,7 +437,7 @@ def summarize_benchmark(
         | {"timeouts": timeouts[policy], "grading_errors": grading_errors[policy]}
         for policy in ANSWER_POLICIES
     }
-    disagreement = policy_disagreement(verdicts, names=ANSWER_POLICIES) | {
+    disagreement = policy_disagreement(verdicts, names=BOXED_POLICIES) | {
         "samples_with_2plus_boxes": multi_box
     }
     return {

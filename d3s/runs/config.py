@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from d3s.rewards import REWARD_SETS
+
 
 class ConfigError(ValueError):
     """A config value that cannot be used; the message is one line naming the key and the fix."""
@@ -45,6 +47,8 @@ class RunKeys:
     trainer: dict | None = None
     data_dir: str | None = None
     resume: str = dataclasses.field(default="auto", metadata={"choices": ("auto", "never")})
+    # the reward functions by name (d3s.rewards.REWARD_SETS): accuracy, or pods (accuracy + PODS's format term)
+    reward: str = dataclasses.field(default="accuracy", metadata={"choices": tuple(REWARD_SETS)})
 
 
 @dataclasses.dataclass

@@ -6,7 +6,9 @@
     threads: 1                    # torch threads (recorded; results depend on it on CPU)
     output_dir: runs/d3s
     dataset: {name: synthetic, count: 2000, max_ops: 1, max_operand: 9}
-    template: raw                 # raw | plain | qwen_math_cot | auto (d3s.data.templates)
+    template: raw                 # raw | plain | qwen_math_cot | pods | auto (d3s.data.templates)
+    reward: accuracy              # accuracy | pods (d3s.rewards.REWARD_SETS: pods adds PODS's format term;
+                                  # grade its answers with trainer: {answer_policy: answer_tag})
     tiny: {sft_steps: 150}        # only for model: tiny
     resume: auto                  # auto: continue from the newest complete checkpoint made by this same config;
                                   # never: start over (the old run's checkpoints and logs are moved aside to
@@ -301,7 +303,7 @@ def train(config: dict[str, Any]) -> Path:
 
     from datasets import Dataset
 
-    from d3s.rewards import accuracy_reward
+    from d3s.rewards import reward_functions
     from d3s.trainer import D3STrainer
 
     model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
@@ -331,7 +333,7 @@ def train(config: dict[str, Any]) -> Path:
     trainer = D3STrainer(
         model=model,
         args=args,
-        reward_funcs=[accuracy_reward],
+        reward_funcs=reward_functions(config.get("reward", "accuracy")),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )

@@ -1,0 +1,206 @@
+"""Grading throughput on a realistic synthetic mix, and the training reward's grading time per step.
+
+    .venv/bin/python perf/grading_throughput.py            # a few minutes on a 2-core machine
+    .venv/bin/python perf/grading_throughput.py --quick    # small sizes, a smoke run
+
+Writes results/perf/grading_throughput.{json,md} (``--out`` elsewhere).
+
+The completions are written here, deterministically (seeded), in the shapes that real ones take:
+
+* **long chains of thought** (about 3,000 tokens: ~11k characters of reasoning with inline LaTeX) ending in
+  a ``\\boxed{}`` answer, or, one in four, in a plain "The answer is 42." with no box (the fallback);
+* **looping completions** that repeat a boxed line hundreds of times (600 to 1,400 boxes, mostly the same
+  box, a few distinct ones), as early RL on a base Qwen2.5-Math model produces;
+* **short answers** (``\\boxed{42}``, ``<answer>42</answer>``, "42").
+
+Rows of kind ``mix``: completions per second for each answer policy and worker count (workers started
+before the clock starts), the slowest single answer and the timeouts. Rows of kind ``step``: the
+training reward (``make_accuracy_reward``, one worker, the default time limit) on one step at the paper
+geometry, 32 prompts x 32 completions of up to 3,000 tokens, with the mix's share of looping
+completions; seconds per step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from _common import base_parser, fmt_seconds, markdown_table, write_results
+
+from d3s.rewards import ANSWER_POLICIES, Grader, make_accuracy_reward
+
+NAME = "grading_throughput"
+CHARS_PER_TOKEN = 3.7  # Qwen2.5 on English math reasoning with LaTeX
+STEP_TOKENS = 3000
+LOOPING_SHARE = 0.05  # 45 of 912 Qwen2.5-Math-7B greedy completions looped (issue 20)
+SHORT_SHARE = 0.25
+
+_SENTENCES = (
+    r"Let $x$ be the number of apples, so $3x + 5 = {a}$ and therefore $x = \frac{{{a} - 5}}{{3}}$. ",
+    r"We expand $(a + b)^2 = a^2 + 2ab + b^2$ and substitute $a = {a}$, $b = {b}$. ",
+    r"The sum of the first $n$ integers is $\frac{{n(n+1)}}{{2}}$; with $n = {b}$ this is {c}. ",
+    r"Since $\sqrt{{{a}}} \approx {d}$, the inequality $y^2 < {a}$ holds for $|y| < {d}$. ",
+    r"Checking: $ {a} \times {b} = {e} $, which matches the condition. ",
+    "Now consider the remaining cases one by one, keeping track of the constraint from before. ",
+)
+
+
+def _sentence(rng: random.Random) -> str:
+    a, b = rng.randint(6, 999), rng.randint(2, 60)
+    values = {"a": a, "b": b, "c": b * (b + 1) // 2, "d": f"{a**0.5:.2f}", "e": a * b}
+    return rng.choice(_SENTENCES).format(**values)
+
+
+def _reasoning(rng: random.Random, chars: int) -> str:
+    parts: list[str] = []
+    while sum(map(len, parts)) < chars:
+        parts.append(_sentence(rng))
+    return "".join(parts)
+
+
+def long_chain_of_thought(rng: random.Random, gold: int, tokens: int) -> str:
+    body = _reasoning(rng, int(tokens * CHARS_PER_TOKEN) - 60)
+    if rng.random() < 0.25:
+        return f"{body}\nThe answer is {gold}."
+    answer = rng.choice([str(gold), f"\\frac{{{2 * gold}}}{{2}}", str(gold + 1)])  # some wrong
+    return f"{body}\nTherefore, the final answer is $\\boxed{{{answer}}}$."
+
+
+def looping_completion(rng: random.Random, gold: int, tokens: int) -> str:
+    """Hundreds of boxes, mostly the same one: as lines ("The final answer is $\\boxed{..}$.") or run
+    together (``\\boxed{..} \\boxed{..}``, which math-verify reads as one growing set answer)."""
+    prefix = _reasoning(rng, rng.randint(500, 2000))
+    boxes = rng.randint(600, 1400)
+    distinct = [f"\\frac{{{2 * gold}}}{{2}}", f"\\frac{{{gold + 1}}}{{3}}", f"\\sqrt{{{gold}}}", str(gold)]
+    contents = [
+        distinct[0] if index % 40 else distinct[(index // 40) % len(distinct)] for index in range(boxes)
+    ]
+    if rng.random() < 0.5:
+        body = "".join(f"The final answer is $\\boxed{{{content}}}$.\n" for content in contents)
+    else:
+        body = " ".join(f"\\boxed{{{content}}}" for content in contents)
+    return prefix + body
+
+
+def short_answer(rng: random.Random, gold: int) -> str:
+    return rng.choice([f"\\boxed{{{gold}}}", f"<answer>{gold}</answer>", f"{gold}", f"\\boxed{{{gold + 1}}}"])
+
+
+def synthetic_mix(
+    count: int, seed: int = 0, tokens: int = STEP_TOKENS
+) -> tuple[list[str], list[str], list[str]]:
+    """``count`` completions, their gold answers and their kinds (``long``, ``looping``, ``short``)."""
+    rng = random.Random(seed)
+    completions, golds, kinds = [], [], []
+    for index in range(count):
+        gold = rng.randint(1, 999)
+        share = (index % 100) / 100  # the same proportions in every hundred
+        if share < LOOPING_SHARE:
+            kind, text = "looping", looping_completion(rng, gold, tokens)
+        elif share < LOOPING_SHARE + SHORT_SHARE:
+            kind, text = "short", short_answer(rng, gold)
+        else:
+            kind, text = "long", long_chain_of_thought(rng, gold, rng.randint(tokens // 3, tokens))
+        completions.append(text)
+        golds.append(str(gold))
+        kinds.append(kind)
+    return completions, golds, kinds
+
+
+def measure_mix(
+    completions: list[str], golds: list[str], kinds: list[str], workers: int
+) -> list[dict[str, Any]]:
+    rows = []
+    with Grader(num_workers=workers) as grader:
+        grader.grade_many([r"\boxed{1}"] * workers, ["1"] * workers)  # start the workers
+        for policy in ANSWER_POLICIES:
+            start = time.perf_counter()
+            results = grader.grade_many(completions, golds, policy)
+            seconds = time.perf_counter() - start
+            slowest = max(results, key=lambda r: r.seconds)
+            by_kind = {
+                kind: max(r.seconds for r, k in zip(results, kinds, strict=True) if k == kind)
+                for kind in sorted(set(kinds))
+            }
+            rows.append(
+                {
+                    "kind": "mix",
+                    "policy": policy,
+                    "workers": workers,
+                    "completions": len(completions),
+                    "seconds": seconds,
+                    "completions_per_s": len(completions) / seconds,
+                    "slowest_s": slowest.seconds,
+                    "slowest_by_kind_s": by_kind,
+                    "timeouts": sum(r.timed_out for r in results),
+                    "correct": sum(r.correct for r in results),
+                }
+            )
+    return rows
+
+
+def measure_step(prompts: int, generations: int, tokens: int) -> dict[str, Any]:
+    completions, golds, _ = synthetic_mix(prompts * generations, seed=1, tokens=tokens)
+    reward = make_accuracy_reward()  # the process's default grader, as training uses it
+    reward([r"\boxed{1}"], ["1"])  # start its worker
+    start = time.perf_counter()
+    values = reward(completions, golds)
+    seconds = time.perf_counter() - start
+    return {
+        "kind": "step",
+        "policy": "math_verify",
+        "workers": 1,
+        "completions": len(completions),
+        "geometry": f"{prompts} x {generations} x <= {tokens} tokens",
+        "seconds": seconds,
+        "completions_per_s": len(completions) / seconds,
+        "reward_mean": sum(v or 0.0 for v in values) / len(values),
+    }
+
+
+def main() -> None:
+    parser = base_parser(__doc__, tiny_model=False)
+    parser.add_argument("--mix", type=int, default=200, help="completions in the throughput mix")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per training step")
+    parser.add_argument("--generations", type=int, default=32, help="completions per prompt")
+    parser.add_argument("--tokens", type=int, default=STEP_TOKENS, help="completion length cap (tokens)")
+    args = parser.parse_args()
+    if args.quick:
+        args.mix, args.workers, args.prompts, args.generations = 40, [1, 2], 4, 8
+    completions, golds, kinds = synthetic_mix(args.mix, tokens=args.tokens)
+    rows: list[dict[str, Any]] = []
+    for workers in args.workers:
+        rows += measure_mix(completions, golds, kinds, workers)
+    rows.append(measure_step(args.prompts, args.generations, args.tokens))
+    mix_table = markdown_table(
+        [r for r in rows if r["kind"] == "mix"],
+        {
+            "policy": lambda r: r["policy"],
+            "workers": lambda r: r["workers"],
+            "completions": lambda r: r["completions"],
+            "wall": lambda r: fmt_seconds(r["seconds"]),
+            "completions/s": lambda r: f"{r['completions_per_s']:.1f}",
+            "slowest answer": lambda r: fmt_seconds(r["slowest_s"]),
+            "slowest looping": lambda r: fmt_seconds(r["slowest_by_kind_s"].get("looping")),
+            "timeouts": lambda r: r["timeouts"],
+        },
+    )
+    step_table = markdown_table(
+        [r for r in rows if r["kind"] == "step"],
+        {
+            "geometry": lambda r: r["geometry"],
+            "policy": lambda r: r["policy"],
+            "workers": lambda r: r["workers"],
+            "grading s/step": lambda r: fmt_seconds(r["seconds"]),
+            "completions/s": lambda r: f"{r['completions_per_s']:.1f}",
+        },
+    )
+    kinds_text = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
+    notes = [f"Mix: {kinds_text}; step mix: the same proportions (seed 1)."]
+    write_results(NAME, args, rows, f"{mix_table}\n\n{step_table}", notes=notes, title="Grading throughput")
+
+
+if __name__ == "__main__":
+    main()
