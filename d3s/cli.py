@@ -75,7 +75,9 @@ def run_plan(args: argparse.Namespace) -> int:
         with open(args.config) as handle:
             config = yaml.safe_load(handle)
         if not isinstance(config, dict) or "train" not in config or "methods" not in config:
-            raise PlanError(f"{args.config}: not a workflow config (needs methods, train, eval; see config/paper/)")
+            raise PlanError(
+                f"{args.config}: not a workflow config (needs methods, train, eval; see config/paper/)"
+            )
         start = time.perf_counter()
         cache = read_cache()
         entries = len(cache)
@@ -121,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="per-GPU peak memory of a workflow config's training and evaluation jobs (traced, no GPU needed)",
     )
-    plan.add_argument("--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml")
+    plan.add_argument(
+        "--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml"
+    )
     plan.set_defaults(handler=run_plan)
 
     from d3s.evaluation.cli import add_eval_arguments, run_eval

@@ -103,7 +103,9 @@ def plan_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     raw = dict((config.get("train") or {}).get("memory_plan") or {})
     unknown = set(raw) - set(MEMORY_PLAN_KEYS)
     if unknown:
-        raise PlanError(f"train.memory_plan: unknown key(s) {sorted(unknown)}; valid: {', '.join(MEMORY_PLAN_KEYS)}")
+        raise PlanError(
+            f"train.memory_plan: unknown key(s) {sorted(unknown)}; valid: {', '.join(MEMORY_PLAN_KEYS)}"
+        )
     settings = {
         "check": True,
         "gpu_memory_gib": DEFAULT_GPU_MEMORY_GIB,
@@ -160,7 +162,9 @@ def parameter_count(arch: Mapping[str, Any]) -> int:
 # ---- traces -----------------------------------------------------------------------------------------------
 
 
-def trace_key(arch: Mapping[str, Any], rows: int, prompt: int, completion: int, precision: str, kl: bool) -> str:
+def trace_key(
+    arch: Mapping[str, Any], rows: int, prompt: int, completion: int, precision: str, kl: bool
+) -> str:
     dims = ",".join(f"{k}={arch[k]}" for k in sorted(arch) if k != "layers")
     return f"v{CACHE_VERSION}|{dims}|rows={rows}|prompt={prompt}|completion={completion}|{precision}|kl={int(kl)}"
 
@@ -219,18 +223,24 @@ def _accelerate_name(config: Mapping[str, Any]) -> str:
     return str(dict(config["train"].get("launch") or {}).get("accelerate_config", "ddp"))
 
 
-def _zero_stage(config: Mapping[str, Any]) -> int:
-    """0 (no DeepSpeed), 2 or 3, from the accelerate config name or file."""
-    name = _accelerate_name(config)
-    if name in ("zero2", "zero3"):
-        return int(name[-1])
-    if name.endswith((".yaml", ".yml")) and Path(name).is_file():
-        import yaml
+ACCELERATE_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
 
-        data = yaml.safe_load(Path(name).read_text()) or {}
-        if data.get("distributed_type") == "DEEPSPEED":
-            return int(dict(data.get("deepspeed_config") or {}).get("zero_stage", 2))
-    return 0
+
+def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
+    """(ZeRO stage, optimizer offloaded to the CPU) from the accelerate config; stage 0: no DeepSpeed."""
+    name = _accelerate_name(config)
+    path = (
+        ACCELERATE_DIR / f"{name}.yaml" if not name.endswith((".yaml", ".yml")) else Path(name).expanduser()
+    )
+    if not path.is_file():
+        return 0, False
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if data.get("distributed_type") != "DEEPSPEED":
+        return 0, False
+    deepspeed = dict(data.get("deepspeed_config") or {})
+    return int(deepspeed.get("zero_stage", 2)), deepspeed.get("offload_optimizer_device", "none") == "cpu"
 
 
 def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
@@ -264,7 +274,7 @@ def plan_training(
     train = config["train"]
     gpus = job_gpus(train.get("resources"), "train")
     trainer = _trainer(config, method)
-    stage = _zero_stage(config)
+    stage, offload = _zero_stage(config)
     server = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
     processes = max(1, gpus - (1 if server else 0))  # the planner assumes the default one-GPU server
     rows = kept_rows(method, trainer)
@@ -279,14 +289,19 @@ def plan_training(
     psi = parameter_count(arch)
     activations = sum(traced[k] for k in ("Activation", "Temp", "Buffer", "Other")) / GIB
     if stage == 0:
-        weights, grads, optimizer = traced["Parameter"] / GIB, traced["Gradient"] / GIB, traced["Optstate"] / GIB
+        weights, grads, optimizer = (
+            traced["Parameter"] / GIB,
+            traced["Gradient"] / GIB,
+            traced["Optstate"] / GIB,
+        )
         reference = 4 * psi / GIB if kl else 0.0  # TRL loads the reference with model_init_kwargs: fp32 here
         buffers = 4 * psi / GIB if processes > 1 else 0.0  # DDP's gradient buckets (not bucket views)
     else:
         # DeepSpeed's bf16 engine: bf16 module weights, ZeRO-2 shards gradients and optimizer state, ZeRO-3 all
         weights = 2 * psi / (processes if stage == 3 else 1) / GIB
         grads = 2 * psi / processes / GIB
-        optimizer = 12 * psi / processes / GIB  # fp32 master weights + Adam's two moments
+        # fp32 master weights + Adam's two moments; offloaded, they live in host memory
+        optimizer = 0.0 if offload else 12 * psi / processes / GIB
         reference = (2 * psi / (processes if stage == 3 else 1) / GIB) if kl else 0.0  # bf16, ZeRO-3 sharded
         embedding = arch["vocab"] * arch["hidden"]
         layer = (psi - embedding * (1 if arch["tied"] else 2)) / arch["layers"]
@@ -321,7 +336,8 @@ def plan_training(
                 "vLLM": share,
             }
             vllm_note = f"generation phase (update phase {update_peak:.1f} GiB)"
-    label = f"train {method}: {rows} rows x ({prompt} + {completion}) tokens, {processes} x {_engine(stage)}"
+    engine = _engine(stage) + (", optimizer on CPU" if offload else "")
+    label = f"train {method}: {rows} rows x ({prompt} + {completion}) tokens, {processes} x {engine}"
     return JobPlan(label, gpus, components, vllm_note)
 
 
@@ -329,7 +345,9 @@ def _engine(stage: int) -> str:
     return f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast"
 
 
-def plan_evaluation(config: Mapping[str, Any], arch: Mapping[str, Any], settings: Mapping[str, Any]) -> JobPlan:
+def plan_evaluation(
+    config: Mapping[str, Any], arch: Mapping[str, Any], settings: Mapping[str, Any]
+) -> JobPlan:
     """vLLM reserves gpu_memory_utilization of each GPU: weights (bf16) plus the KV cache it fills."""
     ev = config["eval"]
     gpus = max(1, int(dict(ev.get("resources") or {}).get("gpu", 1)))
@@ -355,7 +373,9 @@ def plan_evaluation(config: Mapping[str, Any], arch: Mapping[str, Any], settings
     )
 
 
-def plan_config(config: Mapping[str, Any], *, trace: bool = True, cache: dict[str, Any] | None = None) -> ConfigPlan | None:
+def plan_config(
+    config: Mapping[str, Any], *, trace: bool = True, cache: dict[str, Any] | None = None
+) -> ConfigPlan | None:
     """Every training job's and the evaluation job's plan; None for a CPU config (no GPUs asked for), or when
     ``trace`` is off and a geometry is not cached."""
     from d3s.orchestration.launch import job_gpus
@@ -365,19 +385,22 @@ def plan_config(config: Mapping[str, Any], *, trace: bool = True, cache: dict[st
         return None
     _, arch = architecture_of(config["base_model"])
     cache = read_cache() if cache is None else cache
-    jobs = []
-    seen = set()
+    jobs: dict[str, JobPlan] = {}
     for method in config["methods"]:
         job = plan_training(config, method, arch, settings, cache=cache, trace=trace)
         if job is None:
             return None
-        if (job.job.split(":", 1)[1], round(job.peak, 3)) in seen:
-            continue  # the same geometry as a method planned above
-        seen.add((job.job.split(":", 1)[1], round(job.peak, 3)))
-        jobs.append(job)
+        geometry = job.job.split(":", 1)[1]
+        if geometry in jobs:  # methods whose largest micro-batch is the same (GRPO, and D3S at N = G)
+            jobs[geometry].job = jobs[geometry].job.replace(":", f", {method}:", 1)
+        else:
+            jobs[geometry] = job
+    jobs = list(jobs.values())
     if int(dict(config["eval"].get("resources") or {}).get("gpu", 0)) > 0:
         jobs.append(plan_evaluation(config, arch, settings))
-    return ConfigPlan(str(config["experiment"]), float(settings["gpu_memory_gib"]), float(settings["margin"]), jobs)
+    return ConfigPlan(
+        str(config["experiment"]), float(settings["gpu_memory_gib"]), float(settings["margin"]), jobs
+    )
 
 
 def setting_to_change(job: JobPlan) -> str:
@@ -430,7 +453,9 @@ def format_plan(plan: ConfigPlan) -> str:
         margin = 1 - job.peak / plan.gpu_memory_gib
         fits = "yes" if job.peak <= plan.limit + 1e-9 else "**no**"
         lines.append(
-            f"| {job.job} | {job.gpus} | " + " | ".join(cells) + f" | {job.peak:.1f} | {margin:.0%} | {fits} | {job.notes} |"
+            f"| {job.job} | {job.gpus} | "
+            + " | ".join(cells)
+            + f" | {job.peak:.1f} | {margin:.0%} | {fits} | {job.notes} |"
         )
     return "\n".join(lines)
 

@@ -122,7 +122,9 @@ def trace_step(
         with tracker:
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp")
             with autocast:
-                out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+                out = model(
+                    input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+                )
             logps = out.log_probs[:, -completion_tokens:]
             entropies = out.entropy[:, -completion_tokens:]  # logged, and D3S's |A| x H score
             ratio = torch.exp(logps - logps.detach())
