@@ -8,6 +8,7 @@ keys, values of the wrong type (``--set learning_rate=abc``) and values out of r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from d3s.methods import METHODS
@@ -89,10 +90,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"{args.config}: no GPU jobs (train.resources.gpu is 0): nothing to plan")
         return 0
     if len(cache) > entries:
-        try:
+        with contextlib.suppress(OSError):  # a read-only install: the next run traces again
             write_cache(cache)
-        except OSError:
-            pass  # a read-only install: the next run traces again
     print(format_plan(plan))
     print(f"\nplanned in {time.perf_counter() - start:.1f} s ({len(cache) - entries} geometries traced)")
     return 1 if plan.too_big() else 0
