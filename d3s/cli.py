@@ -8,6 +8,7 @@ keys, values of the wrong type (``--set learning_rate=abc``) and values out of r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from d3s.methods import METHODS
@@ -62,6 +63,40 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the per-GPU memory plan of every job of a workflow config (config/paper/*.yaml and the like)."""
+    import time
+
+    import yaml
+
+    from d3s.memory_plan import PlanError, format_plan, plan_config, read_cache, write_cache
+    from d3s.runs.config import one_line
+
+    try:
+        with open(args.config) as handle:
+            config = yaml.safe_load(handle)
+        if not isinstance(config, dict) or "train" not in config or "methods" not in config:
+            raise PlanError(
+                f"{args.config}: not a workflow config (needs methods, train, eval; see config/paper/)"
+            )
+        start = time.perf_counter()
+        cache = read_cache()
+        entries = len(cache)
+        plan = plan_config(config, cache=cache)
+    except (OSError, yaml.YAMLError, PlanError, KeyError, ValueError) as err:
+        print(f"d3s plan: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    if plan is None:
+        print(f"{args.config}: no GPU jobs (train.resources.gpu is 0): nothing to plan")
+        return 0
+    if len(cache) > entries:
+        with contextlib.suppress(OSError):  # a read-only install: the next run traces again
+            write_cache(cache)
+    print(format_plan(plan))
+    print(f"\nplanned in {time.perf_counter() - start:.1f} s ({len(cache) - entries} geometries traced)")
+    return 1 if plan.too_big() else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="d3s", description="D3S / PODS / GRPO reproduction suite")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the field's type (lists and mappings in YAML/JSON: --set reward_weights=[1,0.5])",
     )
     train.set_defaults(handler=run_train)
+
+    plan = sub.add_parser(
+        "plan",
+        help="per-GPU peak memory of a workflow config's training and evaluation jobs (traced, no GPU needed)",
+    )
+    plan.add_argument(
+        "--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml"
+    )
+    plan.set_defaults(handler=run_plan)
 
     from d3s.evaluation.cli import add_eval_arguments, run_eval
 

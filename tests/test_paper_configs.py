@@ -33,7 +33,7 @@ BACKBONES = {
     "qwen2.5-math-7b.yaml": dict(
         model="Qwen/Qwen2.5-Math-7B",
         methods={"grpo", "pods", "d3s", "gspo_d3s", "d1s", "d1s_cross", "d2s", "gspo"},  # Tables 1, 2, 3
-        gpus=8, accelerate="zero3", prompts=32, steps=500, completion=3000,
+        gpus=8, accelerate="zero3_offload", prompts=32, steps=500, completion=3000,
     ),
     "qwen2.5-math-1.5b.yaml": dict(
         model="Qwen/Qwen2.5-Math-1.5B", methods={"grpo", "d3s"},  # Table 3
@@ -41,11 +41,11 @@ BACKBONES = {
     ),
     "llama-3.1-8b-instruct.yaml": dict(
         model="meta-llama/Llama-3.1-8B-Instruct", methods={"grpo", "d3s", "d3s_i"},  # Table 1, Appendix D.1
-        gpus=8, accelerate="zero3", prompts=32, steps=500, completion=3000,
+        gpus=8, accelerate="zero3_offload", prompts=32, steps=500, completion=3000,
     ),
     "openmath2-llama3.1-8b.yaml": dict(
         model="nvidia/OpenMath2-Llama3.1-8B", methods={"grpo", "d3s"},  # Fig. 4 (entropy)
-        gpus=8, accelerate="zero3", prompts=32, steps=500, completion=3000,
+        gpus=8, accelerate="zero3_offload", prompts=32, steps=500, completion=3000,
     ),
     "single-gpu-qwen2.5-math-1.5b.yaml": dict(
         model="Qwen/Qwen2.5-Math-1.5B", methods={"grpo", "d3s"},

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 # Named accelerate configs (workflow/accelerate/<name>.yaml); ``single_gpu`` replaces ``ddp`` for one process.
-ACCELERATE_CONFIGS = ("ddp", "zero2", "zero3")
+ACCELERATE_CONFIGS = ("ddp", "zero2", "zero3", "zero3_offload")
 SINGLE_PROCESS_CONFIG = "single_gpu"
 DEFAULT_ACCELERATE_CONFIG = "ddp"
 # Resource names of the Snakemake Slurm executor plugin (``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu).

@@ -50,6 +50,13 @@ def _check_config():
         check_workflow_config(config, ACCELERATE_DIR)
     except ValueError as exc:
         raise ValueError(f"config {exc}") from None
+    # The memory plan from the traces cached in d3s/memory_plan_cache.json: JSON only, no torch, so `snakemake
+    # -n` stays fast; a GPU config it does not cover is planned (traced) by `d3s plan --config`.
+    from d3s.memory_plan import check_fit
+
+    problem = check_fit(config)
+    if problem:
+        raise ValueError(f"config {problem}")
 
 
 _check_config()

@@ -1,0 +1,470 @@
+"""The per-GPU memory plan of a workflow config's training and evaluation jobs (`d3s plan`).
+
+What is traced, what is scaled, what is a formula:
+- Traced (d3s.memory_trace): one micro-batch of the real model code under fake tensors: forward with gradient
+  checkpointing, TRL 1.16's fused log-prob and entropy head, the GRPO loss, backward, a fused AdamW step. The
+  model has 1 and then 2 decoder layers with the architecture's real dimensions (embedding, LM head, norms,
+  loss all real); the micro-batch is the job's (rows x prompt + completion tokens).
+- Scaled: every tracker category grows linearly in the layer count (each layer adds its parameters, their
+  optimizer state and one checkpointed hidden state; the per-layer working set does not add up), so
+  peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1)). tests/test_memory_plan.py checks it against a full trace.
+- Formula: DeepSpeed's sharding (ZeRO paper: bf16 weights 2 B, bf16 gradients 2 B, fp32 master weights and
+  Adam's moments 12 B per parameter, divided by the processes as the stage shards them), the reference
+  model's weights, DDP's gradient buckets, and vLLM (it reserves ``gpu_memory_utilization`` of the GPU while
+  generating; asleep, level 2, it keeps VLLM_ASLEEP_GIB).
+
+Traces are cached in d3s/memory_plan_cache.json, keyed by architecture and geometry; ``check_fit`` reads
+only that cache (no torch), so the workflow's parse-time check stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+CACHE_PATH = Path(__file__).with_name("memory_plan_cache.json")
+CACHE_VERSION = 1
+
+# Published config.json values of the paper's backbones (written here: nothing is downloaded).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "qwen2.5-math-1.5b": dict(
+        family="qwen2", hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=151936,
+        tied=True, max_positions=4096, rms_norm_eps=1e-6,
+    ),
+    "qwen2.5-math-7b": dict(
+        family="qwen2", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064,
+        tied=False, max_positions=4096, rms_norm_eps=1e-6,
+    ),
+    "llama-3.1-8b": dict(
+        family="llama", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+        tied=False, max_positions=131072, rms_norm_eps=1e-5,
+    ),
+}  # fmt: skip
+MODEL_ARCHITECTURES = {
+    "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-Math-1.5B-Instruct": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+    "Qwen/Qwen2.5-Math-7B-Instruct": "qwen2.5-math-7b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "nvidia/OpenMath2-Llama3.1-8B": "llama-3.1-8b",
+}
+
+DEFAULT_GPU_MEMORY_GIB = 79.6  # an H100 / A100 80 GB as CUDA reports it (81,559 MiB)
+DEFAULT_MARGIN = 0.10
+DEFAULT_PROMPT_TOKENS = 512  # TRL 1.16 does not truncate prompts: the planned longest prompt of a batch
+VLLM_ASLEEP_GIB = 1.0  # what a colocated vLLM keeps asleep (level 2): CUDA graphs and context, not weights
+MEMORY_PLAN_KEYS = ("check", "gpu_memory_gib", "margin", "prompt_tokens")
+
+
+class PlanError(ValueError):
+    """A config the planner cannot plan, with the setting to change."""
+
+
+@dataclasses.dataclass
+class JobPlan:
+    """One job's per-GPU peak (GiB) by component."""
+
+    job: str
+    gpus: int
+    components: dict[str, float]
+    notes: str = ""
+
+    @property
+    def peak(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclasses.dataclass
+class ConfigPlan:
+    experiment: str
+    gpu_memory_gib: float
+    margin: float
+    jobs: list[JobPlan]
+
+    @property
+    def limit(self) -> float:
+        return self.gpu_memory_gib * (1 - self.margin)
+
+    def too_big(self) -> list[JobPlan]:
+        return [job for job in self.jobs if job.peak > self.limit + 1e-9]
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+
+
+def plan_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """train.memory_plan with its defaults; unknown keys fail with the valid ones."""
+    raw = dict((config.get("train") or {}).get("memory_plan") or {})
+    unknown = set(raw) - set(MEMORY_PLAN_KEYS)
+    if unknown:
+        raise PlanError(
+            f"train.memory_plan: unknown key(s) {sorted(unknown)}; valid: {', '.join(MEMORY_PLAN_KEYS)}"
+        )
+    settings = {
+        "check": True,
+        "gpu_memory_gib": DEFAULT_GPU_MEMORY_GIB,
+        "margin": DEFAULT_MARGIN,
+        "prompt_tokens": DEFAULT_PROMPT_TOKENS,
+    } | raw
+    return settings
+
+
+def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The architecture to plan for base_model: a known hub id, or a local directory's config.json."""
+    path = str(base_model.get("path") or "")
+    if path in MODEL_ARCHITECTURES:
+        name = MODEL_ARCHITECTURES[path]
+        return name, ARCHITECTURES[name]
+    config_file = Path(path).expanduser() / "config.json"
+    if path and config_file.is_file():
+        raw = json.loads(config_file.read_text())
+        family = {"qwen2": "qwen2", "llama": "llama"}.get(raw.get("model_type", ""))
+        if family is None:
+            raise PlanError(
+                f"base_model.path {path}: model_type {raw.get('model_type')!r} is not planned (qwen2, llama); "
+                "set train.memory_plan.check: false to run without a plan"
+            )
+        arch = dict(
+            family=family,
+            hidden=raw["hidden_size"],
+            intermediate=raw["intermediate_size"],
+            layers=raw["num_hidden_layers"],
+            heads=raw["num_attention_heads"],
+            kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            vocab=raw["vocab_size"],
+            tied=bool(raw.get("tie_word_embeddings", False)),
+            max_positions=raw.get("max_position_embeddings", 4096),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        )
+        return f"{family}-h{arch['hidden']}-l{arch['layers']}-v{arch['vocab']}", arch
+    raise PlanError(
+        f"base_model.path {path!r}: unknown architecture for the memory plan (known: "
+        f"{', '.join(sorted(MODEL_ARCHITECTURES))}, or a local directory with config.json); "
+        "set train.memory_plan.check: false to run without a plan"
+    )
+
+
+def parameter_count(arch: Mapping[str, Any]) -> int:
+    """Parameters of the architecture (Qwen2 has q/k/v biases, Llama none)."""
+    h, kv = arch["hidden"], arch["hidden"] // arch["heads"] * arch["kv_heads"]
+    attention = h * h * 2 + h * kv * 2 + (h + 2 * kv if arch["family"] == "qwen2" else 0)
+    layer = attention + 3 * h * arch["intermediate"] + 2 * h
+    embeddings = arch["vocab"] * h * (1 if arch["tied"] else 2)
+    return arch["layers"] * layer + embeddings + h
+
+
+# ---- traces -----------------------------------------------------------------------------------------------
+
+
+def trace_key(
+    arch: Mapping[str, Any], rows: int, prompt: int, completion: int, precision: str, kl: bool
+) -> str:
+    dims = ",".join(f"{k}={arch[k]}" for k in sorted(arch) if k != "layers")
+    return f"v{CACHE_VERSION}|{dims}|rows={rows}|prompt={prompt}|completion={completion}|{precision}|kl={int(kl)}"
+
+
+def read_cache(path: Path = CACHE_PATH) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def layer_traces(
+    arch: Mapping[str, Any],
+    rows: int,
+    prompt: int,
+    completion: int,
+    precision: str,
+    kl: bool,
+    *,
+    cache: dict[str, Any] | None = None,
+    trace: bool = True,
+) -> dict[str, dict[str, int]] | None:
+    """The 1- and 2-layer traces of a geometry: from ``cache``, else traced (and added to it) when ``trace``."""
+    cache = read_cache() if cache is None else cache
+    key = trace_key(arch, rows, prompt, completion, precision, kl)
+    if key in cache:
+        return cache[key]
+    if not trace:
+        return None
+    from d3s.memory_trace import trace_step
+
+    geometry = dict(rows=rows, prompt_tokens=prompt, completion_tokens=completion, precision=precision, kl=kl)
+    cache[key] = {str(n): trace_step(dict(arch), layers=n, **geometry) for n in (1, 2)}
+    return cache[key]
+
+
+def scale_to_layers(traces: Mapping[str, Mapping[str, int]], layers: int) -> dict[str, float]:
+    """Every category at ``layers`` layers, linear from the 1- and 2-layer traces."""
+    one, two = traces["1"], traces["2"]
+    return {name: one[name] + (layers - 1) * (two[name] - one[name]) for name in one}
+
+
+def write_cache(cache: Mapping[str, Any], path: Path = CACHE_PATH) -> None:
+    path.write_text(json.dumps(dict(sorted(cache.items())), indent=1) + "\n")
+
+
+# ---- plans ------------------------------------------------------------------------------------------------
+
+
+def _trainer(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    train = config["train"]
+    return dict(train["trainer"]) | dict((train.get("method_overrides") or {}).get(method) or {})
+
+
+def _accelerate_name(config: Mapping[str, Any]) -> str:
+    return str(dict(config["train"].get("launch") or {}).get("accelerate_config", "ddp"))
+
+
+ACCELERATE_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
+
+
+def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
+    """(ZeRO stage, optimizer offloaded to the CPU) from the accelerate config; stage 0: no DeepSpeed."""
+    name = _accelerate_name(config)
+    path = (
+        ACCELERATE_DIR / f"{name}.yaml" if not name.endswith((".yaml", ".yml")) else Path(name).expanduser()
+    )
+    if not path.is_file():
+        return 0, False
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if data.get("distributed_type") != "DEEPSPEED":
+        return 0, False
+    deepspeed = dict(data.get("deepspeed_config") or {})
+    return int(deepspeed.get("zero_stage", 2)), deepspeed.get("offload_optimizer_device", "none") == "cpu"
+
+
+def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
+    """Rows of the largest micro-batch the update sees: the kept rows of a selection method (its largest N)."""
+    from d3s.methods import get_method
+
+    micro = int(trainer.get("per_device_train_batch_size", 8))
+    generations = int(trainer.get("num_generations", 8))
+    spec = get_method(method)
+    if spec.sample_rule == "none" and "keep_per_prompt" not in trainer:
+        return micro
+    n_init, n_final = spec.keep_per_prompt(generations)
+    if "keep_per_prompt" in trainer:
+        value = trainer["keep_per_prompt"]
+        n_init = n_final = int(value if not isinstance(value, (list, tuple)) else max(value))
+    return max(1, max(n_init, n_final) * micro // generations)
+
+
+def plan_training(
+    config: Mapping[str, Any],
+    method: str,
+    arch: Mapping[str, Any],
+    settings: Mapping[str, Any],
+    *,
+    cache: dict[str, Any] | None = None,
+    trace: bool = True,
+) -> JobPlan | None:
+    """The per-GPU peak of one training step of ``method`` (None: not in the cache and ``trace`` is off)."""
+    from d3s.orchestration.launch import job_gpus
+
+    train = config["train"]
+    gpus = job_gpus(train.get("resources"), "train")
+    trainer = _trainer(config, method)
+    stage, offload = _zero_stage(config)
+    server = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
+    processes = max(1, gpus - (1 if server else 0))  # the planner assumes the default one-GPU server
+    rows = kept_rows(method, trainer)
+    completion = int(trainer.get("max_completion_length", 512))
+    prompt = int(settings["prompt_tokens"])
+    kl = float(trainer.get("beta", 0.0)) != 0.0
+    precision = "bf16" if stage else "amp"
+    traces = layer_traces(arch, rows, prompt, completion, precision, kl, cache=cache, trace=trace)
+    if traces is None:
+        return None
+    traced = scale_to_layers(traces, arch["layers"])
+    psi = parameter_count(arch)
+    activations = sum(traced[k] for k in ("Activation", "Temp", "Buffer", "Other")) / GIB
+    if stage == 0:
+        weights, grads, optimizer = (
+            traced["Parameter"] / GIB,
+            traced["Gradient"] / GIB,
+            traced["Optstate"] / GIB,
+        )
+        reference = 4 * psi / GIB if kl else 0.0  # TRL loads the reference with model_init_kwargs: fp32 here
+        buffers = 4 * psi / GIB if processes > 1 else 0.0  # DDP's gradient buckets (not bucket views)
+    else:
+        # DeepSpeed's bf16 engine: bf16 module weights, ZeRO-2 shards gradients and optimizer state, ZeRO-3 all
+        weights = 2 * psi / (processes if stage == 3 else 1) / GIB
+        grads = 2 * psi / processes / GIB
+        # fp32 master weights + Adam's two moments; offloaded, they live in host memory
+        optimizer = 0.0 if offload else 12 * psi / processes / GIB
+        reference = (2 * psi / (processes if stage == 3 else 1) / GIB) if kl else 0.0  # bf16, ZeRO-3 sharded
+        embedding = arch["vocab"] * arch["hidden"]
+        layer = (psi - embedding * (1 if arch["tied"] else 2)) / arch["layers"]
+        # ZeRO-3 gathers a module's full bf16 weights for its use, prefetching the next (the head is largest)
+        buffers = (2 * (embedding + 2 * layer) / GIB) if stage == 3 else 2 * 2 * arch["hidden"] ** 2 / GIB
+    components = {
+        "weights": weights,
+        "gradients": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "reference": reference,
+        "engine buffers": buffers,
+    }
+    vllm_note = ""
+    if trainer.get("use_vllm") and not server:
+        share = float(trainer.get("vllm_gpu_memory_utilization", 0.3)) * float(settings["gpu_memory_gib"])
+        asleep = bool(trainer.get("vllm_enable_sleep_mode"))
+        update_vllm = VLLM_ASLEEP_GIB if asleep else share
+        # Generation: vLLM's share beside the weights, optimizer state and reference (gradients freed)
+        generation_peak = weights + optimizer + reference + buffers + share
+        update_peak = sum(components.values()) + update_vllm
+        components["vLLM"] = update_vllm
+        vllm_note = f"vLLM {share:.1f} GiB while generating (peak then {generation_peak:.1f})"
+        if generation_peak > update_peak:
+            components = {
+                "weights": weights,
+                "gradients": 0.0,
+                "optimizer": optimizer,
+                "activations": 0.0,
+                "reference": reference,
+                "engine buffers": buffers,
+                "vLLM": share,
+            }
+            vllm_note = f"generation phase (update phase {update_peak:.1f} GiB)"
+    engine = _engine(stage) + (", optimizer on CPU" if offload else "")
+    label = f"train {method}: {rows} rows x ({prompt} + {completion}) tokens, {processes} x {engine}"
+    return JobPlan(label, gpus, components, vllm_note)
+
+
+def _engine(stage: int) -> str:
+    return f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast"
+
+
+def plan_evaluation(
+    config: Mapping[str, Any], arch: Mapping[str, Any], settings: Mapping[str, Any]
+) -> JobPlan:
+    """vLLM reserves gpu_memory_utilization of each GPU: weights (bf16) plus the KV cache it fills."""
+    ev = config["eval"]
+    gpus = max(1, int(dict(ev.get("resources") or {}).get("gpu", 1)))
+    tp = int(ev.get("tensor_parallel_size") or gpus)
+    share = float(ev.get("gpu_memory_utilization", 0.9)) * float(settings["gpu_memory_gib"])
+    weights = 2 * parameter_count(arch) / tp / GIB
+    head_dim = arch["hidden"] // arch["heads"]
+    kv_per_token = 2 * arch["layers"] * arch["kv_heads"] * head_dim * 2 / tp  # K and V, bf16
+    max_len = int(ev.get("max_model_len") or arch["max_positions"])
+    kv_one = kv_per_token * max_len / GIB
+    if weights + kv_one > share:
+        raise PlanError(
+            f"eval: the bf16 weights ({weights:.1f} GiB) and one {max_len}-token sequence's KV cache "
+            f"({kv_one:.1f} GiB) exceed eval.gpu_memory_utilization x GPU = {share:.1f} GiB: raise "
+            "eval.gpu_memory_utilization or eval.resources.gpu"
+        )
+    sequences = (share - weights) / kv_one
+    return JobPlan(
+        f"eval: vLLM, tensor parallel {tp}",
+        gpus,
+        {"weights": weights, "KV cache and vLLM": share - weights},
+        f"KV cache for about {sequences:.0f} sequences of {max_len} tokens",
+    )
+
+
+def plan_config(
+    config: Mapping[str, Any], *, trace: bool = True, cache: dict[str, Any] | None = None
+) -> ConfigPlan | None:
+    """Every training job's and the evaluation job's plan; None for a CPU config (no GPUs asked for), or when
+    ``trace`` is off and a geometry is not cached."""
+    from d3s.orchestration.launch import job_gpus
+
+    settings = plan_settings(config)
+    if job_gpus(config["train"].get("resources"), "train") == 0:
+        return None
+    _, arch = architecture_of(config["base_model"])
+    cache = read_cache() if cache is None else cache
+    jobs: dict[str, JobPlan] = {}
+    for method in config["methods"]:
+        job = plan_training(config, method, arch, settings, cache=cache, trace=trace)
+        if job is None:
+            return None
+        geometry = job.job.split(":", 1)[1]
+        if geometry in jobs:  # methods whose largest micro-batch is the same (GRPO, and D3S at N = G)
+            jobs[geometry].job = jobs[geometry].job.replace(":", f", {method}:", 1)
+        else:
+            jobs[geometry] = job
+    jobs = list(jobs.values())
+    if int(dict(config["eval"].get("resources") or {}).get("gpu", 0)) > 0:
+        jobs.append(plan_evaluation(config, arch, settings))
+    return ConfigPlan(
+        str(config["experiment"]), float(settings["gpu_memory_gib"]), float(settings["margin"]), jobs
+    )
+
+
+def setting_to_change(job: JobPlan) -> str:
+    """The one setting that moves the largest component of a job that does not fit."""
+    largest = max(job.components, key=job.components.get)
+    if job.job.startswith("eval"):
+        return "eval.gpu_memory_utilization"
+    return {
+        "activations": "trainer.max_completion_length or trainer.per_device_train_batch_size",
+        "vLLM": "trainer.vllm_gpu_memory_utilization",
+        "reference": "trainer.beta (0 drops the reference model) or train.launch.accelerate_config: zero3",
+    }.get(largest, "train.launch.accelerate_config (zero3, or offload_optimizer_device: cpu)")
+
+
+def check_fit(config: Mapping[str, Any]) -> str | None:
+    """One line naming the setting to change when a cached plan does not fit; None when it fits, when the
+    config asks for no GPUs, when the check is off, when the model's architecture is not one the planner
+    knows, or when no cached trace covers it (no tracing here)."""
+    settings = plan_settings(config)
+    if not settings["check"]:
+        return None
+    if config["base_model"].get("kind") != "path":
+        return None  # a model built in code (gpu-smoke): small, and not an architecture the planner knows
+    try:
+        plan = plan_config(config, trace=False)
+    except PlanError:
+        return None  # an architecture the planner does not know: `d3s plan` says so; the run is not refused
+    if plan is None:
+        return None
+    over = plan.too_big()
+    if not over:
+        return None
+    job = max(over, key=lambda j: j.peak)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in job.components.items() if v >= 0.05)
+    return (
+        f"train.memory_plan: {job.job} needs {job.peak:.1f} GiB per GPU ({parts}), over the "
+        f"{plan.limit:.1f} GiB of a {plan.gpu_memory_gib:g} GiB GPU with a {plan.margin:.0%} margin: lower "
+        f"{setting_to_change(job)} (d3s plan --config shows the plan; train.memory_plan.check: false runs anyway)"
+    )
+
+
+def format_plan(plan: ConfigPlan) -> str:
+    """The plan as a Markdown table."""
+    names = ["weights", "gradients", "optimizer", "activations", "reference", "engine buffers", "vLLM"]
+    extra = [n for job in plan.jobs for n in job.components if n not in names]
+    names += list(dict.fromkeys(extra))
+    lines = [
+        f"{plan.experiment}: per-GPU peak (GiB), GPU {plan.gpu_memory_gib:g} GiB, "
+        f"limit {plan.limit:.1f} GiB ({plan.margin:.0%} margin)",
+        "",
+        "| job | GPUs | " + " | ".join(names) + " | peak | margin | fits | note |",
+        "|---|---|" + "---|" * len(names) + "---|---|---|---|",
+    ]
+    for job in plan.jobs:
+        cells = [f"{job.components[n]:.1f}" if n in job.components else "" for n in names]
+        margin = 1 - job.peak / plan.gpu_memory_gib
+        fits = "yes" if job.peak <= plan.limit + 1e-9 else "**no**"
+        lines.append(
+            f"| {job.job} | {job.gpus} | "
+            + " | ".join(cells)
+            + f" | {job.peak:.1f} | {margin:.0%} | {fits} | {job.notes} |"
+        )
+    return "\n".join(lines)
+
+
+def round_up(value: float, step: float = 0.1) -> float:
+    return math.ceil(value / step) * step

@@ -1,0 +1,148 @@
+"""Trace one training step's memory with the real model code under fake tensors (no GPU, no download).
+
+A Qwen2 or Llama model with the published dimensions (d3s.memory_plan.ARCHITECTURES) and random weights is
+built under ``FakeTensorMode``; TRL 1.16's fused LM head (``add_fused_lm_head``, log-probs and entropies in
+vocabulary tiles) is added as GRPOTrainer adds it; one micro-batch then runs forward with gradient
+checkpointing, the GRPO loss, backward and a fused AdamW step, with optimizer state already allocated (every
+step after the first), under ``torch.distributed._tools.mem_tracker.MemTracker``. The tracer's peak, by its
+categories, is the measurement. Fake tensors carry shapes and dtypes only, so a 7B step costs seconds.
+
+Two things run differently on the CPU than on a GPU:
+- TRL's fused head copies each bf16 tile to fp32 for its fp32 gradient accumulation on the CPU, where CUDA's
+  ``addmm(out_dtype=)`` copies nothing: the trace follows CUDA (``_as_on_cuda``);
+- on CUDA the fused head projects only the labelled positions (``compact``), elsewhere every position. The
+  compact path's boolean indexing has a data-dependent shape, which fake tensors cannot trace, so the trace
+  projects every position: the head's per-token buffers (fp32 hidden-state gradient, bf16 copy) are counted
+  for prompt + completion tokens instead of the completion's, under 0.1 GiB more at the paper geometries.
+This module imports torch and transformers: the planner (d3s.memory_plan) imports it only to trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+
+
+def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.nn.Module:
+    """The architecture's model class with ``layers`` decoder layers, random weights (call under fake mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        hidden_size=arch["hidden"],
+        intermediate_size=arch["intermediate"],
+        num_hidden_layers=layers,
+        num_attention_heads=arch["heads"],
+        num_key_value_heads=arch["kv_heads"],
+        vocab_size=arch["vocab"],
+        tie_word_embeddings=arch["tied"],
+        max_position_embeddings=arch["max_positions"],
+        rms_norm_eps=arch["rms_norm_eps"],
+    )
+    if arch["family"] == "qwen2":
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif arch["family"] == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        raise ValueError(f"architecture family {arch['family']!r}: only qwen2 and llama are traced")
+    config._attn_implementation = "sdpa"  # transformers' default, as the training jobs load it
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # fake parameters cannot be cast after construction
+    try:
+        return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _addmm_fp32_as_on_cuda(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    # CUDA's addmm(out_dtype=float32) accumulates without fp32 copies of the tile and the weight chunk
+    acc.add_(torch.mm(a, b))
+
+
+@contextlib.contextmanager
+def _as_on_cuda() -> Iterator[None]:
+    import trl.kernels.chunked_logprob as kernels
+
+    with mock.patch.object(kernels, "_addmm_fp32", _addmm_fp32_as_on_cuda):
+        yield
+
+
+def trace_step(
+    arch: dict[str, Any],
+    *,
+    layers: int,
+    rows: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    precision: str,
+    kl: bool,
+) -> dict[str, int]:
+    """Peak bytes of one training micro-batch and its optimizer step, by MemTracker category, plus "Total".
+
+    ``precision``: "amp" (fp32 weights under bf16 autocast: plain and DDP training) or "bf16" (bf16 weights,
+    no autocast: DeepSpeed's bf16 engine, whose fp32 master weights the planner adds). ``kl``: the loss also
+    takes the reference log-probs (beta != 0); the reference model itself is planned from its weights.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from trl.trainer.utils import add_fused_lm_head
+
+    dtype = torch.float32 if precision == "amp" else torch.bfloat16
+    total = prompt_tokens + completion_tokens
+    with FakeTensorMode(allow_non_fake_inputs=True), _as_on_cuda():
+        model = build_model(arch, layers, dtype)
+        model.train()
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # TRL's
+        add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)  # transformers' default adamw_torch_fused
+        for p in params:  # allocate Adam's moments, as every step after the first finds them
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        input_ids = torch.randint(0, arch["vocab"], (rows, total))
+        attention_mask = torch.ones(rows, total, dtype=torch.long)
+        attention_mask[0, : prompt_tokens // 2] = 0  # left-padded prompts: the 4-D padding mask is built
+        attention_mask[1, total - completion_tokens // 2 :] = 0  # a completion that ended early
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :prompt_tokens] = -100
+        advantages = torch.randn(rows, 1)
+        ref_logps = torch.randn(rows, completion_tokens) if kl else None
+        completion_mask = attention_mask[:, prompt_tokens:].float()
+
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp")
+            with autocast:
+                out = model(
+                    input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+                )
+            logps = out.log_probs[:, -completion_tokens:]
+            entropies = out.entropy[:, -completion_tokens:]  # logged, and D3S's |A| x H score
+            ratio = torch.exp(logps - logps.detach())
+            per_token = -ratio * advantages
+            if ref_logps is not None:  # TRL's k3 estimator of the KL to the reference
+                delta = ref_logps - logps
+                per_token = per_token + 0.001 * (torch.exp(delta) - delta - 1)
+            loss = (per_token * completion_mask).sum() / completion_mask.sum() + 0 * entropies.detach().sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = tracker.get_tracker_snapshot("peak")
+    device_peak = next(iter(peak.values()))
+    result = {name: 0 for name in TRACKER_CATEGORIES}
+    for key, value in device_peak.items():
+        name = getattr(key, "value", str(key)).strip()
+        name = {"Total Memory": "Total"}.get(name, name)
+        if name in result or name == "Total":
+            result[name] = int(value)
+    result.setdefault("Total", sum(result[name] for name in TRACKER_CATEGORIES))
+    return result
