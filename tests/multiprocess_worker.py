@@ -86,6 +86,9 @@ def main(model_path: str, method: str, out_dir: str) -> None:
     record = {
         "world_size": trainer.accelerator.num_processes,
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+        if trainer.is_deepspeed_enabled
+        else None,
         "decisions": decisions,
         "batches": batches,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

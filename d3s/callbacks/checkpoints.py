@@ -27,7 +27,7 @@ WEIGHTS_ONLY_FILE = "d3s_weights_only.txt"
 FULL_STATE_CHECKPOINTS = ("all", "latest")
 # What a checkpoint holds only for resuming, beside the weights (transformers 5.17 Trainer._save_checkpoint:
 # optimizer, scheduler, grad scaler, RNG per rank; DeepSpeed's engine.save_checkpoint: global_step<N>/ with the
-# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py).
+# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py and zero_to_torch.py).
 RESUME_STATE_PATTERNS = (
     "optimizer.pt",
     "optimizer.bin",
@@ -37,6 +37,7 @@ RESUME_STATE_PATTERNS = (
     "global_step*",
     "latest",
     "zero_to_fp32.py",
+    "zero_to_torch.py",
 )
 # Weight files of a checkpoint (save_model); without one, the weights live only in DeepSpeed's global_step*/.
 WEIGHT_FILES = (
