@@ -364,7 +364,26 @@ def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
         _assert_resumed_like_uninterrupted(work / run, reference, log, threads=1)
         assert (work / run / f"checkpoint-{STEPS}" / f"global_step{STEPS}").is_dir()
     if engine == "zero3":
+        _check_killed_final_save_finishes_from_the_last_checkpoint(work, env, runs[0], straight[0])
         _check_zero3_weights_evaluate_as_plain_weights(work / runs[0] / "final", tmp_path)
+
+
+def _check_killed_final_save_finishes_from_the_last_checkpoint(
+    work: Path, env: dict, run: Path, straight: Path
+) -> None:
+    """A 2-process ZeRO-3 job killed while writing its final model (checkpoint-4 complete, final/ and the
+    summary missing) reruns without a step past max_steps; the final model is checkpoint-4's gathered weights."""
+    shutil.rmtree(work / run / "final")
+    (work / run / "train_summary.json").unlink()
+    target = [str(run / "train_summary.json"), "--cores", "4", "--configfile", "config/resume.yaml"]
+    log = _rerun(work, env, target)
+    assert "checkpoint-4 is the last step (max_steps): final model written from it" in log
+    assert not (work / run / f"checkpoint-{STEPS + 1}").exists()
+    metrics = [json.loads(line) for line in (work / run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, STEPS + 1))
+    ours = load_file(work / run / "final" / "model.safetensors")
+    theirs = load_file(straight / "final" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def _check_zero3_weights_evaluate_as_plain_weights(final: Path, tmp_path: Path) -> None:
