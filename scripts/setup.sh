@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install d3s with the pinned set, never pulling a CUDA torch on a CPU machine.
-#   scripts/setup.sh            CPU install (+ test tools)
-#   D3S_GPU=1 scripts/setup.sh  adds the `gpu` extra (vLLM, DeepSpeed) and the default CUDA torch
+#   scripts/setup.sh            CPU install (+ test tools and DeepSpeed, which the ZeRO tests run on the CPU)
+#   D3S_GPU=1 scripts/setup.sh  adds the `gpu` extra (vLLM) and the default CUDA torch
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -27,4 +27,12 @@ fi
 extras=test
 [ "${D3S_GPU:-0}" = 1 ] && extras=test,gpu
 "${pip[@]}" -e ".[${extras}]"
+if [ "${D3S_GPU:-0}" != 1 ]; then
+  # DeepSpeed on the CPU JIT-builds its shared-memory op at first use (1-2 min, needs a C++ compiler); build it
+  # here, once, so the ZeRO tests find it in ~/.cache/torch_extensions (rebuilt only when its source changes).
+  if ! .venv/bin/python -c 'from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder as B; B().load()' \
+    >/dev/null 2>&1; then
+    echo "warning: DeepSpeed's CPU op did not build (is a C++ compiler installed?); the ZeRO tests will try again"
+  fi
+fi
 .venv/bin/python -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.version.cuda)'

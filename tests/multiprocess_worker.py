@@ -103,6 +103,9 @@ def main(model_path: str, method: str, out_dir: str) -> None:
     record = {
         "world_size": trainer.accelerator.num_processes,
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+        if trainer.is_deepspeed_enabled
+        else None,
         "decisions": decisions,
         "token_decisions": token_decisions,
         "batches": batches,

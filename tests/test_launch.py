@@ -22,6 +22,7 @@ import yaml
 from helpers import REPO_ROOT
 
 from d3s.orchestration.launch import (
+    CPU_OVERRIDES,
     TRL_CLI,
     GpuSlots,
     TrainLaunch,
@@ -337,7 +338,7 @@ def test_train_rule_with_two_gpus_builds_the_accelerate_command(tmp_path):
     )  # fmt: skip
     config_path = tmp_path / "train.yaml"
     command, config, server = prepare_training_job(
-        run, config_path, launch=launch, gpu_ids=["0", "1"], threads=4, python="/venv/bin/python"
+        run, config_path, launch=launch, gpu_ids=["0", "1"], threads=4, cpu=False, python="/venv/bin/python"
     )
     port = command[command.index("--main_process_port") + 1]
     assert command == [
@@ -348,6 +349,11 @@ def test_train_rule_with_two_gpus_builds_the_accelerate_command(tmp_path):
         "--module", "d3s.cli", "train", "--config", str(config_path),
     ]  # fmt: skip
     assert server is None and config["threads"] == 2 and config["trainer"] == run["trainer"]
+    # a job without a GPU runs the same config file on the CPU: fp32, the DeepSpeed launcher kept
+    on_cpu, _, _ = prepare_training_job(
+        run, config_path, launch=launch, gpu_ids=["0", "1"], threads=4, cpu=True
+    )
+    assert on_cpu[5:7] == list(CPU_OVERRIDES) == ["--mixed_precision", "no"] and "--cpu" not in on_cpu
     with pytest.raises(ValueError, match="declares 2 GPU"):
         prepare_training_job(run, config_path, launch=launch, gpu_ids=["0"], threads=4)
 

@@ -1,8 +1,8 @@
 """Selection across two processes on the CPU (gloo): same decision on every rank, no row lost.
 
-Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP config
-(workflow/accelerate/ddp.yaml, built by d3s.orchestration.launch.accelerate_command, as GPU training jobs are); PODS
-under plain torchrun.
+Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP and DeepSpeed ZeRO-3
+configs (workflow/accelerate/ddp.yaml and zero3.yaml, with the CPU override, built by
+d3s.orchestration.launch.accelerate_command, as GPU training jobs are); PODS under plain torchrun.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ from d3s.orchestration.launch import accelerate_command, free_port
 from d3s.selection import select_samples, token_keep_mask
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-DDP_CONFIG = REPO_ROOT / "workflow" / "accelerate" / "ddp.yaml"
+ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 
 
 def _launch(launcher: str, args: list[str]) -> list[str]:
-    if launcher == "accelerate":
+    if launcher != "torchrun":  # accelerate with a workflow config: ddp, zero3
         return accelerate_command(
             [str(WORKER), *args],
             num_processes=2,
-            config_file=DDP_CONFIG,
+            config_file=ACCELERATE_DIR / f"{launcher.split('-')[1]}.yaml",
             main_process_port=free_port(),
             threads_per_process=1,
+            cpu=True,
         )
     # --standalone: a free rendezvous port on localhost
     return [
@@ -48,8 +49,11 @@ def _launch(launcher: str, args: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "launcher"), [("d3s", "accelerate"), ("pods", "torchrun")])
+@pytest.mark.parametrize(
+    ("method", "launcher"), [("d3s", "accelerate-ddp"), ("pods", "torchrun"), ("d3s", "accelerate-zero3")]
+)
 def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method, launcher):
+    """Under ZeRO-3 each rank holds a shard of the weights; the selection still sees the gathered batch."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     cmd = _launch(launcher, [str(tiny_sft_model), method, str(tmp_path)])
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -57,6 +61,7 @@ def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method
     ranks = [json.loads((tmp_path / f"{method}_rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert [r["backend"] for r in ranks] == ["gloo", "gloo"]
+    assert [r["zero_stage"] for r in ranks] == [3 if launcher.endswith("zero3") else None] * 2
     # every rank decided the same kept rows, from the same gathered batch
     assert ranks[0]["decisions"] == ranks[1]["decisions"] and len(ranks[0]["decisions"]) == 3
     for step, decision in enumerate(ranks[0]["decisions"]):

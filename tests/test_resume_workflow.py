@@ -1,15 +1,16 @@
 """Resume under Snakemake for multi-process jobs: kill Snakemake midway, rerun, end where an uninterrupted run ends.
 
-Both jobs take the workflow's GPU path on the CPU (as in test_launch.py): fake GPU ids in CUDA_VISIBLE_DEVICES,
-GPU leases in a private lock folder, `accelerate launch` of two `d3s train` processes that train over gloo. The
-job gets 4 threads, so each process runs 2: the count a rerun must compare like with like. The second attempt
-of a server-mode job also gets fresh ports, which must not count as a configuration change.
+The jobs take the workflow's GPU path on the CPU (as in test_launch.py): fake GPU ids in CUDA_VISIBLE_DEVICES,
+GPU leases in a private lock folder, `accelerate launch` of two `d3s train` processes per job that train over
+gloo, with the CPU override the launch adds (--mixed_precision no). The server-mode job (DDP) gets 4 threads, so
+each process runs 2: the count a rerun must compare like with like; its second attempt also gets fresh ports,
+which must not count as a configuration change. The DeepSpeed ZeRO-2 and ZeRO-3 jobs (the paper configs'
+engines) run D3S and PODS side by side.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -77,25 +78,31 @@ STAND_IN = textwrap.dedent(
 )
 
 
-def _workflow(work: Path, *, server: bool) -> dict:
+def _workflow(
+    work: Path, *, server: bool, engine: str | None = None, methods: tuple[str, ...] = ("d3s",)
+) -> dict:
     for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
         src = REPO_ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
     shutil.copytree(REPO_ROOT / "results" / "paper", work / "results" / "paper")
     cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
-    cfg["methods"] = ["d3s"]
-    cfg["analysis"] |= {"reference": "d3s", "headline": ["d3s"], "ablation": ["d3s"]}
-    cfg["train"]["threads"] = 4  # 2 per training process
+    cfg["methods"] = list(methods)
+    cfg["analysis"] |= {"reference": methods[0], "headline": list(methods), "ablation": list(methods)}
+    # 2 threads per training process; a DeepSpeed job 1, as its two methods' jobs train side by side
+    cfg["train"]["threads"] = 2 if engine else 4
     cfg["train"]["resources"] = {"gpu": 3 if server else 2}
+    if engine:
+        cfg["train"]["launch"] = {"accelerate_config": engine}
     # the paper configs' checkpointing: full training state in the newest checkpoint only
     cfg["train"]["trainer"] |= {"max_steps": STEPS, "save_steps": 2, "full_state_checkpoints": "latest"}
     if server:
         cfg["train"]["trainer"] |= {"use_vllm": True, "vllm_mode": "server"}
         cfg["train"]["launch"] = {"vllm_server": {"startup_timeout_s": 120}}
     (work / "config" / "resume.yaml").write_text(yaml.safe_dump(cfg))
+    gpus = 3 if server else 2 * len(methods)  # every job at once
     env = {
         **os.environ,
-        "CUDA_VISIBLE_DEVICES": "0,1,2" if server else "0,1",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in range(gpus)),
         "D3S_GPU_LOCK_DIR": str(work / "locks"),
         "OMP_NUM_THREADS": "1",
     }
@@ -105,6 +112,30 @@ def _workflow(work: Path, *, server: bool) -> dict:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "stand_in"), env.get("PYTHONPATH")]))
         env["D3S_TEST_SERVER_PORTS"] = str(work / "server_ports.txt")
     return env
+
+
+# Holds every training process of an attempt once its checkpoint at D3S_TEST_HOLD_AFTER_STEP is complete, until
+# the test kills the job: both jobs of a workflow are then certainly mid-run, whatever the machine's speed.
+# Only the trainers import it (found through PYTHONPATH); the rerun runs without the variable.
+HOLD = textwrap.dedent(
+    """
+    import os, sys, time
+
+    _argv = list(getattr(sys, "orig_argv", sys.argv))
+    if os.environ.get("D3S_TEST_HOLD_AFTER_STEP") and "d3s.cli" in _argv and "train" in _argv:
+        import d3s.callbacks.checkpoints as checkpoints
+
+        _on_save = checkpoints.D3SCheckpointState.on_save
+
+        def on_save(self, args, state, control, **kwargs):
+            result = _on_save(self, args, state, control, **kwargs)
+            while state.global_step == int(os.environ["D3S_TEST_HOLD_AFTER_STEP"]):
+                time.sleep(1)  # the test kills the job here
+            return result
+
+        checkpoints.D3SCheckpointState.on_save = on_save
+    """
+)
 
 
 def _processes_in(work: Path) -> list[int]:
@@ -185,43 +216,51 @@ def _rerun(work: Path, env: dict, target: list[str]) -> str:
     return log
 
 
-# Uninterrupted runs by base-model checksum: both tests train the same job from the same (deterministic) base
-# model, so the second reuses the first's reference; a different base model gets its own run.
-_REFERENCES: dict[str, Path] = {}
-
-
-def _uninterrupted(work: Path, tmp_path: Path, *, drop: tuple[str, ...] = ()) -> Path:
-    """The same 2-process job (its train.yaml, 2 threads per process) run straight through, outside Snakemake."""
-    base = hashlib.sha256((work / "results/smoke/base_model/model.safetensors").read_bytes()).hexdigest()
-    if base not in _REFERENCES:
-        _REFERENCES[base] = _run_uninterrupted(work, tmp_path, drop=drop)
-    return _REFERENCES[base]
-
-
 def _run_uninterrupted(work: Path, tmp_path: Path, *, drop: tuple[str, ...]) -> Path:
-    config = yaml.safe_load((work / RUN / "train.yaml").read_text())
-    config["output_dir"] = str(tmp_path / "straight")
-    config["trainer"] = {k: v for k, v in config["trainer"].items() if k not in drop}
-    (tmp_path / "straight.yaml").write_text(yaml.safe_dump(config))
-    command = accelerate_command(
-        ["d3s.cli", "train", "--config", str(tmp_path / "straight.yaml")],
-        module=True,
-        num_processes=2,
-        config_file=REPO_ROOT / "workflow" / "accelerate" / "ddp.yaml",
-        main_process_port=free_port(),
-        threads_per_process=config["threads"],
-    )
-    env = training_env(["0", "1"], {**os.environ, "OMP_NUM_THREADS": "1"})
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return tmp_path / "straight"
+    (straight,) = _run_straight(work, tmp_path, [RUN], "ddp", drop=drop)
+    return straight
 
 
-def _assert_resumed_like_uninterrupted(run: Path, straight: Path, log: str) -> None:
+def _run_straight(
+    work: Path, tmp_path: Path, runs: list[Path], engine: str, *, drop: tuple[str, ...] = ()
+) -> list[Path]:
+    """Each run's job (its train.yaml, under the workflow's accelerate config ``engine``, with the CPU override
+    the job got) straight through, outside Snakemake; all at once."""
+    jobs = []
+    for run in runs:
+        config = yaml.safe_load((work / run / "train.yaml").read_text())
+        name = f"straight-{engine}-{run.name}-{run.parent.name}"
+        config["output_dir"] = str(tmp_path / name)
+        config["trainer"] = {k: v for k, v in config["trainer"].items() if k not in drop}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        command = accelerate_command(
+            ["d3s.cli", "train", "--config", str(tmp_path / f"{name}.yaml")],
+            module=True,
+            num_processes=2,
+            config_file=REPO_ROOT / "workflow" / "accelerate" / f"{engine}.yaml",
+            main_process_port=free_port(),
+            threads_per_process=config["threads"],
+            cpu=True,  # as the job ran: this machine has no GPU
+        )
+        env = training_env(["0", "1"], {**os.environ, "OMP_NUM_THREADS": "1"})
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed below, after the job
+        jobs.append(
+            (tmp_path / name, log, subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=log))
+        )
+    for _, log, job in jobs:
+        code = job.wait(timeout=600)
+        log.close()
+        assert code == 0, Path(log.name).read_text()[-5000:]
+    return [straight for straight, _, _ in jobs]
+
+
+def _assert_resumed_like_uninterrupted(run: Path, straight: Path, log: str, *, threads: int = 2) -> None:
     assert "resuming from" in log and "(step 0)" not in log and "starting over" not in log
     assert not list(run.glob("superseded-*"))  # nothing was moved aside: the job resumed
     resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
-    assert resolved["threads"] == 2 and resolved["resolved_trainer"]["generation_batch_size"] == 32  # 2 ranks
+    assert (
+        resolved["threads"] == threads and resolved["resolved_trainer"]["generation_batch_size"] == 32
+    )  # 2 ranks
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, STEPS + 1))  # each step logged once
     reference = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
@@ -235,7 +274,8 @@ def _assert_resumed_like_uninterrupted(run: Path, straight: Path, log: str) -> N
     )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     base = load_file(run.parents[2] / "base_model" / "model.safetensors")
-    assert not all(torch.equal(ours[k], base[k]) for k in ours)  # training moved the weights
+    # training moved the weights (ZeRO-2's state dict also names the tied lm_head.weight)
+    assert not all(torch.equal(ours[k], base[k]) for k in ours.keys() & base.keys())
     # the newest checkpoint holds both ranks' state; the older ones their weights only
     assert {p.name for p in (run / f"checkpoint-{STEPS}").glob("rng_state_*.pth")} == {
         "rng_state_0.pth",
@@ -244,18 +284,7 @@ def _assert_resumed_like_uninterrupted(run: Path, straight: Path, log: str) -> N
     for step in range(2, STEPS, 2):
         older = run / f"checkpoint-{step}"
         assert (older / "model.safetensors").is_file() and not (older / "optimizer.pt").exists()
-
-
-@pytest.mark.slow
-def test_killed_two_process_job_resumes_under_snakemake(tmp_path):
-    """Before the fix, the rerun compared the job's 4 threads with the 2 per process that d3s train recorded,
-    saw a change and deleted every checkpoint. Now it resumes, and ends bitwise where an uninterrupted run ends."""
-    work = tmp_path / "work"
-    work.mkdir()
-    env = _workflow(work, server=False)
-    log = _kill_midway_and_rerun(work, env, tmp_path)
-    assert "GPU(s) ['0', '1']" in log and "--num_cpu_threads_per_process 2" in log
-    _assert_resumed_like_uninterrupted(work / RUN, _uninterrupted(work, tmp_path), log)
+        assert not list(older.glob("global_step*"))  # DeepSpeed's sharded state too
 
 
 @pytest.mark.slow
@@ -266,14 +295,120 @@ def test_killed_server_mode_job_resumes_with_new_ports(tmp_path):
     workflow as the real one is), and rollouts are generated by transformers in the trainers, after the config's
     server has answered on the attempt's host and port. Not checked here: vLLM itself, TRL's client connecting
     to a restarted server (init_communicator on the new group port) and the NCCL weight sync after a resume.
+
+    Also the DDP job under Snakemake (workflow/accelerate/ddp.yaml; the ZeRO jobs are below). Before a fix, the
+    rerun compared the job's 4 threads with the 2 per process that d3s train recorded, saw a change and deleted
+    every checkpoint; now it resumes and ends bitwise where an uninterrupted run ends.
     """
     work = tmp_path / "work"
     work.mkdir()
     env = _workflow(work, server=True)
     log = _kill_midway_and_rerun(work, env, tmp_path, hold_server_port=True)
     assert "GPU(s) ['0', '1', '2']" in log and "starting the vLLM server on GPU(s) ['2']" in log
+    assert "--num_cpu_threads_per_process 2" in log
     first, second = [int(p) for p in (work / "server_ports.txt").read_text().split()]
     trainer = yaml.safe_load((work / RUN / "train.yaml").read_text())["trainer"]
     assert trainer["vllm_server_port"] == second != first  # the rerun's own server, on a port of its own
-    straight = _uninterrupted(work, tmp_path, drop=("use_vllm",))  # transformers rollouts, as in the job
+    straight = _run_uninterrupted(work, tmp_path, drop=("use_vllm",))  # transformers rollouts, as in the job
     _assert_resumed_like_uninterrupted(work / RUN, straight, log)
+
+
+ENGINE_METHODS = ("d3s", "pods")  # cross-group D3S with the token level on; PODS (per-prompt selection)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
+    """The paper configs' engines, run for real on the CPU: the workflow's own zero2/zero3.yaml (with the CPU
+    override the launch adds), 2 processes per job, full_state_checkpoints: latest. Snakemake is SIGKILLed while
+    both jobs hold at their complete checkpoint-2; the rerun resumes them and ends bitwise where uninterrupted
+    runs end, each step logged once."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = _workflow(work, server=False, engine=engine, methods=ENGINE_METHODS)
+    (work / "hold").mkdir()
+    (work / "hold" / "sitecustomize.py").write_text(HOLD)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "hold"), env.get("PYTHONPATH")]))
+    runs = [Path(f"results/smoke/runs/{method}/seed0") for method in ENGINE_METHODS]
+    target = [*(str(run / "train_summary.json") for run in runs), "--cores", "4"]
+    target += ["--configfile", "config/resume.yaml"]
+    with open(tmp_path / "first.log", "w") as out:
+        job = subprocess.Popen(
+            SNAKEMAKE + target,
+            cwd=work,
+            env=env | {"D3S_TEST_HOLD_AFTER_STEP": "2"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 400
+        while not all((work / run / "checkpoint-2" / "d3s_state.json").is_file() for run in runs):
+            logs = [work / f"results/smoke/logs/train/{m}_seed0.log" for m in ENGINE_METHODS]
+            tails = "".join(log.read_text()[-3000:] for log in logs if log.is_file())
+            assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:] + tails
+            assert time.monotonic() < deadline, "no checkpoint-2 in both jobs within 400 s\n" + tails
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    deadline = time.monotonic() + 60
+    while _processes_in(work):
+        assert time.monotonic() < deadline, f"processes of the killed job still run: {_processes_in(work)}"
+        time.sleep(0.1)
+    assert (work / runs[0] / "checkpoint-2" / "global_step2").is_dir()  # DeepSpeed's own checkpoint
+    assert not any((work / run / "train_summary.json").exists() for run in runs)
+    _rerun(work, env, target)
+    straight = _run_straight(work, tmp_path, runs, engine)
+    for method, run, reference in zip(ENGINE_METHODS, runs, straight, strict=True):
+        log = (work / f"results/smoke/logs/train/{method}_seed0.log").read_text()
+        assert f"--config_file {work / 'workflow' / 'accelerate' / engine}.yaml --mixed_precision no" in log
+        _assert_resumed_like_uninterrupted(work / run, reference, log, threads=1)
+        assert (work / run / f"checkpoint-{STEPS}" / f"global_step{STEPS}").is_dir()
+    if engine == "zero3":
+        _check_killed_final_save_finishes_from_the_last_checkpoint(work, env, runs[0], straight[0])
+        _check_zero3_weights_evaluate_as_plain_weights(work / runs[0] / "final", tmp_path)
+
+
+def _check_killed_final_save_finishes_from_the_last_checkpoint(
+    work: Path, env: dict, run: Path, straight: Path
+) -> None:
+    """A 2-process ZeRO-3 job killed while writing its final model (checkpoint-4 complete, final/ and the
+    summary missing) reruns without a step past max_steps; the final model is checkpoint-4's gathered weights."""
+    shutil.rmtree(work / run / "final")
+    (work / run / "train_summary.json").unlink()
+    target = [str(run / "train_summary.json"), "--cores", "4", "--configfile", "config/resume.yaml"]
+    log = _rerun(work, env, target)
+    assert "checkpoint-4 is the last step (max_steps): final model written from it" in log
+    assert not (work / run / f"checkpoint-{STEPS + 1}").exists()
+    metrics = [json.loads(line) for line in (work / run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, STEPS + 1))
+    ours = load_file(work / run / "final" / "model.safetensors")
+    theirs = load_file(straight / "final" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def _check_zero3_weights_evaluate_as_plain_weights(final: Path, tmp_path: Path) -> None:
+    """The 16-bit weights ZeRO-3 gathered at its last save load in `d3s eval` and give the same Pass@k as the
+    same weights saved by plain transformers (no DeepSpeed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from d3s.cli import main
+
+    plain = tmp_path / "plain"
+    AutoModelForCausalLM.from_pretrained(final).save_pretrained(plain)
+    AutoTokenizer.from_pretrained(final).save_pretrained(plain)
+    summaries = []
+    for name, model in (("zero3", final), ("plain", plain)):
+        out = tmp_path / f"eval-{name}"
+        command = [
+            "eval", "--model", str(model), "--benchmarks", "synthetic", "--synthetic",
+            "count=8,max_ops=1,max_operand=9", "--samples", "4", "--k", "1,4", "--max-tokens", "16",
+            "--temperature", "1.0", "--top-p", "1.0", "--backend", "transformers", "--batch-size", "32",
+            "--grading-workers", "1", "--no-progress", "--seed", "0", "--out", str(out),
+        ]  # fmt: skip
+        assert main(command) == 0
+        summary = json.loads((out / "synthetic" / "summary.json").read_text())
+        samples = [
+            json.loads(line) for line in (out / "synthetic" / "samples.jsonl").read_text().splitlines()
+        ]
+        summaries.append((summary["pass_at_k"], sorted((r["problem_id"], r["completion"]) for r in samples)))
+    assert summaries[0] == summaries[1] and summaries[0][0]  # the same Pass@k, from the same completions

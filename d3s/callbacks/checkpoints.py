@@ -27,7 +27,7 @@ WEIGHTS_ONLY_FILE = "d3s_weights_only.txt"
 FULL_STATE_CHECKPOINTS = ("all", "latest")
 # What a checkpoint holds only for resuming, beside the weights (transformers 5.17 Trainer._save_checkpoint:
 # optimizer, scheduler, grad scaler, RNG per rank; DeepSpeed's engine.save_checkpoint: global_step<N>/ with the
-# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py).
+# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py and zero_to_torch.py).
 RESUME_STATE_PATTERNS = (
     "optimizer.pt",
     "optimizer.bin",
@@ -37,15 +37,18 @@ RESUME_STATE_PATTERNS = (
     "global_step*",
     "latest",
     "zero_to_fp32.py",
+    "zero_to_torch.py",
 )
 # Weight files of a checkpoint (save_model); without one, the weights live only in DeepSpeed's global_step*/.
-_WEIGHT_FILES = (
+WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
     "adapter_model.safetensors",
 )
+# Files of a checkpoint that describe the checkpoint itself, not the model that save_model wrote into it.
+CHECKPOINT_ONLY_FILES = ("trainer_state.json", D3S_STATE_FILE, WEIGHTS_ONLY_FILE)
 
 
 def has_training_state(checkpoint: str | os.PathLike[str]) -> bool:
@@ -63,7 +66,7 @@ def strip_to_weights(checkpoint: str | os.PathLike[str], reason: str) -> list[st
     WEIGHTS_ONLY_FILE is written first, so a crash midway never leaves a checkpoint that looks resumable.
     """
     checkpoint = Path(checkpoint)
-    if not any((checkpoint / name).is_file() for name in _WEIGHT_FILES):
+    if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
         return []
     state = sorted({path for pattern in RESUME_STATE_PATTERNS for path in checkpoint.glob(pattern)})
     if not state:

@@ -48,6 +48,10 @@ TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
 # They differ between attempts of one run, so a resumed job never counts them as a configuration change
 # (d3s.runs.run.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
+# `accelerate launch` flags that run any workflow/accelerate/ config on a job without a GPU. The configs' bf16
+# mixed precision needs a GPU (DeepSpeed on the CPU takes fp32); accelerate's --cpu is not one of them: it
+# replaces the DeepSpeed launcher by a single plain process. DeepSpeed picks its CPU accelerator and gloo itself.
+CPU_OVERRIDES = ("--mixed_precision", "no")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
 
@@ -296,16 +300,19 @@ def accelerate_command(
     main_process_port: int,
     threads_per_process: int,
     module: bool = False,
+    cpu: bool = False,
     python: str = sys.executable,
 ) -> list[str]:
     """``accelerate launch`` of ``target`` (a script and its arguments, or a module with ``module=True``).
 
     The launcher follows the config file's ``distributed_type`` (workflow/accelerate/: DDP, ZeRO-2, ZeRO-3, or
-    one process).
+    one process). ``cpu``: the job has no GPU, so the same config file trains on the CPU (CPU_OVERRIDES).
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     command = [python, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+    if cpu:
+        command += list(CPU_OVERRIDES)
     command += ["--num_processes", str(num_processes), "--num_machines", "1"]
     command += ["--main_process_port", str(main_process_port)]
     command += ["--num_cpu_threads_per_process", str(threads_per_process)]
@@ -625,11 +632,13 @@ def prepare_training_job(
     launch: TrainLaunch,
     gpu_ids: Sequence[str],
     threads: int,
+    cpu: bool | None = None,
     python: str = sys.executable,
 ) -> tuple[list[str], dict[str, Any], list[str] | None]:
     """(accelerate command, final run config, vllm-serve command or None) for one training job.
 
     The first ``launch.train_gpus`` ids train, the rest serve; server mode gets free ports on this node.
+    ``cpu`` (default: no CUDA device here) adds CPU_OVERRIDES, so the job's accelerate config runs on the CPU.
     """
     if len(gpu_ids) != launch.job_gpus:
         raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
@@ -652,9 +661,17 @@ def prepare_training_job(
         config_file=launch.accelerate_config,
         main_process_port=free_port(),
         threads_per_process=config["threads"],
+        cpu=not cuda_available() if cpu is None else cpu,
         python=python,
     )
     return command, config, server_command
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device (torch imported only here: the workflow parses without it)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_training_job(

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 import yaml
 
-from d3s.callbacks.checkpoints import D3S_STATE_FILE, WEIGHTS_ONLY_FILE, has_training_state
+from d3s.callbacks.checkpoints import (
+    CHECKPOINT_ONLY_FILES,
+    D3S_STATE_FILE,
+    RESUME_STATE_PATTERNS,
+    WEIGHT_FILES,
+    WEIGHTS_ONLY_FILE,
+    has_training_state,
+)
 from d3s.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
 from d3s.methods import get_method
 from d3s.runs.config import TOP_LEVEL_KEYS, TinyOptions, check_model_dir, coerce_run_config
@@ -301,13 +308,6 @@ def train(config: dict[str, Any]) -> Path:
                 "start over (the old run's checkpoints and logs are moved aside, not deleted)"
             )
 
-    from datasets import Dataset
-
-    from d3s.rewards import reward_functions
-    from d3s.trainer import D3STrainer
-
-    model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
-    rows = _training_rows(config, tokenizer)
     resolved = {
         **config,
         "threads": threads,
@@ -330,6 +330,19 @@ def train(config: dict[str, Any]) -> Path:
             step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
             _cut_logs(output_dir, args.metrics_log or "metrics.jsonl", step)
             print(f"resuming from {resume_from} (step {step})", flush=True)
+    if resume_from is not None and training_finished(resume_from):
+        # The newest checkpoint is the last step (killed during or after the final save): train nothing more,
+        # Trainer would take a step past max_steps; the checkpoint's weights are the final model.
+        _finish_from_checkpoint(output_dir, resume_from, manifest, threads=threads, is_main=is_main)
+        return output_dir
+
+    from datasets import Dataset
+
+    from d3s.rewards import reward_functions
+    from d3s.trainer import D3STrainer
+
+    model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
+    rows = _training_rows(config, tokenizer)
     trainer = D3STrainer(
         model=model,
         args=args,
@@ -361,6 +374,57 @@ def train(config: dict[str, Any]) -> Path:
         write_manifest(output_dir / "manifest.json", manifest)
     trainer.accelerator.wait_for_everyone()
     return output_dir
+
+
+def training_finished(checkpoint: str | os.PathLike[str]) -> bool:
+    """True when ``checkpoint`` was saved at the run's last step (its trainer_state.json's max_steps, which
+    Trainer also computes for an epoch-based run)."""
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
+    return 0 < int(state.get("max_steps") or 0) <= int(state["global_step"])
+
+
+def _finish_from_checkpoint(
+    output_dir: Path, checkpoint: Path, manifest: dict[str, Any], *, threads: int, is_main: bool
+) -> None:
+    """Write final/ and train_summary.json from a checkpoint at the last step, as the uninterrupted run does.
+
+    The checkpoint's weight, config and tokenizer files are what Trainer.save_model wrote at that step (ZeRO-3
+    gathered into 16-bit weights), the same files the final save writes; everything kept only to resume is
+    left out.
+    """
+    if is_main:
+        step = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))["global_step"]
+        if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
+            raise ValueError(
+                f"{checkpoint} is the run's last step but holds no weight file (ZeRO-3 without "
+                "zero3_save_16bit_model): convert it with its zero_to_fp32.py into final/, or set "
+                "zero3_save_16bit_model: true in the accelerate config"
+            )
+        skipped = set(CHECKPOINT_ONLY_FILES)
+        partial = output_dir / "final.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        for path in checkpoint.iterdir():
+            resume_state = any(path.match(pattern) for pattern in RESUME_STATE_PATTERNS)
+            if path.is_file() and path.name not in skipped and not resume_state:
+                shutil.copy2(path, partial / path.name)
+        shutil.rmtree(output_dir / "final", ignore_errors=True)
+        os.replace(partial, output_dir / "final")
+        counters = json.loads((checkpoint / D3S_STATE_FILE).read_text(encoding="utf-8"))
+        summary = {
+            "train_seconds": 0.0,  # this attempt trained nothing; the steps' time is in the earlier attempts
+            "steps": step,
+            "threads": threads,
+            "update_tokens_total": counters["update_tokens_total"],
+            "resumed_from": str(checkpoint),
+        }
+        atomic_write_text(output_dir / "train_summary.json", json.dumps(summary, indent=2))
+        manifest["finished"] = now()
+        write_manifest(output_dir / "manifest.json", manifest)
+        print(f"{checkpoint.name} is the last step (max_steps): final model written from it", flush=True)
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()  # every process returns once the final model exists
 
 
 def _input_files(config: dict[str, Any]) -> dict[str, Path]:
