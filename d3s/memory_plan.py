@@ -40,6 +40,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         family="qwen2", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064,
         tied=False, max_positions=4096, rms_norm_eps=1e-6,
     ),
+    "qwen2.5-3b": dict(  # PODS's own runs (Qwen2.5-3B-Instruct)
+        family="qwen2", hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936,
+        tied=True, max_positions=32768, rms_norm_eps=1e-6,
+    ),
     "llama-3.1-8b": dict(
         family="llama", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
         tied=False, max_positions=131072, rms_norm_eps=1e-5,
@@ -50,6 +54,7 @@ MODEL_ARCHITECTURES = {
     "Qwen/Qwen2.5-Math-1.5B-Instruct": "qwen2.5-math-1.5b",
     "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
     "Qwen/Qwen2.5-Math-7B-Instruct": "qwen2.5-math-7b",
+    "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "nvidia/OpenMath2-Llama3.1-8B": "llama-3.1-8b",

@@ -31,6 +31,7 @@ REAL_COUNTS = {
     "minerva_math": 272,
     "olympiadbench": 675,
     "math_level3to5": 8521,
+    "gsm8k_train": 7473,
 }
 
 

@@ -238,3 +238,15 @@ def test_a_method_is_compared_with_its_own_baseline_where_it_ran():
     without_gspo = claims_table(evals[evals["method"] != "gspo"], curves, metrics, ["grpo", "gspo_d3s"], "grpo",
                                 references={"gspo_d3s": "gspo"})  # fmt: skip
     assert set(without_gspo.loc[without_gspo["claim"] == "pass_at_1", "reference"]) == {"grpo"}
+
+
+def test_every_pods_row_names_its_protocol():
+    from d3s.analysis.claims import pods_protocol
+
+    d3s_protocol = pods_protocol("pods", "grpo", {"grpo": 32, "pods": 32})
+    assert d3s_protocol.startswith("D3S's GRPO+PODS") and "trains 8" in d3s_protocol
+    own = pods_protocol("pods", "grpo", {"grpo": 16, "pods": 64})
+    assert own.startswith("PODS's own") and "n = 64" in own and "m = 16" in own
+    assert pods_protocol("pods_random", "grpo", {"grpo": 8, "pods_random": 32}).startswith("PODS's own")
+    assert pods_protocol("d3s", "grpo", {"grpo": 32, "d3s": 32}) == ""  # not a PODS comparison
+    assert pods_protocol("pods", "base", {"pods": 32}).startswith("D3S's")

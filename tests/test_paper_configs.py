@@ -76,7 +76,14 @@ GRPO_OBJECTIVE = {
     "loss_type": "dapo",
 }
 
-CONFIGS = sorted(PAPER_DIR.glob("*.yaml"))
+ALL_CONFIGS = sorted(PAPER_DIR.glob("*.yaml"))
+PODS_CONFIGS = sorted(PAPER_DIR.glob("pods-*.yaml"))  # PODS's own protocol (test_pods_own_protocol)
+CONFIGS = [path for path in ALL_CONFIGS if path not in PODS_CONFIGS]  # the D3S paper's
+# PODS (arXiv 2504.13818) single-GPU arms [paper]: (GRPO's n = m, PODS's n, benchmarks)
+PODS_ARMS = {
+    "pods-qwen2.5-3b-instruct-gsm8k.yaml": (16, 64, ["gsm8k"], "gsm8k_train"),
+    "pods-qwen2.5-3b-instruct-math.yaml": (8, 32, ["math500", "amc23"], "math_level3to5"),
+}
 
 
 def _load(path: Path) -> dict:
@@ -85,11 +92,13 @@ def _load(path: Path) -> dict:
 
 def test_one_file_per_backbone_and_the_single_gpu_one():
     assert {p.name for p in CONFIGS} == set(BACKBONES)
+    assert {p.name for p in PODS_CONFIGS} == set(PODS_ARMS)
 
 
-@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config_path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_dry_run_jobs_and_resources(config_path, shared_data_dir):
-    cfg, expected = _load(config_path), BACKBONES[config_path.name]
+    cfg = _load(config_path)
+    expected = BACKBONES.get(config_path.name, {"gpus": 1})  # PODS's runs: one GPU [paper]
     jobs = dry_run_jobs(config_path, shared_data_dir)
     by_rule: dict[str, list[dict]] = {}
     for job in jobs:
@@ -128,7 +137,7 @@ def resolved():
     os.environ["D3S_DATA_DIR"] = str(data)
     try:
         out = {}
-        for path in CONFIGS:
+        for path in ALL_CONFIGS:
             cfg = _load(path)
             out[path.name] = (cfg, resolved_trainer_configs(cfg, ACCELERATE_DIR, cfg.get("task")))
         return out
@@ -157,7 +166,7 @@ def test_backbone_data_and_evaluation(config_path):
     assert ev["kl"]["prompts"] * ev["kl"]["samples"] >= 32
 
 
-@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config_path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_beta_is_marked_paper(config_path):
     """A nonzero beta is kept only where a paper gives one, and the line says so."""
     (line,) = [line for line in config_path.read_text().splitlines() if line.strip().startswith("beta:")]
@@ -178,8 +187,11 @@ def test_resolved_trainer_settings(config_path, resolved):
         # batch: prompts x G rollouts per optimizer step, one optimizer step per generation batch
         assert args.num_generations == G, where
         assert args.per_device_train_batch_size == G, where
-        assert args.generation_batch_size * processes == expected["prompts"] * G, where
-        assert args.steps_per_generation == args.gradient_accumulation_steps, where
+        # GSPO: 4 mini-batches (optimizer steps) per generation batch; every other method one
+        minibatches = 4 if method.startswith("gspo") else 1
+        assert args.minibatches_per_generation == minibatches, where
+        assert args.generation_batch_size * processes == minibatches * expected["prompts"] * G, where
+        assert args.steps_per_generation == minibatches * args.gradient_accumulation_steps, where
         assert args.num_iterations == 1 and args.max_steps == expected["steps"], where
         # selection (d3s/methods.py)
         rule, scope, renorm, n0, n1, token, k0, k1, schedule = SELECTION[method]
@@ -220,7 +232,41 @@ def test_resolved_trainer_settings(config_path, resolved):
         assert args.max_steps % args.save_steps == 0 and args.max_steps // args.save_steps >= 4, where
 
 
-@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config_path", PODS_CONFIGS, ids=lambda p: p.stem)
+def test_pods_own_protocol(config_path, resolved):
+    """GRPO with n = m against PODS generating n = 4m and training the same m, PODS's reward and answer
+    format, PODS's optimiser settings; every value line marked [paper] or [choice] where it is set."""
+    cfg, configs = resolved[config_path.name]
+    m, n, benchmarks, dataset = PODS_ARMS[config_path.name]
+    grpo, pods = configs["grpo"], configs["pods"]
+    assert (grpo.num_generations, grpo.keep_per_prompt) == (m, m)
+    assert (pods.num_generations, pods.keep_per_prompt, pods.sample_rule, pods.renormalize) == (
+        n, m, "max_variance", True,
+    )  # fmt: skip
+    assert cfg["train"]["prompts_per_step"] == 1 and cfg["train"]["dataset"]["name"] == dataset
+    assert (cfg["train"]["template"], cfg["train"]["reward"], cfg["eval"]["template"]) == ("pods",) * 3
+    assert cfg["eval"]["benchmarks"] == benchmarks and cfg["eval"]["samples"] == 5
+    for args in (grpo, pods):
+        assert args.answer_policy == "answer_tag" and args.loss_type == "grpo" and args.beta == 0.0
+        assert (args.learning_rate, args.max_grad_norm, args.weight_decay) == (5e-6, 0.1, 0.1)
+        assert (args.temperature, args.max_completion_length) == (0.9, 512)
+    # the same prompts per optimizer step, and the update trains m rollouts per prompt in both arms
+    assert (
+        grpo.generation_batch_size // grpo.num_generations
+        == pods.generation_batch_size // pods.num_generations
+    )
+    from d3s.analysis.claims import pods_protocol
+    from d3s.analysis.report import method_generations
+
+    assert pods_protocol("pods", "grpo", method_generations(cfg)).startswith("PODS's own")
+    trainer_lines = config_path.read_text().split("\n  trainer:\n", 1)[1].split("\n  method_overrides:", 1)[0]
+    for line in trainer_lines.splitlines():
+        key = line.strip().split(":", 1)[0]
+        if key in ("learning_rate", "max_grad_norm", "weight_decay", "temperature", "max_completion_length"):
+            assert "[paper]" in line, line
+
+
+@pytest.mark.parametrize("config_path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_checkpoints_resume(config_path, resolved):
     """A cut-off paper run resumes exactly: its newest checkpoint keeps the training state (optimizer, scheduler,
     RNG, DeepSpeed's global_step folder), which save_only_model: true would drop; the older ones are cut to

@@ -48,6 +48,7 @@ COLUMNS = [
     "eval_se",
     "statement",
     "note",
+    "protocol",
 ]
 
 
@@ -171,6 +172,25 @@ def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
             break
         rejected[index] = True
     return rejected
+
+
+def pods_protocol(method: str, reference: str, generations: Mapping[str, int] | None) -> str:
+    """Which PODS comparison a row of a PODS-family method (re-normalised down-sampling) belongs to.
+
+    D3S's "GRPO+PODS" generates the reference's G and trains G/4; PODS's own protocol generates n = 4m and
+    trains the m rollouts the reference generates and trains (PODS Table 1). Empty for other methods."""
+    from d3s.methods import METHODS
+
+    entry = METHODS.get(method)  # None for "base" and the ordering rows
+    if entry is None or not entry.renormalize or not generations or method not in generations:
+        return ""
+    n, reference_n = int(generations[method]), int(generations.get(reference, generations[method]))
+    m = entry.keep_per_prompt(n)[0]
+    if n == reference_n:
+        return f"D3S's GRPO+PODS: both generate G = {n}, PODS trains {m}"
+    if m == reference_n:
+        return f"PODS's own: PODS generates n = {n} and trains m = {m}; {reference} generates and trains {m}"
+    return f"PODS at (n, m) = ({n}, {m}) against {reference} at G = {reference_n}"
 
 
 def _paired(per_seed: pd.DataFrame, method: str, reference: str, values: str = "value") -> pd.DataFrame:
@@ -338,10 +358,12 @@ def claims_table(
     fraction: float = 0.99,
     paper: Mapping[str, Mapping[str, float]] | None = None,
     references: Mapping[str, str] | None = None,
+    generations: Mapping[str, int] | None = None,
 ) -> pd.DataFrame:
     """Every claim for every method against ``reference``, each method's gain over the base model, and
     whether our ordering of the methods agrees with each of the ``paper``'s tables (name -> method -> Pass@1).
     ``references`` gives a method its own baseline instead (e.g. ``{"gspo_d3s": "gspo"}``), where it ran.
+    ``generations`` (method -> num_generations) names the protocol of every PODS row (``pods_protocol``).
 
     ``evals``: d3s.analysis.io.load_evals (final models, and the base model at step 0); ``curves``:
     d3s.analysis.tables.learning_curves (Pass@1 by method, seed, step; wall_clock); ``metrics``:
@@ -384,6 +406,8 @@ def claims_table(
         ]
     for source, scores in (paper or {}).items():
         rows.append(ordering_row(final, scores, source))
+    for row in rows:
+        row["protocol"] = pods_protocol(row["method"], row["reference"], generations)
     table = pd.DataFrame(rows).reindex(columns=[c for c in COLUMNS if c != "verdict_holm"])
     rejected = holm(table["p_value"])
     table["verdict_holm"] = [

@@ -94,9 +94,20 @@ def write_claims(results: Path, paper_dir: Path, config: dict) -> pd.DataFrame:
         analysis.get("target_fraction", 0.99),
         paper_pass_at_1(paper_dir),
         analysis.get("references", {"gspo_d3s": "gspo"}),
+        method_generations(config),
     )
     write_table(table, results / "tables" / "claims.csv", load_provenance(results, allow_mixed=allow_mixed))
     return table
+
+
+def method_generations(config: dict) -> dict[str, int]:
+    """num_generations of each method's runs, as the workflow resolves them (trainer, then method_overrides)."""
+    train = config.get("train") or {}
+    trainer, overrides = train.get("trainer") or {}, train.get("method_overrides") or {}
+    return {
+        m: int((overrides.get(m) or {}).get("num_generations", trainer.get("num_generations", 8)))
+        for m in config["methods"]
+    }
 
 
 def _interval(row) -> str:
@@ -120,7 +131,12 @@ def claims_summary(table: pd.DataFrame, headline: list[str], reference: str) -> 
     return pd.DataFrame(
         {
             "claim": shown["statement"],
-            "method vs reference": shown["method"] + " vs " + shown["reference"],
+            "method vs reference": [
+                f"{m} vs {r}" + (f" ({p})" if p else "")
+                for m, r, p in zip(
+                    shown["method"], shown["reference"], shown["protocol"].fillna(""), strict=True
+                )
+            ],
             "estimate [95 % CI]": shown.apply(_interval, axis=1),
             "unit": shown["unit"],
             "verdict": shown["verdict"],

@@ -76,7 +76,8 @@ class BenchmarkSpec:
     name: str
     description: str
     hub: HubSource | None = None
-    local_file: str = "test.jsonl"  # in <data root>/<name>/
+    local_file: str = "test.jsonl"  # in <data root>/<local_dir or name>/
+    local_dir: str | None = None
     question_field: str = "problem"
     # The gold: the first of these fields present and non-empty; a value read from solution_field is
     # replaced by the final answer written in it (GSM8K's rationale, Minerva's solution).
@@ -92,7 +93,7 @@ class BenchmarkSpec:
     @property
     def local_path(self) -> str:
         """The local copy's path relative to the data root."""
-        return f"{self.name}/{self.local_file}"
+        return f"{self.local_dir or self.name}/{self.local_file}"
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
@@ -162,6 +163,18 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             ),
             local_file="math.8k.json",
             question_field="prompt",
+            role="train",
+        ),
+        BenchmarkSpec(
+            "gsm8k_train",
+            "GSM8K train (7,473): PODS's training set; gold is the number after '####' in the rationale",
+            HubSource("openai/gsm8k", name="main", split="train"),
+            local_dir="gsm8k",
+            local_file="train.jsonl",
+            question_field="question",
+            id_field=None,
+            solution_field="answer",
+            solution_answer="gsm8k",
             role="train",
         ),
         BenchmarkSpec(

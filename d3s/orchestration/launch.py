@@ -277,6 +277,7 @@ def build_run_config(
         "output_dir": str(output_dir),
         "dataset": dataset,
         "template": train_cfg.get("template", "raw"),
+        "reward": train_cfg.get("reward", "accuracy"),
         "trainer": trainer,
     }
     if train_cfg.get("data_dir"):
