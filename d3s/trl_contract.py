@@ -17,9 +17,12 @@ TRL_VERSION = "1.16.0"
 TRAINER_METHODS = {
     "_calculate_rewards": "core: the gathered rewards, which _generate_and_score_completions does not return",
     "_generate_and_score_completions": "core: select the kept rollouts and re-index the batch",
-    "_compute_loss": "core: the loss inputs (advantages) for the token mask; tokens trained",
-    "get_high_entropy_mask": "core: the |A| x H top-K% token mask instead of TRL's entropy quantile",
-    "_get_per_token_logps_and_entropies": "savings: placeholders while TRL scores; the kept-token head",
+    "_compute_loss": "core: the generation batch's token mask as TRL's loss mask (GSPO, token_norm), the KL "
+    "coefficient on the kept tokens; tokens trained",
+    "get_high_entropy_mask": "core: returns the token mask chosen for the generation batch (TRL multiplies the "
+    "policy term by it)",
+    "_get_per_token_logps_and_entropies": "core: entropies from the old-policy pass; savings: placeholders while "
+    "TRL scores, the kept-token head",
 }
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
 TRAINER_ATTRIBUTES = (
@@ -30,7 +33,7 @@ TRAINER_ATTRIBUTES = (
     "top_entropy_quantile",  # TRL calls get_high_entropy_mask only when it is < 1 (read on every loss call)
     "_tokenizer",
     "temperature",  # kept-token head: log-probs of logits / temperature, as TRL's
-    "beta",
+    "beta",  # read in _compute_loss as `self.beta * per_token_kl`, added after the token mask (kl_tokens)
     "loss_type",
     "importance_sampling_level",
     "_entropy_bonus_enabled",

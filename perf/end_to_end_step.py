@@ -24,8 +24,8 @@ not changed), so the benchmark measures whatever the trainer currently does:
   * tokens forwarded: a forward pre-hook on the policy (and reference) model counts, per pass, the input
     positions (padding included, what the compute pays for), the non-padding tokens, and the labelled
     positions scored by the LM head; the gradient pass also counts the positions projected through the LM
-    head with gradient (all labelled positions, or the mask returned by the trainer's ``select_tokens``
-    callback when it restricts the head to kept tokens);
+    head with gradient (all labelled positions, or the positions of the trainer's ``select_tokens`` mask
+    when it restricts the head to kept tokens);
   * tokens backpropagated: the trainer's ``selection/update_tokens`` (completion tokens with nonzero loss
     weight) per step.
 Each method runs ``--rounds`` times (method order reversed every other round, after one discarded
@@ -104,14 +104,8 @@ def _count_forward(recorder: StepRecorder, model: torch.nn.Module, role: str) ->
             select = kwargs.get("select_tokens")
             if grad and select is None:
                 recorder.now[f"{prefix}.head_grad"] += scored
-            elif grad:  # the trainer restricts the LM head's gradient to the positions this returns
-
-                def counting_select(entropy, _select=select, _key=f"{prefix}.head_grad"):
-                    keep = _select(entropy)
-                    recorder.now[_key] += keep.sum().item()
-                    return keep
-
-                kwargs = {**kwargs, "select_tokens": counting_select}
+            elif grad:  # the trainer restricts the LM head's gradient to the positions of this mask
+                recorder.now[f"{prefix}.head_grad"] += select.sum().item()
         starts.append(time.perf_counter())
         return args, kwargs
 

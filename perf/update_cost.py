@@ -149,6 +149,10 @@ def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
 
     model = trainer.model
     model.train()
+    if "token_mask" not in batch and trainer.args.token_rule != "none":
+        # chosen once per generation batch before the update (in training from the old-policy pass's
+        # entropies): the first (warm-up) call adds it to ``batch``, later (timed) calls reuse it
+        batch["token_mask"] = trainer._select_tokens(batch)
     trainer.trained_tokens = 0  # tokens whose log-prob reached the gradient in this step
     for part in split_tensor_dict(batch, trainer.args.steps_per_generation) if split else [batch]:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
