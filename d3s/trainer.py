@@ -102,7 +102,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             self.model.training and self.args.sample_rule != "none" and keep < self.num_generations
         )
         selects_tokens = self.model.training and self._token_keep_ratio() < 1.0
-        self._hook_state.old_policy_entropies_wanted = selects_tokens
+        self._hook_state.old_policy_entropies_wanted = selects_tokens and self._runs_old_policy_pass()
         with self.logprob_passes_deferred(drops_rollouts and self.args.defer_logprob_passes):
             output = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, advantages
         self._take_old_policy_entropies(output)
@@ -166,9 +166,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                     compute_entropy=True,
                 )
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
-        if (
-            "importance_sampling_ratio" in batch
-        ):  # rollouts (or tokens) vLLM's IS correction zeroed never rank
+        if "importance_sampling_ratio" in batch:  # what vLLM's IS correction zeroed never takes a slot
             valid = valid * (batch["importance_sampling_ratio"] != 0)
         return self._rank_tokens(batch, entropies, valid.bool())
 
@@ -401,6 +399,14 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         if kwargs.get("compute_entropy") and torch.is_grad_enabled():  # the gradient pass of _compute_loss
             state.loss_entropies = entropies
         return logps, entropies, aux
+
+    def _runs_old_policy_pass(self) -> bool:
+        """TRL's condition for its old-policy log-prob pass (in _generate_and_score_completions), which runs
+        before its reference pass: the first no-gradient pass of the policy while scoring is that one."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
 
     def _take_old_policy_entropies(self, batch: dict) -> None:
         """Move the old-policy pass's entropies into the batch, as a per-rollout tensor selection indexes."""

@@ -38,6 +38,9 @@ TRAINER_ATTRIBUTES = (
     "importance_sampling_level",
     "_entropy_bonus_enabled",
     "ref_model",
+    "num_iterations",  # with the two below: whether TRL runs its old-policy pass (the token level's entropies)
+    "use_vllm",
+    "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode",  # deferred passes: the vLLM importance-sampling ratio, recomputed
     "vllm_importance_sampling_clip_min",
     "vllm_importance_sampling_clip_max",
