@@ -300,6 +300,7 @@ def test_a_missing_manifest_is_refused(results):
     [
         (TRAINING_RULES, "config.resolved_trainer.learning_rate", AGREE),
         (TRAINING_RULES, "config.resolved_trainer.num_generations", AGREE),
+        (TRAINING_RULES, "config.resolved_trainer.steps_per_generation", WARN),  # GSPO's mini-batches
         (TRAINING_RULES, "config.resolved_trainer.keep_per_prompt", FREE),
         (TRAINING_RULES, "config.resolved_trainer.epsilon", FREE),  # GSPO's clip range: set by a method
         (TRAINING_RULES, "config.method_settings.schedule", FREE),

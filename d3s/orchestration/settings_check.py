@@ -78,6 +78,10 @@ SELECTION_FIELDS = (
     "schedule",
     "minibatches_per_generation",
 )
+# Geometry that follows from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
+# G itself (num_generations) must agree; PODS's own protocol, which compares n = 4m with m, says so in its
+# config (analysis.allow_mixed_settings).
+BATCH_GEOMETRY_FIELDS = ("steps_per_generation", "generation_batch_size", "gradient_accumulation_steps")
 METHOD_TRL_FIELDS = tuple(sorted({name for method in METHODS.values() for name in method.trl_settings}))
 TRAINER = "config.resolved_trainer."
 THREADS_WHY = "torch threads change CPU numerics and the wall-clock compared"
@@ -99,6 +103,12 @@ TRAINING_RULES: tuple[Rule, ...] = _rules(
     ("config.method_settings.*", FREE, "method-specific selection settings"),
     ([TRAINER + name for name in SELECTION_FIELDS], FREE, "method-specific selection setting"),
     ([TRAINER + name for name in METHOD_TRL_FIELDS], FREE, "TRL setting a method sets"),
+    (
+        [TRAINER + name for name in BATCH_GEOMETRY_FIELDS],
+        WARN,
+        "batch geometry a method sets (GSPO's 4 mini-batches per generation batch; the accumulation that "
+        "follows from a method's G): stated, not refused",
+    ),
     ("seed", FREE, "seeds are what the intervals are taken over"),
     (("config.seed", TRAINER + "seed", TRAINER + "data_seed"), FREE, "seed"),
     (("config.output_dir", TRAINER + "output_dir", TRAINER + "logging_dir"), FREE, "run folder"),
