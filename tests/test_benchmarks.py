@@ -41,9 +41,9 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 
 def test_registry_has_every_benchmark() -> None:
-    assert set(SEVEN) | {"math_level3to5", "synthetic"} == set(BENCHMARKS)
+    assert set(SEVEN) | {"math_level3to5", "gsm8k_train", "synthetic"} == set(BENCHMARKS)
     assert list(bm.EVAL_BENCHMARKS) == SEVEN
-    assert get_benchmark("math_level3to5").role == "train"
+    assert get_benchmark("math_level3to5").role == get_benchmark("gsm8k_train").role == "train"
     for name in SEVEN + ["math_level3to5"]:
         assert get_benchmark(name).hub is not None, name
 
