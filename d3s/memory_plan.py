@@ -274,7 +274,7 @@ def plan_training(
     trace: bool = True,
 ) -> JobPlan | None:
     """The per-GPU peak of one training step of ``method`` (None: not in the cache and ``trace`` is off)."""
-    from d3s.orchestration.launch import job_gpus
+    from d3s.orchestration.gpu_slots import job_gpus
 
     train = config["train"]
     gpus = job_gpus(train.get("resources"), "train")
@@ -383,7 +383,7 @@ def plan_config(
 ) -> ConfigPlan | None:
     """Every training job's and the evaluation job's plan; None for a CPU config (no GPUs asked for), or when
     ``trace`` is off and a geometry is not cached."""
-    from d3s.orchestration.launch import job_gpus
+    from d3s.orchestration.gpu_slots import job_gpus
 
     settings = plan_settings(config)
     if job_gpus(config["train"].get("resources"), "train") == 0:

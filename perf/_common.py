@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 from transformers import TrainerCallback
 
-from d3s.manifest import atomic_write_text, git_state, hardware, now, package_versions
+from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "results" / "perf"

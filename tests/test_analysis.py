@@ -13,7 +13,7 @@ from helpers import REPO_ROOT
 
 from d3s.analysis import figures, io, tables
 from d3s.analysis.report import write_claims, write_report
-from d3s.orchestration.settings_check import MixedSettingsError, load_provenance, write_provenance
+from d3s.provenance.settings_check import MixedSettingsError, load_provenance, write_provenance
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -27,7 +27,7 @@ def _summary(path: Path, p1: float, p4: float) -> None:
 
 
 def _shared(seed: int) -> dict:
-    """What d3s.manifest.build_manifest records besides the config (fixed values for the test)."""
+    """What d3s.provenance.manifest.build_manifest records besides the config (fixed values for the test)."""
     return {"seed": seed, "torch_threads": 1, "versions": {"torch": "2.13.0", "trl": "1.16.0"},
             "git": {"commit": COMMIT, "dirty": False}, "hardware": {"cpu": "test CPU", "gpu_count": 0},
             "started": "2026-01-01T00:00:00+00:00", "finished": "2026-01-01T00:01:00+00:00"}  # fmt: skip

@@ -153,7 +153,7 @@ def test_parse_time_check_does_not_import_torch():
     """The workflow's parse-time check (common.smk, run by every `snakemake -n` and every cluster job) imports
     only the registry, the launch settings and the benchmark names: no torch (about 2 s of each parse)."""
     code = (
-        "import sys; import d3s.methods, d3s.orchestration.launch, d3s.data.benchmarks; "
+        "import sys; import d3s.methods, d3s.orchestration.run_config, d3s.data.benchmarks; "
         "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'datasets') if m in sys.modules); "
         "print(heavy); sys.exit(bool(heavy))"
     )

@@ -14,7 +14,7 @@ import torch
 import yaml
 from helpers import ANALYSIS_RULES, REPO_ROOT, dry_run_jobs
 
-from d3s.orchestration.launch import resolved_trainer_configs, train_launch, training_processes
+from d3s.orchestration.run_config import resolved_trainer_configs, train_launch, training_processes
 
 CONFIG = REPO_ROOT / "config" / "gpu-smoke.yaml"
 ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"

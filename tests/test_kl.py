@@ -30,7 +30,7 @@ from d3s.evaluation.kl import (
     probe_prompts,
     truncate_at_eos,
 )
-from d3s.orchestration.settings_check import MixedSettingsError
+from d3s.provenance.settings_check import MixedSettingsError
 
 PROBE = KLProbeSettings(
     prompts=4, samples=3, max_new_tokens=24, temperature=1.0, top_p=1.0, seed=7, batch_size=5

@@ -1,4 +1,4 @@
-"""d3s.orchestration.launch: the accelerate command, launch settings, the vLLM server lifecycle and GPU assignment.
+"""d3s.orchestration: the accelerate command, launch settings, the vLLM server lifecycle and GPU assignment.
 
 The vLLM server is played by a tiny HTTP server script answering /health; "python" for the training job
 by a script that records how it was called. No GPU is used; the last test runs the workflow's train job
@@ -21,28 +21,26 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
-from d3s.orchestration.launch import (
+from d3s.orchestration.commands import (
     CPU_OVERRIDES,
     TRL_CLI,
-    GpuSlots,
+    accelerate_command,
+    free_port,
+    vllm_serve_command,
+)
+from d3s.orchestration.gpu_slots import GpuSlots, assign_gpus, job_gpus, visible_gpu_ids
+from d3s.orchestration.processes import start_process_group, stop_process_group
+from d3s.orchestration.run_config import (
     TrainLaunch,
     VllmServerSettings,
-    accelerate_command,
-    assign_gpus,
     batch_settings,
     build_run_config,
     check_workflow_config,
-    free_port,
-    job_gpus,
     prepare_training_job,
-    run_training_job,
-    start_process_group,
-    stop_process_group,
     train_launch,
-    visible_gpu_ids,
-    vllm_serve_command,
-    vllm_server,
 )
+from d3s.orchestration.training_job import run_training_job
+from d3s.orchestration.vllm_server import vllm_server
 
 ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 PY = sys.executable
@@ -484,7 +482,8 @@ JOB = textwrap.dedent(
     """
     # A workflow job holding a vLLM server, as train_run.py does.
     import sys, time
-    from d3s.orchestration.launch import signals_raise_system_exit, vllm_server
+    from d3s.orchestration.processes import signals_raise_system_exit
+    from d3s.orchestration.vllm_server import vllm_server
 
     command, port, ready = sys.argv[1].split(), int(sys.argv[2]), sys.argv[3]
     with signals_raise_system_exit(), vllm_server(command, host="127.0.0.1", port=port, log_path=ready + ".log"):
@@ -619,7 +618,7 @@ def test_assign_gpus_locally_and_under_slurm(tmp_path):
 HOLDER = textwrap.dedent(
     """
     import json, sys, time
-    from d3s.orchestration.launch import GpuSlots
+    from d3s.orchestration.gpu_slots import GpuSlots
 
     lock_dir, count, hold, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     with GpuSlots(["0", "1", "2", "3"], lock_dir).acquire(count, poll_s=0.02) as lease:

@@ -2,7 +2,7 @@
 
 Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP and DeepSpeed ZeRO-3
 configs (workflow/accelerate/ddp.yaml and zero3.yaml, with the CPU override, built by
-d3s.orchestration.launch.accelerate_command, as GPU training jobs are); PODS under plain torchrun.
+d3s.orchestration.commands.accelerate_command, as GPU training jobs are); PODS under plain torchrun.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import REPO_ROOT
 
-from d3s.orchestration.launch import accelerate_command, free_port
+from d3s.orchestration.commands import accelerate_command, free_port
 from d3s.selection import select_samples, token_keep_mask
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from helpers import ANALYSIS_RULES, REPO_ROOT, SHARED_DATA, dry_run_jobs
 
-from d3s.orchestration.launch import resolved_trainer_configs, training_processes
+from d3s.orchestration.run_config import resolved_trainer_configs, training_processes
 
 PAPER_DIR = REPO_ROOT / "config" / "paper"
 ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"

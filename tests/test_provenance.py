@@ -16,7 +16,7 @@ import pytest
 
 from d3s.analysis import io, tables
 from d3s.methods import METHODS
-from d3s.orchestration.settings_check import (
+from d3s.provenance.settings_check import (
     AGREE,
     EVALUATION_RULES,
     FREE,

@@ -19,7 +19,7 @@ from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 from d3s.callbacks.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
-from d3s.orchestration.launch import (
+from d3s.orchestration.run_config import (
     SERVER_FIELDS_SET_BY_WORKFLOW,
     TrainLaunch,
     VllmServerSettings,

@@ -27,7 +27,8 @@ import yaml
 from helpers import REPO_ROOT, SNAKEMAKE
 from safetensors.torch import load_file
 
-from d3s.orchestration.launch import accelerate_command, free_port, training_env
+from d3s.orchestration.commands import accelerate_command, free_port
+from d3s.orchestration.processes import training_env
 
 RUN = Path("results/smoke/runs/d3s/seed0")
 LOG = Path("results/smoke/logs/train/d3s_seed0.log")

@@ -1,6 +1,6 @@
 """Readers of the workflow's logged files (layout: docs/workflow.md).
 
-Each loader first checks the manifests of what it reads (d3s.orchestration.settings_check.load_provenance:
+Each loader first checks the manifests of what it reads (d3s.provenance.settings_check.load_provenance:
 the workflow's provenance.json while it is up to date, else the check run then): results made with settings
 that must agree but differ are refused with MixedSettingsError unless ``allow_mixed=True``. Rows carry a
 ``manifest`` column, the manifest of the run or evaluation they came from (relative path).
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from d3s import results_layout
 from d3s.evaluation.kl import KL_FILE
-from d3s.orchestration.settings_check import MixedSettingsError, load_provenance
+from d3s.provenance import layout
+from d3s.provenance.settings_check import MixedSettingsError, load_provenance
 
 # What load_kl reads of each kl.json (d3s.evaluation.kl)
 KL_COLUMNS = [
@@ -40,12 +40,12 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
     """Every training step of every run: method, seed, step and the trainer's logged metrics.
 
     Adds ``wall_clock`` (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``.
-    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.orchestration.settings_check).
+    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.provenance.settings_check).
     """
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("training",))
     frames = []
-    for method, seed, run in results_layout.runs(results):
+    for method, seed, run in layout.runs(results):
         path = run / "metrics.jsonl"
         rows = [r for r in read_jsonl(path) if "loss" in r or "reward" in r] if path.is_file() else []
         if not rows:
@@ -56,7 +56,7 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
         df = df.sort_values("step").drop_duplicates("step", keep="last")
         df.insert(0, "seed", seed)
         df.insert(0, "method", method)
-        df["manifest"] = _rel(run / results_layout.MANIFEST, results)
+        df["manifest"] = _rel(run / layout.MANIFEST, results)
         if "step_time" in df:
             df["wall_clock"] = df["step_time"].fillna(0).cumsum()
         if "selection/update_tokens_cumulative" in df:
@@ -98,7 +98,7 @@ def _steps_of(results: Path) -> dict[tuple[str, int], int]:
     """(method, seed) -> the run's step count (train_summary.json): the step of its final model."""
     return {
         (method, seed): int(json.loads((run / "train_summary.json").read_text()).get("steps", 0))
-        for method, seed, run in results_layout.runs(results)
+        for method, seed, run in layout.runs(results)
         if (run / "train_summary.json").is_file()
     }
 
@@ -108,14 +108,14 @@ def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
 
     Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
     0 so learning curves start from it. Refuses evaluations with differing settings (final and base
-    models; checkpoints) unless ``allow_mixed`` (d3s.orchestration.settings_check).
+    models; checkpoints) unless ``allow_mixed`` (d3s.provenance.settings_check).
     """
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("final", "checkpoints"))
     rows: list[dict] = []
     steps_of = _steps_of(results)
     base = None
-    for point in results_layout.eval_points(results):
+    for point in layout.eval_points(results):
         if point.method == "base":
             base = point
             continue
@@ -143,7 +143,7 @@ def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     results = Path(results)
     steps_of = _steps_of(results)
     rows: list[dict] = []
-    for point in results_layout.eval_points(results, file=KL_FILE):
+    for point in layout.eval_points(results, file=KL_FILE):
         if point.method == "base":
             continue
         record = json.loads((point.directory / KL_FILE).read_text())
@@ -192,7 +192,7 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
     path = results / "eval" / "base" / "summary.json"
     if not path.is_file():
         return pd.DataFrame()
-    manifest = _rel(path.with_name(results_layout.MANIFEST), results)
+    manifest = _rel(path.with_name(layout.MANIFEST), results)
     return pd.DataFrame(_summary_rows(path, method="base", seed=0, step=0, final=False, manifest=manifest))
 
 
@@ -209,7 +209,7 @@ def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.Dat
     """
     load_provenance(results, allow_mixed, groups=("training",))
     groups, tokens = [], []
-    for method, seed, run in results_layout.runs(Path(results)):
+    for method, seed, run in layout.runs(Path(results)):
         path = run / "anatomy.jsonl"
         for record in read_jsonl(path) if path.is_file() else []:
             labels = {"method": method, "seed": seed, "step": record.get("step")}

@@ -2,7 +2,7 @@
 and the manifests every number came from.
 
 Reads only the workflow's tables (results/<experiment>/tables/*.csv, written by the notebooks), logs and
-manifests. Results whose settings must agree but differ are refused (d3s.orchestration.settings_check) unless
+manifests. Results whose settings must agree but differ are refused (d3s.provenance.settings_check) unless
 ``analysis.allow_mixed_settings`` is true; then a warning at the top of the report states the mix.
 """
 
@@ -20,8 +20,8 @@ import pandas as pd
 from d3s.analysis.claims import claims_table
 from d3s.analysis.io import load_evals, load_metrics
 from d3s.analysis.tables import learning_curves, mean_ci, write_table
-from d3s.manifest import git_state
-from d3s.orchestration.settings_check import load_provenance
+from d3s.provenance.manifest import git_state
+from d3s.provenance.settings_check import load_provenance
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),

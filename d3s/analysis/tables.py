@@ -14,8 +14,8 @@ import pandas as pd
 from scipy import stats
 
 from d3s.analysis.claims import curve_arrays, speedup
-from d3s.manifest import atomic_write_text
-from d3s.orchestration.settings_check import Provenance
+from d3s.provenance.manifest import atomic_write_text
+from d3s.provenance.settings_check import Provenance
 
 
 def mean_ci(values) -> tuple[float, float, int]:

@@ -19,7 +19,7 @@ from accelerate import PartialState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from d3s.manifest import atomic_write_text
+from d3s.provenance.manifest import atomic_write_text
 
 D3S_STATE_FILE = "d3s_state.json"
 # Marks a checkpoint cut to its weights (full_state_checkpoints: latest); written before anything is removed.

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from d3s.evaluation.backends import eos_token_ids, load_model, problem_seed, truncate_at_eos
-from d3s.manifest import atomic_write_text, now
+from d3s.provenance.manifest import atomic_write_text, now
 
 if TYPE_CHECKING:  # torch is imported where it is used: the analysis reads KL_FILE without it
     import torch

@@ -35,7 +35,7 @@ from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
-from d3s.manifest import (
+from d3s.provenance.manifest import (
     atomic_write_text,
     build_manifest,
     git_state,

@@ -1,2 +1,2 @@
-"""The workflow's own glue: launching jobs on GPUs (accelerate, GPU slots, the vLLM server) and the check
-that the results sharing a table were made with the same settings."""
+"""The workflow's glue, one module per job: the commands (accelerate, vLLM server), a job's processes,
+GPU slots, the vLLM server's life, the run configs, and one training job."""

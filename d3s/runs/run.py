@@ -39,8 +39,8 @@ from d3s.callbacks.checkpoints import (
     WEIGHTS_ONLY_FILE,
     has_training_state,
 )
-from d3s.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
 from d3s.methods import get_method
+from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
 from d3s.runs.config import TOP_LEVEL_KEYS, TinyOptions, check_model_dir, coerce_run_config
 
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
@@ -175,7 +175,7 @@ def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[
 
 # Values that legitimately differ between attempts of one run, so they never count as a configuration change:
 # the resume policy, where the run directory is, and the vLLM server's host and ports, which the workflow picks
-# afresh for each attempt (d3s.orchestration.launch.prepare_training_job; accelerate's main_process_port is a command-line
+# afresh for each attempt (d3s.orchestration.run_config.prepare_training_job; accelerate's main_process_port is a command-line
 # argument, never in the config). `threads` is compared, per training process, as `d3s train` runs it.
 PER_ATTEMPT_KEYS = frozenset({"resume", "output_dir"})
 PER_ATTEMPT_TRAINER_KEYS = frozenset(

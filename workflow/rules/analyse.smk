@@ -8,7 +8,7 @@ import sys
 PAPERMILL = f"{sys.executable} -m papermill"
 
 # analysis.allow_mixed_settings: combine results whose manifests differ in settings that must agree
-# (d3s.orchestration.settings_check), stating the mix in tables and report, instead of refusing.
+# (d3s.provenance.settings_check), stating the mix in tables and report, instead of refusing.
 ALLOW_MIXED = bool(ANALYSIS.get("allow_mixed_settings", False))
 NB_YAML = {
     "headline": ANALYSIS.get("headline", METHODS),

@@ -29,7 +29,7 @@ def _check_config():
     in every cluster job too, and keeps `snakemake -n` offline. Data, models and every method's full trainer
     settings are checked before any training or evaluation job starts (checks.smk)."""
     from d3s.data.benchmarks import BenchmarkError, parse_benchmark_list
-    from d3s.orchestration.launch import check_workflow_config
+    from d3s.orchestration.run_config import check_workflow_config
     from d3s.methods import get_method
 
     try:

@@ -1,7 +1,7 @@
 """Snakemake script of rule base_model: build the tiny model and SFT-warm-start it (see build_base.py).
 
 On the CPU by default. With base_model.resources.gpu: 1 (config/gpu-smoke.yaml) the job takes a GPU of its
-own, as training and evaluation jobs do (d3s.orchestration.launch.assign_gpus: a lock on a shared machine, the
+own, as training and evaluation jobs do (d3s.orchestration.gpu_slots.assign_gpus: a lock on a shared machine, the
 allocation's GPU under Slurm), and the SFT runs there.
 """
 
@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_base import build_base  # noqa: E402
 
-from d3s.orchestration.launch import assign_gpus, job_gpus, signals_raise_system_exit  # noqa: E402
+from d3s.orchestration.gpu_slots import assign_gpus, job_gpus
+from d3s.orchestration.processes import signals_raise_system_exit  # noqa: E402
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 cfg, task = smk.params.cfg, smk.params.task

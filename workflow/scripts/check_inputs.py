@@ -6,7 +6,7 @@ The request (JSON on stdin): {"config": the workflow config, "task": the synthet
 workflow/accelerate, "checks": names from CHECKS below}. The checks:
 
 - trainer_settings: every method's trainer settings as its training job resolves them
-  (d3s.orchestration.launch.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
+  (d3s.orchestration.run_config.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
   schedule, the method's TRL settings);
 - base_model: a local directory with config.json, or a hub id the local Hugging Face cache holds or the
   Hub can serve (the kind tiny model is built by rule base_model);
@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
-from d3s.manifest import atomic_write_text, now
+from d3s.provenance.manifest import atomic_write_text, now
 from d3s.runs.config import check_model_dir
 
 
 def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
-    from d3s.orchestration.launch import resolved_trainer_configs
+    from d3s.orchestration.run_config import resolved_trainer_configs
 
     config = request["config"]
     resolved_trainer_configs(config, request["accelerate_dir"], request["task"], check_inputs=False)

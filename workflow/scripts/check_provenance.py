@@ -2,13 +2,13 @@
 
 Writes provenance.json (the check, which the notebooks, loaders and report read) and provenance.md (the
 report's provenance section). Results whose settings must agree but differ stop the workflow here with
-d3s.orchestration.settings_check's message (keys, values, runs, and how to proceed; in the log and on the
+d3s.provenance.settings_check's message (keys, values, runs, and how to proceed; in the log and on the
 terminal), unless analysis.allow_mixed_settings is true.
 """
 
 from pathlib import Path
 
-from d3s.orchestration.settings_check import MixedSettingsError, write_provenance
+from d3s.provenance.settings_check import MixedSettingsError, write_provenance
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 log = Path(smk.log[0])

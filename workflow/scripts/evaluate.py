@@ -1,7 +1,7 @@
 """Snakemake script of rules evaluate_checkpoint, evaluate_final and evaluate_base: one model per job.
 
 The job runs STEPS (below) in order on params.model, inside one GPU lease (a job with resources.gpu gets that
-many GPUs of its own, d3s.orchestration.launch.assign_gpus, and generates with vLLM, tensor-parallel over them unless
+many GPUs of its own, d3s.orchestration.gpu_slots.assign_gpus, and generates with vLLM, tensor-parallel over them unless
 eval.tensor_parallel_size). The steps: with eval.kl (checkpoints and final models, not the base model), the
 KL to the initial policy, params.reference, on the run's probe prompts, into <out>/kl.json
 (d3s.evaluation.kl); then `d3s eval` with params.samples per problem, params.k, params.limit, writing
@@ -33,8 +33,9 @@ import yaml
 
 from d3s.cli import main as d3s_main
 from d3s.evaluation.kl import KL_FILE, KLProbeSettings, measure_checkpoint_kl
-from d3s.manifest import atomic_write_text, model_files, sha256_file
-from d3s.orchestration.launch import assign_gpus, job_gpus, signals_raise_system_exit
+from d3s.orchestration.gpu_slots import assign_gpus, job_gpus
+from d3s.orchestration.processes import signals_raise_system_exit
+from d3s.provenance.manifest import atomic_write_text, model_files, sha256_file
 
 RESUME_KEY_FILE = "resume_key.json"
 

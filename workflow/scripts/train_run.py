@@ -1,7 +1,7 @@
 """Snakemake script of rule train: write the run's `d3s train` config (train.yaml) and run it.
 
 A job without GPUs trains in this process (the CPU default). A job with `resources.gpu` gets that many
-GPUs (d3s.orchestration.launch.assign_gpus: exclusive on a shared machine, the allocation's own under Slurm) and runs
+GPUs (d3s.orchestration.gpu_slots.assign_gpus: exclusive on a shared machine, the allocation's own under Slurm) and runs
 `d3s train` under `accelerate launch`, one process per training GPU, with `trl vllm-serve` on the
 remaining GPUs in vLLM server mode.
 """
@@ -10,15 +10,10 @@ import contextlib
 import os
 from pathlib import Path
 
-from d3s.orchestration.launch import (
-    assign_gpus,
-    build_run_config,
-    job_gpus,
-    run_training_job,
-    signals_raise_system_exit,
-    train_launch,
-    write_yaml,
-)
+from d3s.orchestration.gpu_slots import assign_gpus, job_gpus
+from d3s.orchestration.processes import signals_raise_system_exit
+from d3s.orchestration.run_config import build_run_config, train_launch, write_yaml
+from d3s.orchestration.training_job import run_training_job
 from d3s.runs.run import config_differences, supersede_run
 
 smk = snakemake  # noqa: F821 - injected by Snakemake

@@ -4,7 +4,7 @@
 from pathlib import Path
 
 from d3s.analysis.report import write_claims, write_report
-from d3s.manifest import atomic_write_text
+from d3s.provenance.manifest import atomic_write_text
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 results, paper = Path(smk.params.results), Path("results/paper")

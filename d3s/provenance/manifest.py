@@ -25,7 +25,7 @@ PACKAGES = (
     "latex2sympy2_extended",
     "vllm",  # generation backend on GPUs (None where not installed)
 )
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

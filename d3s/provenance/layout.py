@@ -1,7 +1,7 @@
 """Where the workflow writes what (docs/workflow.md): run directories and evaluation points.
 
 One place for the layout so the loaders (d3s.analysis.io) and the settings check
-(d3s.orchestration.settings_check) read the same runs and evaluations.
+(d3s.provenance.settings_check) read the same runs and evaluations.
 """
 
 from __future__ import annotations

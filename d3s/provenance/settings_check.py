@@ -35,9 +35,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from d3s import results_layout
-from d3s.manifest import atomic_write_text, stable_hash
 from d3s.methods import METHODS
+from d3s.provenance import layout
+from d3s.provenance.manifest import atomic_write_text, stable_hash
 
 AGREE = "must agree"
 WARN = "may differ, stated"
@@ -249,11 +249,11 @@ def collect(results: str | Path) -> dict[str, list[tuple[str, str]]]:
     group; the manifests themselves are read by :func:`check_results`."""
     results = Path(results)
     groups: dict[str, list[tuple[str, str]]] = {name: [] for name in GROUPS}
-    for method, seed, run in results_layout.runs(results):
+    for method, seed, run in layout.runs(results):
         if (run / "metrics.jsonl").is_file() or (run / "train_summary.json").is_file():
-            path = run / results_layout.MANIFEST
+            path = run / layout.MANIFEST
             groups["training"].append((f"{method} seed {seed}", str(path.relative_to(results))))
-    for point in results_layout.eval_points(results):
+    for point in layout.eval_points(results):
         label = "base model" if point.method == "base" else f"{point.method} seed {point.seed} {point.name}"
         group = "checkpoints" if point.step is not None else "final"
         groups[group].append((label, str(point.manifest.relative_to(results))))
@@ -287,7 +287,7 @@ class Provenance:
             "allow_mixed": self.allow_mixed,
             "groups": self.checks,
             "notes": self.notes,
-            "rules": "d3s.orchestration.settings_check (TRAINING_RULES, EVALUATION_RULES); docs/workflow.md",
+            "rules": "d3s.provenance.settings_check (TRAINING_RULES, EVALUATION_RULES); docs/workflow.md",
         }
 
     def write_sidecar(self, table: str | Path) -> Path:
@@ -328,7 +328,7 @@ class Provenance:
             "Every number in this report comes from the runs and evaluations below. Each manifest holds the "
             "resolved configuration, method settings, package versions, git commit and dirty flag, seed, torch "
             "threads, hardware, start and end time, and the input files' checksums. Within each group the "
-            "settings that must agree were checked (rule table: `d3s.orchestration.settings_check`, "
+            "settings that must agree were checked (rule table: `d3s.provenance.settings_check`, "
             "docs/workflow.md); the settings hash is a hash of those settings, equal across a consistent group.",
             "",
             "| group | manifests | settings hash | settings |",

@@ -1,0 +1,98 @@
+"""The commands a workflow job runs: ``accelerate launch`` of ``d3s train`` and ``trl vllm-serve``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from d3s.orchestration.run_config import VllmServerSettings
+
+# Named accelerate configs (workflow/accelerate/<name>.yaml); ``single_gpu`` replaces ``ddp`` for one process.
+ACCELERATE_CONFIGS = ("ddp", "zero2", "zero3", "zero3_offload")
+SINGLE_PROCESS_CONFIG = "single_gpu"
+DEFAULT_ACCELERATE_CONFIG = "ddp"
+LOCALHOST = "127.0.0.1"
+# The `trl` console script, run by the given interpreter (no PATH lookup; `-m trl.cli.main` warns).
+TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
+# `accelerate launch` flags that run any workflow/accelerate/ config on a job without a GPU. The configs' bf16
+# mixed precision needs a GPU (DeepSpeed on the CPU takes fp32); accelerate's --cpu is not one of them: it
+# replaces the DeepSpeed launcher by a single plain process. DeepSpeed picks its CPU accelerator and gloo itself.
+CPU_OVERRIDES = ("--mixed_precision", "no")
+
+
+def accelerate_config_path(name: str, config_dir: str | os.PathLike[str]) -> Path:
+    """The accelerate YAML for a name in ACCELERATE_CONFIGS or a path to a file; clear error otherwise."""
+    if name in ACCELERATE_CONFIGS or name == SINGLE_PROCESS_CONFIG:
+        path = Path(config_dir) / f"{name}.yaml"
+        if not path.is_file():
+            raise ValueError(f"accelerate config {name!r}: {path} is missing from the checkout")
+        return path
+    path = Path(name).expanduser()
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    raise ValueError(
+        f"train.launch.accelerate_config: unknown accelerate config {name!r}; use one of "
+        f"{', '.join(ACCELERATE_CONFIGS)} (workflow/accelerate/) or the path of an accelerate YAML file"
+    )
+
+
+def per_process_threads(threads: int, processes: int) -> int:
+    """Each training process's share of a job's CPU threads (at least one)."""
+    return max(1, int(threads) // max(1, int(processes)))
+
+
+def accelerate_command(
+    target: Sequence[str],
+    *,
+    num_processes: int,
+    config_file: str | os.PathLike[str],
+    main_process_port: int,
+    threads_per_process: int,
+    module: bool = False,
+    cpu: bool = False,
+    python: str = sys.executable,
+) -> list[str]:
+    """``accelerate launch`` of ``target`` (a script and its arguments, or a module with ``module=True``).
+
+    The launcher follows the config file's ``distributed_type`` (workflow/accelerate/: DDP, ZeRO-2, ZeRO-3, or
+    one process). ``cpu``: the job has no GPU, so the same config file trains on the CPU (CPU_OVERRIDES).
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    command = [python, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+    if cpu:
+        command += list(CPU_OVERRIDES)
+    command += ["--num_processes", str(num_processes), "--num_machines", "1"]
+    command += ["--main_process_port", str(main_process_port)]
+    command += ["--num_cpu_threads_per_process", str(threads_per_process)]
+    if module:
+        command += ["--module"]
+    return command + [str(part) for part in target]
+
+
+def vllm_serve_command(
+    model: str, *, host: str, port: int, settings: VllmServerSettings, python: str = sys.executable
+) -> list[str]:
+    """``trl vllm-serve`` (TRL 1.16's flags) for ``model`` on ``host:port``."""
+    command = [python, "-c", TRL_CLI, "vllm-serve", "--model", str(model)]
+    command += ["--host", host, "--port", str(port)]
+    command += ["--tensor_parallel_size", str(settings.tensor_parallel_size)]
+    command += ["--data_parallel_size", str(settings.data_parallel_size)]
+    command += ["--gpu_memory_utilization", str(settings.gpu_memory_utilization)]
+    if settings.max_model_len is not None:
+        command += ["--max_model_len", str(settings.max_model_len)]
+    if settings.enable_prefix_caching is not None:
+        command += ["--enable_prefix_caching", str(settings.enable_prefix_caching).lower()]
+    return command + list(settings.extra_args)
+
+
+def free_port(host: str = LOCALHOST) -> int:
+    """A TCP port free right now (jobs sharing a machine each need their own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,317 @@
+"""A workflow config's launch settings and the ``d3s train`` config of each of its runs.
+
+``check_workflow_config`` checks the launch settings when Snakemake parses the config (no GPU or heavy
+import needed); ``build_run_config`` / ``prepare_training_job`` write a run's train.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from d3s.orchestration.commands import (
+    DEFAULT_ACCELERATE_CONFIG,
+    LOCALHOST,
+    SINGLE_PROCESS_CONFIG,
+    accelerate_command,
+    accelerate_config_path,
+    free_port,
+    per_process_threads,
+    vllm_serve_command,
+)
+from d3s.orchestration.gpu_slots import cuda_available, job_gpus
+
+# Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
+# They differ between attempts of one run, so a resumed job never counts them as a configuration change
+# (d3s.runs.run.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
+SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
+# Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
+BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmServerSettings:
+    """``trl vllm-serve`` options (train.launch.vllm_server); the server gets tp x dp GPUs of the job."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None
+    startup_timeout_s: float = 1200.0
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainLaunch:
+    """How one training job runs: its GPUs, the accelerate config, and the vLLM server it starts (if any)."""
+
+    job_gpus: int
+    accelerate_config: Path
+    server: VllmServerSettings | None = None
+
+    @property
+    def train_gpus(self) -> int:
+        return self.job_gpus - (self.server.gpus if self.server else 0)
+
+
+def train_launch(
+    train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str], *, gpus: int | None = None
+) -> TrainLaunch:
+    """The launch settings of the config's training jobs; raises ValueError naming the field to change."""
+    gpus = job_gpus(train_cfg.get("resources"), "train") if gpus is None else gpus
+    launch = dict(train_cfg.get("launch") or {})
+    unknown = set(launch) - {"accelerate_config", "vllm_server"}
+    if unknown:
+        raise ValueError(
+            f"train.launch: unknown key(s) {sorted(unknown)}; valid: accelerate_config, vllm_server"
+        )
+    trainer = dict(train_cfg.get("trainer") or {})
+    server_mode = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
+    external = trainer.get("vllm_server_base_url") is not None  # a server the user runs: start none
+    if launch.get("vllm_server") is not None and not server_mode:
+        raise ValueError(
+            "train.launch.vllm_server is set but the trainer does not use vLLM in server mode: set "
+            "trainer.use_vllm: true and trainer.vllm_mode: server, or remove train.launch.vllm_server"
+        )
+    if server_mode and external and launch.get("vllm_server") is not None:
+        raise ValueError(
+            "trainer.vllm_server_base_url points to a server you run, so the workflow starts none: remove "
+            "train.launch.vllm_server (or vllm_server_base_url to let the workflow start it)"
+        )
+    server = None
+    if server_mode and not external:
+        server = _server_settings(launch.get("vllm_server") or {}, trainer)
+        preset = [name for name in SERVER_FIELDS_SET_BY_WORKFLOW if name in trainer]
+        if preset:
+            raise ValueError(
+                f"trainer.{preset[0]} is set, but the workflow starts the vLLM server on a free port of the job's "
+                f"node and sets {', '.join(SERVER_FIELDS_SET_BY_WORKFLOW)} itself: remove it (or set "
+                "trainer.vllm_server_base_url to use a server you run)"
+            )
+        if gpus < server.gpus + 1:
+            raise ValueError(
+                f"train.resources.gpu = {gpus}, but vLLM server mode needs {server.gpus} GPU(s) for trl vllm-serve "
+                f"(train.launch.vllm_server tensor_parallel_size x data_parallel_size) plus at least one for "
+                f"training: raise train.resources.gpu to {server.gpus + 1} or more, or use trainer.vllm_mode: colocate"
+            )
+    if gpus == 0 and trainer.get("use_vllm"):
+        raise ValueError(
+            "trainer.use_vllm is set but train.resources.gpu is 0: vLLM needs GPUs; set train.resources.gpu "
+            "(or trainer.use_vllm: false)"
+        )
+    name = launch.get("accelerate_config", DEFAULT_ACCELERATE_CONFIG)
+    launch_obj = TrainLaunch(gpus, accelerate_config_path(str(name), accelerate_dir), server)
+    if name == DEFAULT_ACCELERATE_CONFIG and launch_obj.train_gpus == 1:
+        # DDP of one process is plain single-GPU training; accelerate's multi-GPU launcher wants two or more.
+        launch_obj = dataclasses.replace(
+            launch_obj, accelerate_config=accelerate_config_path(SINGLE_PROCESS_CONFIG, accelerate_dir)
+        )
+    return launch_obj
+
+
+def _server_settings(raw: Mapping[str, Any], trainer: Mapping[str, Any]) -> VllmServerSettings:
+    fields = {f.name for f in dataclasses.fields(VllmServerSettings)}
+    unknown = set(raw) - fields
+    if unknown:
+        raise ValueError(
+            f"train.launch.vllm_server: unknown key(s) {sorted(unknown)}; valid: {sorted(fields)}"
+        )
+    values = dict(raw)
+    values.setdefault("max_model_len", trainer.get("vllm_max_model_length"))
+    values["extra_args"] = tuple(str(a) for a in values.get("extra_args") or ())
+    settings = VllmServerSettings(**values)
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"train.launch.vllm_server.{name} must be an integer >= 1, got {value!r}")
+    if not 0 < settings.gpu_memory_utilization <= 1:
+        raise ValueError("train.launch.vllm_server.gpu_memory_utilization must be in (0, 1]")
+    if settings.startup_timeout_s <= 0:
+        raise ValueError("train.launch.vllm_server.startup_timeout_s must be > 0 (seconds)")
+    return settings
+
+
+def batch_settings(
+    trainer: Mapping[str, Any], prompts_per_step: int | None, processes: int
+) -> dict[str, Any]:
+    """The trainer settings with the batch fixed for ``processes`` training processes.
+
+    With ``prompts_per_step`` (train.prompts_per_step) the update covers that many prompts x G rollouts
+    whatever the GPU count: gradient_accumulation_steps = prompts x G / (per-device batch x processes), and
+    TRL's default steps_per_generation = gradient_accumulation_steps gives one optimizer step per
+    generation batch. Without it the trainer settings are returned unchanged.
+    """
+    trainer = dict(trainer)
+    if prompts_per_step is None:
+        return trainer
+    preset = [name for name in BATCH_FIELDS if name in trainer]
+    if preset:
+        raise ValueError(
+            f"train.prompts_per_step and trainer.{preset[0]} both fix the batch: remove trainer.{preset[0]} "
+            "(the workflow derives gradient_accumulation_steps from prompts_per_step and the GPU count)"
+        )
+    generations = int(trainer.get("num_generations", 8))
+    micro = int(trainer.get("per_device_train_batch_size", 8))
+    rollouts = prompts_per_step * generations
+    if rollouts % (micro * processes):
+        raise ValueError(
+            f"train.prompts_per_step x num_generations = {prompts_per_step} x {generations} = {rollouts} rollouts "
+            f"per step is not a multiple of per_device_train_batch_size x training processes = {micro} x "
+            f"{processes}: change train.prompts_per_step, trainer.per_device_train_batch_size or the job's GPUs"
+        )
+    trainer["gradient_accumulation_steps"] = rollouts // (micro * processes)
+    return trainer
+
+
+def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
+    """Processes of a training job: one per training GPU, or one on the CPU."""
+    launch = train_launch(train_cfg, accelerate_dir)
+    return max(1, launch.train_gpus)
+
+
+def check_workflow_config(config: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> None:
+    """Launch settings of a workflow config, checked at parse time (no GPU or heavy import needed)."""
+    train_cfg = config["train"]
+    job_gpus(config["eval"].get("resources"), "eval")
+    processes = training_processes(train_cfg, accelerate_dir)
+    overrides = dict(train_cfg.get("method_overrides") or {})
+    for method in config["methods"]:
+        trainer = dict(train_cfg["trainer"]) | dict(overrides.get(method) or {})
+        batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+
+
+def build_run_config(
+    *,
+    method: str,
+    seed: int,
+    model: str,
+    train_cfg: Mapping[str, Any],
+    task: Mapping[str, Any],
+    output_dir: str | os.PathLike[str],
+    threads: int,
+    processes: int = 1,
+) -> dict[str, Any]:
+    """The ``d3s train`` config of one run of the workflow (written to runs/<method>/seed<seed>/train.yaml).
+
+    ``threads`` is the job's; the config gets each training process's share (per_process_threads), the count
+    `d3s train` runs with and records in resolved_config.yaml, so a rerun compares like with like.
+    """
+    trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
+    trainer = batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+    dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
+    if dataset["name"] == "synthetic":
+        dataset = dict(task) | dataset
+    config: dict[str, Any] = {
+        "method": method,
+        "model": model,
+        "seed": int(seed),
+        "threads": per_process_threads(threads, processes),
+        "output_dir": str(output_dir),
+        "dataset": dataset,
+        "template": train_cfg.get("template", "raw"),
+        "reward": train_cfg.get("reward", "accuracy"),
+        "trainer": trainer,
+    }
+    if train_cfg.get("data_dir"):
+        config["data_dir"] = train_cfg["data_dir"]
+    return config
+
+
+def resolved_trainer_configs(
+    config: Mapping[str, Any],
+    accelerate_dir: str | os.PathLike[str],
+    task: Mapping[str, Any] | None = None,
+    *,
+    check_inputs: bool = True,
+) -> dict[str, Any]:
+    """Every method's D3SConfig as its training job builds it (first seed), checked without GPUs.
+
+    Runs d3s.runs.run.resolve_config with check_hardware=False on the CPU (use_cpu forced, so nothing touches
+    CUDA): unknown trainer fields, batch geometry for the job's process count, the schedule's keep
+    values, the method's TRL settings and (unless ``check_inputs=False``: the workflow's input check reads
+    them itself) the model path and training data all fail here, before any job is queued.
+    ``generation_batch_size`` comes out per process; the job's is that times its training GPUs.
+    """
+    from d3s.runs.run import resolve_config
+
+    train_cfg = config["train"]
+    processes = training_processes(train_cfg, accelerate_dir)
+    base = config["base_model"]
+    model = "tiny" if base["kind"] == "tiny" else str(base["path"])
+    seed = int(config["seeds"][0])
+    resolved = {}
+    for method in config["methods"]:
+        run = build_run_config(
+            method=method,
+            seed=seed,
+            model=model,
+            train_cfg=train_cfg,
+            task=dict(task or {}),
+            output_dir=f"results/{config['experiment']}/runs/{method}/seed{seed}",
+            threads=int(train_cfg.get("threads", 1)),
+            processes=processes,
+        )
+        run["trainer"] = dict(run["trainer"]) | {"use_cpu": True}
+        try:
+            resolved[method] = resolve_config(run, check_hardware=False, check_inputs=check_inputs)
+        except ValueError as err:
+            raise ValueError(f"train.trainer (method {method}): {err}") from None
+    return resolved
+
+
+def write_yaml(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(dict(data), sort_keys=False), encoding="utf-8")
+
+
+def prepare_training_job(
+    run_config: Mapping[str, Any],
+    config_path: str | os.PathLike[str],
+    *,
+    launch: TrainLaunch,
+    gpu_ids: Sequence[str],
+    threads: int,
+    cpu: bool | None = None,
+    python: str = sys.executable,
+) -> tuple[list[str], dict[str, Any], list[str] | None]:
+    """(accelerate command, final run config, vllm-serve command or None) for one training job.
+
+    The first ``launch.train_gpus`` ids train, the rest serve; server mode gets free ports on this node.
+    ``cpu`` (default: no CUDA device here) adds CPU_OVERRIDES, so the job's accelerate config runs on the CPU.
+    """
+    if len(gpu_ids) != launch.job_gpus:
+        raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
+    processes = launch.train_gpus
+    config = dict(run_config)
+    config["threads"] = per_process_threads(threads, processes)
+    trainer = dict(config["trainer"])
+    server_command = None
+    if launch.server is not None:
+        port = free_port()
+        trainer |= {"vllm_server_host": LOCALHOST, "vllm_server_port": port, "vllm_group_port": free_port()}
+        server_command = vllm_serve_command(
+            str(config["model"]), host=LOCALHOST, port=port, settings=launch.server, python=python
+        )
+    config["trainer"] = trainer
+    command = accelerate_command(
+        ["d3s.cli", "train", "--config", str(config_path)],
+        module=True,
+        num_processes=processes,
+        config_file=launch.accelerate_config,
+        main_process_port=free_port(),
+        threads_per_process=config["threads"],
+        cpu=not cuda_available() if cpu is None else cpu,
+        python=python,
+    )
+    return command, config, server_command

@@ -1,0 +1,65 @@
+"""``trl vllm-serve`` for TRL's server mode: its own process group, waited for, always stopped."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+from d3s.orchestration.processes import _tail, start_process_group, stop_process_group
+
+
+@contextlib.contextmanager
+def vllm_server(
+    command: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    log_path: str | os.PathLike[str],
+    gpu_ids: Sequence[str] = (),
+    startup_timeout_s: float = 1200.0,
+    stop_grace_s: float = 30.0,
+) -> Iterator[str]:
+    """A vLLM server process for TRL's server mode, alive exactly as long as the ``with`` block; yields its URL.
+
+    Starts ``command`` with CUDA_VISIBLE_DEVICES = ``gpu_ids`` and polls ``/health`` until it answers 200
+    (RuntimeError if the process exits first, TimeoutError after ``startup_timeout_s``, both with the end
+    of its log); leaving the block, an exception, SystemExit from a signal, or interpreter exit (atexit)
+    stops it.
+    """
+    env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else {})
+    process = start_process_group(command, log_path=log_path, env=env)
+    stop = functools.partial(stop_process_group, process, grace_s=stop_grace_s)
+    atexit.register(stop)
+    url = f"http://{host}:{port}/health"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP proxy
+    start = time.monotonic()
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM server exited with code {process.returncode} before answering {url}; "
+                    f"its log ({log_path}) ends with:\n{_tail(log_path)}"
+                )
+            with (
+                contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError),
+                opener.open(url, timeout=5) as response,
+            ):
+                if response.status == 200:
+                    break
+            if time.monotonic() - start > startup_timeout_s:
+                raise TimeoutError(
+                    f"the vLLM server did not answer {url} within {startup_timeout_s:g} s "
+                    f"(train.launch.vllm_server.startup_timeout_s); its log ({log_path}) ends with:\n"
+                    f"{_tail(log_path)}"
+                )
+            time.sleep(1.0)
+        yield url
+    finally:
+        stop()
+        atexit.unregister(stop)
