@@ -19,9 +19,8 @@ DEFAULT_ACCELERATE_CONFIG = "ddp"
 LOCALHOST = "127.0.0.1"
 # The `trl` console script, run by the given interpreter (no PATH lookup; `-m trl.cli.main` warns).
 TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
-# `accelerate launch` flags that run any workflow/accelerate/ config on a job without a GPU. The configs' bf16
-# mixed precision needs a GPU (DeepSpeed on the CPU takes fp32); accelerate's --cpu is not one of them: it
-# replaces the DeepSpeed launcher by a single plain process. DeepSpeed picks its CPU accelerator and gloo itself.
+# Runs any workflow/accelerate/ config without a GPU: bf16 needs one; accelerate's --cpu would replace the
+# DeepSpeed launcher by one plain process (docs/gpu.md, "How a training job starts").
 CPU_OVERRIDES = ("--mixed_precision", "no")
 
 

@@ -1,9 +1,5 @@
-"""GPU ids for a job: its declared count, and exclusive ids on a shared machine.
-
-Snakemake never sets CUDA_VISIBLE_DEVICES for local jobs, so concurrent jobs would all land on GPU 0. Each
-job takes exclusive GPU ids through one lock file per GPU (``flock``: the kernel releases it when the holder
-exits, however it exits). Under Slurm the allocation already is the job's.
-"""
+"""GPU ids for a job: its declared count, and ids of its own on a shared machine, since Snakemake never
+sets CUDA_VISIBLE_DEVICES for local jobs (docs/gpu.md, "GPU assignment")."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# Resource names of the Snakemake Slurm executor plugin (``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu).
+# The Snakemake Slurm executor plugin's resource names: ``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu.
 GPU_RESOURCE = "gpu"
 
 
@@ -70,12 +66,9 @@ class GpuLease(contextlib.AbstractContextManager):
 
 
 class GpuSlots:
-    """Exclusive GPU ids for concurrent jobs on one machine: one ``flock``-ed file per GPU in ``lock_dir``.
-
-    A lock belongs to an open file description, so two processes (or two leases in one process) never
-    hold the same GPU, and the kernel drops the locks of a process that dies, whatever kills it.
-    ``lock_dir`` defaults to the node-local $D3S_GPU_LOCK_DIR or <tmp>/d3s-gpu-locks-<uid>.
-    """
+    """Exclusive GPU ids for concurrent jobs on one machine: one ``flock``-ed file per GPU in ``lock_dir``
+    ($D3S_GPU_LOCK_DIR or <tmp>/d3s-gpu-locks-<uid>). A lock belongs to an open file description, so two
+    leases never hold one GPU, and the kernel drops a dead process's locks, whatever killed it."""
 
     def __init__(self, gpu_ids: Sequence[str], lock_dir: str | os.PathLike[str] | None = None) -> None:
         self.gpu_ids = [str(g) for g in gpu_ids]
@@ -91,7 +84,8 @@ class GpuSlots:
         if count > len(self.gpu_ids):
             raise ValueError(
                 f"the job needs {count} GPU(s) but only {len(self.gpu_ids)} are visible "
-                f"({','.join(self.gpu_ids) or 'none'}): lower the job's resources.gpu or run it on a bigger machine"
+                f"({','.join(self.gpu_ids) or 'none'}): lower the job's resources.gpu or run it on a bigger "
+                "machine"
             )
         self.lock_dir.mkdir(parents=True, exist_ok=True)
         # One scan at a time, so two jobs never split the free GPUs between them and both wait.
@@ -157,7 +151,8 @@ def assign_gpus(
         if len(ids) < count:
             raise ValueError(
                 f"the job needs {count} GPU(s) but its allocation shows {len(ids)} "
-                f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}): check the profile's gpu resources"
+                f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}): check the profile's gpu "
+                "resources"
             )
         yield ids[:count]
         return

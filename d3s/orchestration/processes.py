@@ -53,10 +53,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 def stop_process_group(process: subprocess.Popen, *, grace_s: float = 30.0) -> int | None:
-    """SIGTERM the process group of ``process``, SIGKILL what is left after ``grace_s``; returns its exit code.
-
-    Safe to call twice and on a process that already exited (its children may not have).
-    """
+    """SIGTERM the process group of ``process``, SIGKILL what is left after ``grace_s``; returns its exit
+    code. Safe to call twice and on a process that already exited (its children may not have)."""
     pgid, deadline = process.pid, time.monotonic() + grace_s
     with contextlib.suppress(ProcessLookupError):  # the group may be gone already
         os.killpg(pgid, signal.SIGTERM)

@@ -25,13 +25,9 @@ def vllm_server(
     startup_timeout_s: float = 1200.0,
     stop_grace_s: float = 30.0,
 ) -> Iterator[str]:
-    """A vLLM server process for TRL's server mode, alive exactly as long as the ``with`` block; yields its URL.
-
-    Starts ``command`` with CUDA_VISIBLE_DEVICES = ``gpu_ids`` and polls ``/health`` until it answers 200
-    (RuntimeError if the process exits first, TimeoutError after ``startup_timeout_s``, both with the end
-    of its log); leaving the block, an exception, SystemExit from a signal, or interpreter exit (atexit)
-    stops it.
-    """
+    """``command`` on ``gpu_ids``, alive exactly as long as the ``with`` block; yields its /health URL once
+    that answers 200. RuntimeError if it exits first, TimeoutError after ``startup_timeout_s`` (both with
+    the end of its log); leaving the block however (exception, a signal's SystemExit, atexit) stops it."""
     env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else {})
     process = start_process_group(command, log_path=log_path, env=env)
     stop = functools.partial(stop_process_group, process, grace_s=stop_grace_s)

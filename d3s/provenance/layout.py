@@ -1,8 +1,5 @@
-"""Where the workflow writes what (docs/workflow.md): run directories and evaluation points.
-
-One place for the layout so the loaders (d3s.analysis.io) and the settings check
-(d3s.provenance.settings_check) read the same runs and evaluations.
-"""
+"""Where the workflow writes runs and evaluations (docs/workflow.md), one place for the loaders
+(d3s.analysis.io) and the settings check alike."""
 
 from __future__ import annotations
 

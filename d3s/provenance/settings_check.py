@@ -1,29 +1,5 @@
-"""Which results may share a table: the manifests of runs and evaluations, checked against one rule table.
-
-Every training run (``runs/<method>/seed<seed>/manifest.json``, written by ``d3s train``) and every
-evaluation (``eval/.../manifest.json``, written by ``d3s eval``) records what made it. Results are compared
-in groups: the training runs; the evaluations of the final models together with the base model; the
-evaluations of checkpoints along training. Within a group, each manifest key falls under the first rule of
-:data:`TRAINING_RULES` or :data:`EVALUATION_RULES` whose pattern matches it:
-
-- ``must agree``: a difference is refused (:class:`MixedSettingsError`) unless ``allow_mixed`` is set,
-  and then stated prominently in the tables' ``.provenance.json`` files and the report;
-- ``may differ, stated``: a difference is allowed and listed in the report (git state, hardware);
-- ``may differ``: differs by design (method, seed, the model evaluated, paths, times).
-
-Unlisted keys fall to the last rule (``*``: must agree), so a setting added later is compared by default.
-A key a manifest does not have counts as null. A missing manifest means unknown settings, which counts as
-a difference that must agree.
-
-Git commit and dirty flag only warn: a commit that changed documentation or tests does not invalidate
-results, and refusing would force re-running every run after any commit. They are stated in the report,
-with each run's commit, so a reader can judge.
-
-The check runs once per workflow run, in rule ``provenance``, which writes ``provenance.json``;
-:func:`load_provenance` (the notebooks, the ``d3s.analysis`` loaders, the report) reads that file while it is
-up to date and runs the check itself when the file is absent or older than a manifest (a library user's
-results folder without the workflow).
-"""
+"""Which results may share a table: their manifests compared group by group, each key under the first
+matching rule of TRAINING_RULES / EVALUATION_RULES (docs/workflow.md, "Provenance")."""
 
 from __future__ import annotations
 
@@ -78,7 +54,7 @@ SELECTION_FIELDS = (
     "schedule",
     "minibatches_per_generation",
 )
-# Geometry that follows from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
+# Geometry following from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
 # G itself (num_generations) must agree; PODS's own protocol, which compares n = 4m with m, says so in its
 # config (analysis.allow_mixed_settings).
 BATCH_GEOMETRY_FIELDS = ("steps_per_generation", "generation_batch_size", "gradient_accumulation_steps")
@@ -88,7 +64,7 @@ THREADS_WHY = "torch threads change CPU numerics and the wall-clock compared"
 
 _SHARED_TAIL = (
     ("versions.*", AGREE, "package versions change what is computed"),
-    ("git.*", WARN, "the code's commit and dirty flag; stated, not refused (see the module docstring)"),
+    ("git.*", WARN, "the code's commit and dirty flag; stated, not refused (docs/workflow.md)"),
     ("hardware.*", WARN, "different machines: wall-clock times are not comparable across them"),
     ("torch_interop_threads", WARN, "follows the machine's CPU count"),
     ("started", FREE, "start time"),
@@ -303,7 +279,8 @@ class Provenance:
             return ""
         lines = [
             f"> **Warning: mixed settings.** `{CONFIG_OPTION}` is true and these results combine runs made "
-            "with different settings, so differences between rows may come from the settings, not the methods:"
+            "with different settings, so differences between rows may come from the settings, not the "
+            "methods:"
         ]
         for check in self.checks:
             lines += [f"> - {check['name']}: {_one_line(d)}" for d in check["mixed"]]
@@ -326,10 +303,11 @@ class Provenance:
         """The report's provenance section (links relative to the results folder, where report.md is)."""
         out = [
             "Every number in this report comes from the runs and evaluations below. Each manifest holds the "
-            "resolved configuration, method settings, package versions, git commit and dirty flag, seed, torch "
-            "threads, hardware, start and end time, and the input files' checksums. Within each group the "
-            "settings that must agree were checked (rule table: `d3s.provenance.settings_check`, "
-            "docs/workflow.md); the settings hash is a hash of those settings, equal across a consistent group.",
+            "resolved configuration, method settings, package versions, git commit and dirty flag, seed, "
+            "torch threads, hardware, start and end time, and the input files' checksums. Within each group "
+            "the settings that must agree were checked (rule table: `d3s.provenance.settings_check`, "
+            "docs/workflow.md); the settings hash is a hash of those settings, equal across a consistent "
+            "group.",
             "",
             "| group | manifests | settings hash | settings |",
             "|---|---|---|---|",
