@@ -10,6 +10,8 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,3 +322,15 @@ def test_a_missing_manifest_is_refused(results):
 )
 def test_rule_table(rules, key, policy):
     assert rule_for(key, rules).policy == policy
+
+
+def test_analysis_reads_provenance_without_the_workflow_glue():
+    """d3s.provenance and d3s.analysis import neither d3s.orchestration nor torch (a fresh interpreter)."""
+    code = (
+        "import sys; import d3s.provenance.settings_check, d3s.analysis.io, d3s.analysis.report, "
+        "d3s.analysis.tables; "
+        "glue = sorted(m for m in sys.modules if m.startswith('d3s.orchestration') or m == 'torch'); "
+        "print(glue); sys.exit(bool(glue))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
