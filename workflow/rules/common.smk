@@ -47,7 +47,8 @@ MAX_STEPS = TRAINER["max_steps"]
 SAVE_STEPS = TRAINER.get("save_steps", MAX_STEPS) if TRAINER.get("save_strategy") == "steps" else MAX_STEPS
 # Intermediate checkpoints evaluated for the learning curves (the last one is the final model).
 CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
-TASK = config["task"]  # the schema filled in its defaults
+# The schema filled in the defaults; this key order keeps the jobs' params (a new order would re-run them).
+TASK = {key: config["task"][key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
 ANALYSIS = config["analysis"]
 # What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
 INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
