@@ -1,7 +1,7 @@
 # d3s-repro: the reproduction workflow. `snakemake --cores 2` runs the tiny offline default
 # (config/config.yaml); `snakemake --cores N --configfile config/paper/<name>.yaml` a paper configuration.
 # Stages, one file each under workflow/rules/: input checks, base model, train, evaluate, analyse, report.
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -12,10 +12,7 @@ if not config:  # a --configfile replaces the default instead of being merged in
     configfile: "config/config.yaml"
 
 
-validate(config, "config/schema.yaml")
-
-
-include: "workflow/rules/common.smk"
+include: "workflow/rules/common.smk"  # validates config against config/schema.yaml first
 
 
 wildcard_constraints:

@@ -62,6 +62,72 @@ def test_unknown_method_fails_at_parse_time(tmp_path):
     assert "unknown method 'd3z'" in result.stdout + result.stderr
 
 
+# (what the config changes, what the one line must say): keys the schema bounds, one per kind of check
+BAD_WORKFLOW_CONFIGS = [
+    ({"seeds": [-1]}, "config seeds[0]: -1 is less than the minimum of 0"),
+    ({"base_model": {"kind": "path"}}, "config base_model: 'path' is a required property"),
+    ({"eval": {"benchmarks": ["aime26"]}}, "config eval.benchmarks[0]: unknown benchmark 'aime26'; valid"),
+    ({"eval": {"bogus": 1}}, "config eval: unknown key(s) ['bogus']; valid: benchmarks, synthetic"),
+    (
+        {"train": {"resources": {"gpus": 2}}},
+        "config train.resources.gpus: Snakemake's GPU resource is named gpu",
+    ),
+    (
+        {"train": {"launch": {"accelerate_config": "zero4"}}},
+        "accelerate_config: 'zero4': expected ddp, zero2",
+    ),
+    ({"train": {"trainer": {"num_generations": 1}}}, "num_generations: 1 is less than the minimum of 2"),
+    ({"train": {"method_overrides": {"d3z": {}}}}, "config train.method_overrides: unknown method 'd3z'"),
+    ({"analysis": {"headline": ["grpo", "d3z"]}}, "config analysis.headline[1]: unknown method 'd3z'"),
+    ({"analysis": {"reference": "pods"}}, "config analysis.reference 'pods' is not one of the methods"),
+]
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    return base | {
+        key: _merged(base.get(key) or {}, value) if isinstance(value, dict) and key != "base_model" else value
+        for key, value in changes.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"), BAD_WORKFLOW_CONFIGS, ids=[m for _, m in BAD_WORKFLOW_CONFIGS]
+)
+def test_a_bad_workflow_config_ends_in_one_line_at_parse_time(tmp_path, changes, message):
+    """The schema's and common.smk's refusals: one line naming the key and the fix, no schema dump, no job."""
+    cfg = _merged(yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text()), changes)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    result = run_snakemake(["-n", "--configfile", str(bad)], REPO_ROOT)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert [line for line in out.splitlines() if line.startswith("config ")] == [
+        next(line for line in out.splitlines() if message in line)
+    ], out
+    assert "Failed validating" not in out and "rule " not in out, out
+
+
+def test_schema_enums_are_the_registries():
+    """The names the schema accepts are the registries' own, so neither can drift from the other."""
+    from transformers.trainer_utils import SaveStrategy
+
+    from d3s.data.benchmarks import BENCHMARKS
+    from d3s.data.templates import TEMPLATES
+    from d3s.methods import METHODS
+    from d3s.orchestration.commands import ACCELERATE_CONFIGS
+    from d3s.rewards import REWARD_SETS
+
+    schema = yaml.safe_load((REPO_ROOT / "config" / "schema.yaml").read_text())
+    names = {name: definition.get("enum") for name, definition in schema["$defs"].items()}
+    assert names["method"] == list(METHODS)
+    assert names["benchmark"] == list(BENCHMARKS)
+    assert names["template"] == list(TEMPLATES)
+    assert names["accelerate_config"] == list(ACCELERATE_CONFIGS)
+    assert schema["properties"]["train"]["properties"]["reward"]["enum"] == list(REWARD_SETS)
+    save_strategy = schema["$defs"]["trainer"]["properties"]["save_strategy"]["enum"]
+    assert [s for s in save_strategy if s is not False] == [s.value for s in SaveStrategy]
+
+
 def test_lint_clean():
     result = run_snakemake(["--lint"], REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr

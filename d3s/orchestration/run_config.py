@@ -181,9 +181,8 @@ def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.Pa
 
 
 def check_workflow_config(config: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> None:
-    """Launch settings of a workflow config, checked at parse time (no GPU or heavy import needed)."""
+    """A workflow config's launch settings against its GPUs and batch, at parse time (types: the schema's)."""
     train_cfg = config["train"]
-    job_gpus(config["eval"].get("resources"), "eval")
     processes = training_processes(train_cfg, accelerate_dir)
     overrides = dict(train_cfg.get("method_overrides") or {})
     for method in config["methods"]:

@@ -9,7 +9,7 @@ PAPERMILL = f"{sys.executable} -m papermill"
 
 # analysis.allow_mixed_settings: combine results whose manifests differ in settings that must agree
 # (d3s.provenance.settings_check), stating the mix in tables and report, instead of refusing.
-ALLOW_MIXED = bool(ANALYSIS.get("allow_mixed_settings", False))
+ALLOW_MIXED = ANALYSIS["allow_mixed_settings"]
 NB_YAML = {
     "headline": ANALYSIS.get("headline", METHODS),
     "ablation": ANALYSIS.get("ablation", METHODS),

@@ -9,7 +9,7 @@ rule base_model:
     params:
         cfg=config["base_model"],
         task=TASK,
-    threads: config["base_model"].get("threads", 1)
+    threads: config["base_model"]["threads"]
     resources:
         **config["base_model"].get("resources", {}),
     log:
@@ -32,9 +32,9 @@ rule evaluate_base:
         samples=config["eval"]["samples"],
         k=config["eval"]["k"],
         limit=config["eval"].get("limit"),
-    threads: config["eval"].get("threads", 1)
+    threads: config["eval"]["threads"]
     resources:
-        **config["eval"].get("resources", {}),
+        **config["eval"]["resources"],
     log:
         f"{RESULTS}/logs/eval_base.log",
     conda:

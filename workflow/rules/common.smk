@@ -4,56 +4,72 @@ import subprocess
 import sys
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
 ENV = "../../environment.yml"
 
+
+def _validate_config():
+    """config/schema.yaml, the one structural check (it also fills the defaults in); a violation ends in one
+    line naming the key and the fix, not Snakemake's dump of the schema."""
+    try:
+        validate(config, f"{workflow.basedir}/config/schema.yaml")
+    except WorkflowError as exc:
+        error = exc.__context__  # the jsonschema ValidationError that validate wraps
+        if not hasattr(error, "absolute_path"):
+            raise
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+        schema = error.schema if isinstance(error.schema, dict) else {}
+        if error.validator == "enum" and "title" in schema:
+            valid = ", ".join(map(str, schema["enum"]))
+            message = f"unknown {schema['title']} {error.instance!r}; valid {schema['title']}s: {valid}"
+        elif error.validator == "additionalProperties":
+            unknown = sorted(set(error.instance) - set(schema.get("properties", {})))
+            message = f"unknown key(s) {unknown}; valid: {', '.join(schema.get('properties', {}))}"
+        elif error.validator == "not" and "description" in schema:
+            message = schema["description"]
+        elif error.validator == "anyOf" and "description" in schema:
+            message = f"{error.instance!r}: expected {schema['description']}"
+        else:
+            message = error.message
+        raise ValueError(f"config {key or '(top level)'}: {message}".replace("\n", " ")) from None
+
+
+_validate_config()
 RESULTS = f"results/{config['experiment']}"
 ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"  # accelerate configs of GPU training jobs
-METHODS = list(config["methods"])
-SEEDS = [int(s) for s in config["seeds"]]
-TRAINER = dict(config["train"]["trainer"])
-MAX_STEPS = int(TRAINER["max_steps"])
-SAVE_STEPS = int(TRAINER.get("save_steps", MAX_STEPS)) if TRAINER.get("save_strategy") == "steps" else MAX_STEPS
+METHODS = config["methods"]
+SEEDS = config["seeds"]
+TRAINER = config["train"]["trainer"]
+MAX_STEPS = TRAINER["max_steps"]
+SAVE_STEPS = TRAINER.get("save_steps", MAX_STEPS) if TRAINER.get("save_strategy") == "steps" else MAX_STEPS
 # Intermediate checkpoints evaluated for the learning curves (the last one is the final model).
 CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
-TASK = {"min_ops": 1, "max_ops": 2, "max_operand": 9, "bounded": False} | dict(config.get("task") or {})
-ANALYSIS = {"reference": "grpo", "target_fraction": 0.99} | dict(config.get("analysis") or {})
+# The schema filled in the defaults; this key order keeps the jobs' params (a new order would re-run them).
+TASK = {key: config["task"][key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
+ANALYSIS = config["analysis"]
 # What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
 INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
 
 
 def _check_config():
-    """Fail at parse time, with the name to change, on what the config's text alone decides: unknown methods
-    or benchmarks, the analysis reference, launch settings, GPU resources and the batch geometry of
-    train.prompts_per_step. Pure and fast (no data, network, model or TRL import): it runs at every parse,
-    in every cluster job too, and keeps `snakemake -n` offline. Data, models and every method's full trainer
-    settings are checked before any training or evaluation job starts (checks.smk)."""
-    from d3s.data.benchmarks import BenchmarkError, parse_benchmark_list
+    """What the schema cannot express, at every parse (pure and fast: no data, network, model or TRL
+    import, so `snakemake -n` stays offline). Data, models and trainer settings: checks.smk."""
     from d3s.orchestration.run_config import check_workflow_config
-    from d3s.methods import get_method
+    from d3s.memory_plan import check_fit
 
-    try:
-        for method in METHODS:
-            get_method(method)
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"config methods: {exc}") from None
-    try:
-        parse_benchmark_list(config["eval"]["benchmarks"])
-    except BenchmarkError as exc:
-        raise ValueError(f"config eval.benchmarks: {exc}") from None
-    reference = ANALYSIS["reference"]
-    if reference not in METHODS:
+    # A cross-key relation: the claims' reference must be one of the methods run.
+    if ANALYSIS["reference"] not in METHODS:
+        reference = ANALYSIS["reference"]
         raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {METHODS}")
-    if config["base_model"]["kind"] == "path" and not config["base_model"].get("path"):
-        raise ValueError("config base_model.kind is 'path' but base_model.path is not set")
+    # Cross-key relations of launch and batch (GPUs, vLLM server, prompts_per_step) and the accelerate file.
     try:
         check_workflow_config(config, ACCELERATE_DIR)
     except ValueError as exc:
         raise ValueError(f"config {exc}") from None
-    # The memory plan from the traces cached in d3s/memory_plan_cache.json: JSON only, no torch, so `snakemake
-    # -n` stays fast; a GPU config it does not cover is planned (traced) by `d3s plan --config`.
-    from d3s.memory_plan import check_fit
-
+    # The memory plan (model x batch x GPUs) from the cached traces in d3s/memory_plan_cache.json.
     problem = check_fit(config)
     if problem:
         raise ValueError(f"config {problem}")

@@ -15,8 +15,8 @@ EVAL_POINTS = {
     "evaluate_checkpoint": (
         "step{step}",
         "checkpoint-{step}",
-        EV.get("checkpoint_samples", 4),
-        EV.get("checkpoint_k", [1]),
+        EV["checkpoint_samples"],
+        EV["checkpoint_k"],
         EV.get("checkpoint_limit") or EV.get("limit"),
     ),
     "evaluate_final": ("final", "final", EV["samples"], EV["k"], EV.get("limit")),
@@ -42,9 +42,9 @@ for name, (point, model, samples, k, limit) in EVAL_POINTS.items():
             limit=limit,
             reference=base_model_path(),  # the initial policy of the KL (eval.kl)
             train=config["train"],
-        threads: EV.get("threads", 1)
+        threads: EV["threads"]
         resources:
-            **EV.get("resources", {}),
+            **EV["resources"],
         log:
             f"{RESULTS}/logs/eval/{{method}}_seed{{seed}}_{point}.log",
         conda:

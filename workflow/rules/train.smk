@@ -19,9 +19,9 @@ rule train:
         train=config["train"],
         task=TASK,
         data_dir=config["train"].get("data_dir"),
-    threads: config["train"].get("threads", 1)
+    threads: config["train"]["threads"]
     resources:
-        **config["train"].get("resources", {}),
+        **config["train"]["resources"],
     log:
         f"{RESULTS}/logs/train/{{method}}_seed{{seed}}.log",
     conda:
