@@ -26,12 +26,8 @@ from d3s.orchestration.run_config import (
     build_run_config,
     prepare_training_job,
 )
-from d3s.runs.run import (
-    PER_ATTEMPT_TRAINER_KEYS,
-    config_differences,
-    latest_checkpoint,
-    supersede_run,
-)
+from d3s.provenance.config_change import PER_ATTEMPT_TRAINER_KEYS
+from d3s.runs.run import config_differences, latest_checkpoint, supersede_run
 from d3s.trainer import D3SConfig
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}

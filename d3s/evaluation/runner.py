@@ -35,6 +35,7 @@ from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
+from d3s.provenance.config_change import config_changes, describe
 from d3s.provenance.manifest import (
     atomic_write_text,
     build_manifest,
@@ -142,11 +143,11 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     run_file = out_dir / RUN_FILE
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
-        differing = sorted(k for k in identity if previous.get(k) != identity[k])
-        if differing:
-            details = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity[k]!r}" for k in differing)
+        # the one rule (d3s.provenance.config_change); run.json holds only the identity keys
+        changes = config_changes({k: previous.get(k) for k in identity}, identity)
+        if changes:
             raise ResumeMismatchError(
-                f"{out_dir} holds samples generated with other settings ({details}). "
+                f"{out_dir} holds samples generated with other settings ({describe(changes)}). "
                 "Use a new --out directory, the same settings, or --overwrite to start again."
             )
     elif (out_dir / SAMPLES_FILE).exists():

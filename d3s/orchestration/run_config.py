@@ -29,7 +29,7 @@ from d3s.orchestration.gpu_slots import cuda_available, job_gpus
 
 # Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
 # They differ between attempts of one run, so a resumed job never counts them as a configuration change
-# (d3s.runs.run.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
+# (d3s.provenance.config_change.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")

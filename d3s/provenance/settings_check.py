@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from d3s.methods import METHODS
 from d3s.provenance import layout
+from d3s.provenance.config_change import PER_ATTEMPT_TRAINER_KEYS, TRAINING_PER_ATTEMPT, flatten
 from d3s.provenance.manifest import atomic_write_text, stable_hash
 
 AGREE = "must agree"
@@ -87,11 +88,16 @@ TRAINING_RULES: tuple[Rule, ...] = _rules(
     ),
     ("seed", FREE, "seeds are what the intervals are taken over"),
     (("config.seed", TRAINER + "seed", TRAINER + "data_seed"), FREE, "seed"),
-    (("config.output_dir", TRAINER + "output_dir", TRAINER + "logging_dir"), FREE, "run folder"),
+    (
+        [f"config.{key}" for key in sorted(TRAINING_PER_ATTEMPT) if not key.startswith("trainer.")]
+        + [TRAINER + key for key in sorted(PER_ATTEMPT_TRAINER_KEYS)],
+        FREE,
+        "per-attempt value (run folder, resume policy, vLLM server address): config_change.TRAINING_PER_ATTEMPT",
+    ),
+    (TRAINER + "logging_dir", FREE, "run folder"),
     (TRAINER + "run_name", FREE, "the run's name"),
     ("config.trainer.*", FREE, "options as written (per-method overrides); resolved_trainer is compared"),
     ("config.data_dir", FREE, "a path; the dataset file's checksum is compared"),
-    ("config.resume", FREE, "whether an interrupted run resumes"),
     ("resumed_from", FREE, "the checkpoint an interrupted run resumed from"),
     ("inputs.*.sha256", AGREE, "the base model and the training data must be the same files"),
     (TRAINER + "*", AGREE, "trainer setting shared by all methods (G, batch size, steps, lr, lengths, ...)"),
@@ -139,16 +145,6 @@ class MixedSettingsError(ValueError):
 def rule_for(key: str, rules: tuple[Rule, ...]) -> Rule:
     """The first rule whose pattern matches ``key`` (the tables end with a catch-all)."""
     return next(rule for rule in rules if fnmatch.fnmatchcase(key, rule.pattern))
-
-
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts to dotted keys; lists and other values stay whole."""
-    if isinstance(obj, dict) and obj:
-        flat: dict[str, Any] = {}
-        for key, value in obj.items():
-            flat |= flatten(value, f"{prefix}.{key}" if prefix else str(key))
-        return flat
-    return {prefix: obj}
 
 
 def _show(value: Any, width: int = 70) -> str:

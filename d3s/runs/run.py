@@ -40,6 +40,7 @@ from d3s.callbacks.checkpoints import (
     has_training_state,
 )
 from d3s.methods import get_method
+from d3s.provenance.config_change import TRAINING_PER_ATTEMPT, config_changes, describe, plain
 from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
 from d3s.runs.config import TOP_LEVEL_KEYS, TinyOptions, check_model_dir, coerce_run_config
 
@@ -173,15 +174,6 @@ def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[
     return model, tokenizer
 
 
-# Values that legitimately differ between attempts of one run, so they never count as a configuration change:
-# the resume policy, where the run directory is, and the vLLM server's host and ports, which the workflow picks
-# afresh for each attempt (d3s.orchestration.run_config.prepare_training_job; accelerate's main_process_port is a command-line
-# argument, never in the config). `threads` is compared, per training process, as `d3s train` runs it.
-PER_ATTEMPT_KEYS = frozenset({"resume", "output_dir"})
-PER_ATTEMPT_TRAINER_KEYS = frozenset(
-    {"output_dir", "vllm_server_host", "vllm_server_port", "vllm_group_port"}
-)
-
 # What a fresh start moves aside with the checkpoints, so it never mixes with or overwrites an older run: the
 # run's work (its logs, summary and final model) and, when there is work, the files that describe it.
 _RUN_WORK = ("train_summary.json", "anatomy.jsonl", "final")
@@ -209,7 +201,7 @@ def config_differences(
     output_dir: str | os.PathLike[str], config: dict[str, Any]
 ) -> dict[str, tuple[Any, Any]]:
     """``{key: (previous, current)}`` for every setting that differs from the run that wrote ``output_dir``
-    (its resolved_config.yaml), per-attempt values left out. Trainer fields are named ``trainer.<field>``.
+    (its resolved_config.yaml), by the one rule (d3s.provenance.config_change: per-attempt values left out).
 
     Both sides are `d3s train` configs as run, so ``threads`` is the per-process count on both.
     """
@@ -217,20 +209,8 @@ def config_differences(
     if not path.is_file():
         return {}
     previous = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    old = _flat({key: value for key, value in previous.items() if key in TOP_LEVEL_KEYS})
-    new = _flat({**config, "threads": int(config.get("threads", 1))})
-    per_attempt = PER_ATTEMPT_KEYS | {f"trainer.{key}" for key in PER_ATTEMPT_TRAINER_KEYS}
-    pairs = {
-        key: (_plain(old.get(key)), _plain(new.get(key)))
-        for key in sorted((old.keys() | new.keys()) - per_attempt)
-    }
-    return {key: pair for key, pair in pairs.items() if pair[0] != pair[1]}
-
-
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
-    """The config with its trainer fields as ``trainer.<field>`` keys."""
-    trainer = {f"trainer.{key}": value for key, value in (config.get("trainer") or {}).items()}
-    return {key: value for key, value in config.items() if key != "trainer"} | trainer
+    old = {key: value for key, value in previous.items() if key in TOP_LEVEL_KEYS}
+    return config_changes(old, {**config, "threads": int(config.get("threads", 1))}, TRAINING_PER_ATTEMPT)
 
 
 def supersede_run(
@@ -304,14 +284,14 @@ def train(config: dict[str, Any]) -> Path:
         if changed:
             raise ValueError(
                 f"{output_dir} holds checkpoints of a run with a different configuration (changed: "
-                f"{', '.join(changed)}); resuming would mix the two. Use another output_dir, or resume: never to "
+                f"{describe(changed)}); resuming would mix the two. Use another output_dir, or resume: never to "
                 "start over (the old run's checkpoints and logs are moved aside, not deleted)"
             )
 
     resolved = {
         **config,
         "threads": threads,
-        "resolved_trainer": {k: _plain(v) for k, v in args.to_dict().items()},
+        "resolved_trainer": {k: plain(v) for k, v in args.to_dict().items()},
         "method_settings": dataclasses.asdict(get_method(args.method)),
     }
     manifest = build_manifest(resolved, seed=args.seed, threads=threads, inputs=_input_files(config))
@@ -434,8 +414,3 @@ def _input_files(config: dict[str, Any]) -> dict[str, Path]:
     dataset = local_copy((config.get("dataset") or {}).get("name", "synthetic"), config.get("data_dir"))
     files = {"dataset": dataset} if dataset is not None else {}
     return files | model_files(str(config.get("model", "tiny")))  # weights, config, tokenizer
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as plain JSON/YAML data: tuples as lists, keys and other objects as strings."""
-    return json.loads(json.dumps(value, default=str))

@@ -14,9 +14,8 @@ and `d3s eval` (run without --overwrite) keeps every complete problem in samples
 rest. It must only resume what the same model made with the same settings: <out>/resume_key.json records the
 model files' checksums and the settings that decide the samples. When either changed (the run was trained
 again, the config changed), the old evaluation is moved aside to <out>.superseded-<UTC time>/, never
-deleted, and a fresh one starts. Per-attempt values (batch size, GPUs and tensor parallelism, grading
-workers, the data directory) and what is reported from the samples (the Pass@k values, the primary answer
-policy, which d3s eval relabels without generating) are not settings of the samples: changing them resumes.
+deleted, and a fresh one starts (d3s.provenance.config_change, the one rule; its EVALUATION_PER_ATTEMPT lists
+the options that are not settings of the samples: changing them resumes).
 """
 
 import contextlib
@@ -26,7 +25,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
@@ -35,6 +33,7 @@ from d3s.cli import main as d3s_main
 from d3s.evaluation.kl import KL_FILE, KLProbeSettings, measure_checkpoint_kl
 from d3s.orchestration.gpu_slots import assign_gpus, job_gpus
 from d3s.orchestration.processes import signals_raise_system_exit
+from d3s.provenance.config_change import EVALUATION_PER_ATTEMPT, keep_or_move_aside
 from d3s.provenance.manifest import atomic_write_text, model_files, sha256_file
 
 RESUME_KEY_FILE = "resume_key.json"
@@ -58,9 +57,11 @@ class EvalJob:
     gpu_ids: list[str]
 
 
-def sample_settings(job: EvalJob) -> dict[str, str]:
-    """`d3s eval` options that decide the samples: an evaluation resumes only under the same ones."""
-    settings = {
+def eval_options(job: EvalJob) -> dict[str, str]:
+    """The `d3s eval` options of the job; those not in config_change.EVALUATION_PER_ATTEMPT decide the samples,
+    and an evaluation resumes only under the same ones."""
+    ks = [k for k in job.ks if k <= job.samples] or [1]
+    options = {
         "--model": job.model,
         "--samples": str(job.samples),
         "--max-tokens": str(ev.get("max_tokens", 4096)),
@@ -68,67 +69,34 @@ def sample_settings(job: EvalJob) -> dict[str, str]:
         "--top-p": str(ev.get("top_p", 0.95)),
         "--template": ev.get("template", "auto"),
         "--backend": ev.get("backend", "auto"),
-    }
-    if "synthetic" in ev["benchmarks"]:
-        synthetic = task | dict(ev.get("synthetic") or {})
-        settings["--synthetic"] = ",".join(
-            f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in synthetic.items()
-        )
-    if job.limit:
-        settings["--limit"] = str(job.limit)
-    for key in ("max_model_len", "dtype"):
-        if ev.get(key) is not None:
-            settings[f"--{key.replace('_', '-')}"] = str(ev[key])
-    return settings
-
-
-def other_options(job: EvalJob) -> dict[str, str]:
-    """`d3s eval` options that do not change the samples (per attempt, or what is reported from them)."""
-    ks = [k for k in job.ks if k <= job.samples] or [1]
-    options = {
         # each benchmark resumes on its own (d3s eval's run.json): adding one keeps the others
         "--benchmarks": ",".join(ev["benchmarks"]),
         "--k": ",".join(map(str, ks)),
         "--out": str(job.out),
         "--grading-workers": "1",
     }
+    if "synthetic" in ev["benchmarks"]:
+        synthetic = task | dict(ev.get("synthetic") or {})
+        options["--synthetic"] = ",".join(
+            f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in synthetic.items()
+        )
+    if job.limit:
+        options["--limit"] = str(job.limit)
+    for key in ("max_model_len", "dtype"):
+        if ev.get(key) is not None:
+            options[f"--{key.replace('_', '-')}"] = str(ev[key])
     if job.gpu_ids:
         options["--tensor-parallel-size"] = str(ev.get("tensor_parallel_size", len(job.gpu_ids)))
-    # (answer_policy, the primary policy: d3s eval relabels the kept samples, never regenerates them)
     for key in ("answer_policy", "batch_size", "data_dir", "gpu_memory_utilization"):
         if ev.get(key):
             options[f"--{key.replace('_', '-')}"] = str(ev[key])
     return options
 
 
-def keep_or_move_aside(out: Path, key: dict[str, Any]) -> str | None:
-    """Leave ``out`` to be resumed if its samples were made under ``key``; otherwise move it aside (never
-    delete it) so the evaluation starts fresh. Returns what happened, for the log, or None (nothing there)."""
-    if not out.is_dir() or not any(out.iterdir()):
-        return None
-    key_file = out / RESUME_KEY_FILE
-    previous = json.loads(key_file.read_text(encoding="utf-8")) if key_file.is_file() else None
-    if previous == key:
-        return f"resuming the evaluation in {out}"
-    if previous is None:
-        why = f"no {RESUME_KEY_FILE}: unknown model and settings"
-    else:
-        old, new = ({f"model file {n}": h for n, h in k["model_files"].items()} for k in (previous, key))
-        old, new = old | previous["settings"], new | key["settings"]
-        why = "; ".join(  # a changed model file by name only (its checksums say nothing to the reader)
-            name if name.startswith("model file") else f"{name} {old.get(name)} -> {new.get(name)}"
-            for name in sorted(old.keys() | new.keys())
-            if old.get(name) != new.get(name)
-        )
-    aside = out.with_name(f"{out.name}.superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    out.rename(aside)
-    return f"moved the previous evaluation aside to {aside} ({why}); starting over"
-
-
 def generate_and_grade(job: EvalJob) -> None:
     """`d3s eval`: resumes from <out>/<benchmark>/samples.jsonl; writes <out>/summary.json last."""
     args = ["eval"]
-    for option, value in (sample_settings(job) | other_options(job)).items():
+    for option, value in eval_options(job).items():
         args += [option, value]
     args += ["--no-progress"]
     print("d3s", " ".join(args), flush=True)
@@ -199,8 +167,9 @@ with (
     )
     # the resume key: the model's files (checksums; a hub id has none) and the sample settings
     files = {name: sha256_file(path) for name, path in model_files(job.model).items()}
-    key = {"model_files": files, "settings": sample_settings(job)}
-    outcome = keep_or_move_aside(out, key)
+    settings = {k: v for k, v in eval_options(job).items() if k not in EVALUATION_PER_ATTEMPT}
+    key = {"model_files": files, "settings": settings}
+    outcome = keep_or_move_aside(out, key, RESUME_KEY_FILE)
     if outcome:
         print(outcome, flush=True)
     out.mkdir(parents=True, exist_ok=True)

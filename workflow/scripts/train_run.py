@@ -14,6 +14,7 @@ from d3s.orchestration.gpu_slots import assign_gpus, job_gpus
 from d3s.orchestration.processes import signals_raise_system_exit
 from d3s.orchestration.run_config import build_run_config, train_launch, write_yaml
 from d3s.orchestration.training_job import run_training_job
+from d3s.provenance.config_change import describe
 from d3s.runs.run import config_differences, supersede_run
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
@@ -45,13 +46,12 @@ run_dir.mkdir(parents=True, exist_ok=True)
 # A job cut off midway resumes from its last checkpoint (d3s train, resume: auto, which also restores the logs).
 # A job rerun because its configuration really changed starts over: the old run's checkpoints and logs are moved
 # aside with the reason, never deleted. `config` holds the per-process thread count, as resolved_config.yaml
-# does, and the per-attempt values (ports, hosts) never count (d3s.runs.run.PER_ATTEMPT_KEYS).
+# does, and per-attempt values never count (d3s.provenance.config_change, the one rule).
 restart_reason = None
 changes = config_differences(run_dir, config)
 if changes:
     metrics_log = config["trainer"].get("metrics_log", "metrics.jsonl")
-    lines = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()]
-    reason = "\n".join(["configuration changed:", *lines])
+    reason = f"configuration changed: {describe(changes)}"
     moved = supersede_run(run_dir, reason, label="config-changed", metrics_log=metrics_log)
     restart_reason = f"configuration changed ({', '.join(changes)}): starting over" + (
         f"; the previous run's files are in {moved}" if moved else ""
