@@ -22,30 +22,37 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def build_train_config(args: argparse.Namespace) -> dict:
-    """The run config of ``d3s train``: the --config file, then the flags, every value typed and checked.
+    """The run config of ``d3s train``: the --config file, then the flags, parsed once (d3s.runs.config).
 
     Raises ConfigError (a ValueError) naming the key, where the value came from and the fix.
     """
-    from d3s.runs.config import ConfigError, coerce_run_config, coerce_trainer_option, read_config_file
+    from d3s.runs.config import ConfigError, coerce_run_config, read_config_file
 
-    config = {}
-    if args.config:
-        config = coerce_run_config(read_config_file(args.config), source=f"from {args.config}")
+    config = read_config_file(args.config) if args.config else {}
+    sources = {}  # where each flag's value came from, for the error messages
     for key in ("method", "model", "seed", "threads", "output_dir"):
         if getattr(args, key) is not None:
-            flag = f"--{key.replace('_', '-')} {getattr(args, key)}"
-            config |= coerce_run_config({key: getattr(args, key)}, source=f"from {flag}")
-    trainer = dict(config.get("trainer") or {})
-    if args.max_steps is not None:
-        source = f"from --max-steps {args.max_steps}"
-        trainer["max_steps"] = coerce_trainer_option("max_steps", args.max_steps, source=source)
+            config[key] = getattr(args, key)
+            sources[key] = f"from --{key.replace('_', '-')} {getattr(args, key)}"
+    trainer = config.get("trainer") or {}
+    flags = (
+        [("max_steps", args.max_steps, f"--max-steps {args.max_steps}")] if args.max_steps is not None else []
+    )
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects FIELD=VALUE such as --set learning_rate=1e-6, got {item!r}")
-        trainer[key.strip()] = coerce_trainer_option(key.strip(), text, source=f"from --set {item}")
-    config["trainer"] = trainer
-    return coerce_run_config(config)
+        flags.append((key.strip(), text, f"--set {item}"))
+    if flags and not isinstance(trainer, dict):
+        raise ConfigError(
+            f"trainer: expected a mapping such as {{key: value}}, got {trainer!r} (from {args.config})"
+        )
+    if isinstance(trainer, dict):  # anything else is refused by the parser, naming the file
+        for key, value, flag in flags:
+            trainer[key] = value
+            sources[f"trainer.{key}"] = f"from {flag}"
+        config["trainer"] = trainer
+    return coerce_run_config(config, source=f"from {args.config}" if args.config else None, sources=sources)
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -13,8 +13,8 @@ from d3s.methods import get_method
 from d3s.rewards import ANSWER_POLICIES
 from d3s.selection import SAMPLE_RULES, SAMPLE_SCOPES, SCHEDULES, TOKEN_RULES, TOKEN_SCOPES, Schedule
 
-# Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked before
-# TRL's own __post_init__, which divides by some of these, and by `d3s train` as it reads each option.
+# Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked once, in
+# D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these.
 TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         ("learning_rate", "num_train_epochs", "repetition_penalty", "adam_epsilon", "logging_steps")
@@ -55,6 +55,13 @@ def range_error(name: str, value: Any) -> str | None:
     return f"trainer.{name} must be {description}; got {value!r}"
 
 
+def _trl_choices(name: str, *choices: Any) -> Any:
+    """TRL's field ``name`` (default, help) with the values it accepts as ``choices`` metadata: TRL states them only
+    in its help text, and HfArgumentParser and D3SConfig._validate read them from here."""
+    trl_field = GRPOConfig.__dataclass_fields__[name]
+    return field(default=trl_field.default, metadata={**trl_field.metadata, "choices": list(choices)})
+
+
 def _from_method(help_text: str, choices: Sequence[str] | None = None) -> Any:
     """A selection field: unset (None) means the method's value (d3s/methods.py)."""
     metadata = {"help": f"{help_text} Default: from the method registry (d3s/methods.py)."}
@@ -69,6 +76,22 @@ class D3SConfig(GRPOConfig):
     (GSPO's sequence-level ratio); every field here can still be overridden.
     """
 
+    vllm_mode: str = _trl_choices("vllm_mode", "colocate", "server")
+    vllm_model_impl: str = _trl_choices("vllm_model_impl", "vllm", "transformers")
+    importance_sampling_level: str = _trl_choices("importance_sampling_level", "token", "sequence")
+    multi_objective_aggregation: str = _trl_choices(
+        "multi_objective_aggregation", "sum_then_normalize", "normalize_then_sum"
+    )
+    scale_rewards: str = _trl_choices("scale_rewards", "group", "batch", "none", True, False)
+    loss_type: str = _trl_choices(
+        "loss_type", "grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"
+    )
+    vllm_importance_sampling_mode: str = _trl_choices(
+        "vllm_importance_sampling_mode", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    )
+    include_num_input_tokens_seen: str | bool = _trl_choices(
+        "include_num_input_tokens_seen", "no", "all", "non_padding", True, False
+    )
     method: str = field(
         default="grpo",
         metadata={
@@ -192,9 +215,6 @@ class D3SConfig(GRPOConfig):
         return cls(method=method, **settings)
 
     def __post_init__(self) -> None:
-        # ranges first: TRL's own __post_init__ divides by some of these
-        for error in filter(None, (range_error(f.name, getattr(self, f.name)) for f in fields(self))):
-            raise ValueError(error)
         method = get_method(self.method)
         for name, value in method.trl_settings.items():
             if getattr(self, name) != value:
@@ -204,8 +224,12 @@ class D3SConfig(GRPOConfig):
                     "which sets it"
                 )
         self._mini_batch_generation(method)
-        super().__post_init__()
         self._resolve_from_method(method)
+        # the trainer's one range check (the values given and the method's), before TRL's own __post_init__,
+        # which divides by some of them
+        for error in filter(None, (range_error(f.name, getattr(self, f.name)) for f in fields(self))):
+            raise ValueError(error)
+        super().__post_init__()
         self._validate()
 
     def _mini_batch_generation(self, method) -> None:
@@ -246,11 +270,11 @@ class D3SConfig(GRPOConfig):
             self.keep_per_prompt = self.keep_per_prompt_final = self.num_generations
 
     def _validate(self) -> None:
-        for f in fields(D3SConfig):  # the choices of our own fields (TRL checks its own)
+        for f in fields(D3SConfig):  # the choices of the fields declared here (TRL's with _trl_choices)
             choices = f.metadata.get("choices") if f.name in D3SConfig.__annotations__ else None
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(
-                    f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}"
+                    f"{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(self, f.name)!r}"
                 )
         G = self.num_generations  # noqa: N806 - the paper's symbol
         for name in ("keep_per_prompt", "keep_per_prompt_final"):
@@ -268,9 +292,6 @@ class D3SConfig(GRPOConfig):
                 "full_state_checkpoints: latest keeps the training state in the newest checkpoint, but "
                 "save_only_model: true saves none (such a run cannot resume): set save_only_model: false"
             )
-        for name in ("token_keep_ratio", "token_keep_ratio_final"):  # their values from the method, too
-            if error := range_error(name, getattr(self, name)):
-                raise ValueError(error)
         if self.renormalize and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "renormalize=True re-normalises the summed reward per group; it needs "

@@ -51,10 +51,25 @@ def _resumes(out: Path, options: dict) -> bool:
     return outcome is not None and outcome.startswith("resuming")
 
 
+# Another attempt's value of every per-attempt key (another node, other ports, another run folder).
+ANOTHER_ATTEMPT = {
+    "resume": "never",
+    "output_dir": "runs/b",
+    "trainer.output_dir": "runs/b",
+    "trainer.vllm_server_host": "10.0.0.2",
+    "trainer.vllm_server_port": 8001,
+    "trainer.vllm_group_port": 51217,
+}
+
+
+def test_every_per_attempt_key_is_exercised():
+    assert set(ANOTHER_ATTEMPT) == TRAINING_PER_ATTEMPT
+
+
 @pytest.mark.parametrize("key", sorted(TRAINING_PER_ATTEMPT))
 def test_a_per_attempt_training_value_resumes_and_is_free_in_provenance(tmp_path, key):
     old = _training(tmp_path, RUN | {"trainer": TRAINER})
-    new = {**flatten(old), key: "elsewhere"}
+    new = {**flatten(old), key: ANOTHER_ATTEMPT[key]}
     nested = {k: v for k, v in new.items() if not k.startswith("trainer.")}
     nested["trainer"] = {k.removeprefix("trainer."): v for k, v in new.items() if k.startswith("trainer.")}
     assert config_differences(tmp_path, nested) == {}  # training resumes

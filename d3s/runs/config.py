@@ -1,11 +1,11 @@
-"""Run-config values typed and range-checked before anything loads.
+"""The `d3s train` boundary: a run config (YAML file and flags) parsed once into typed, checked values.
 
-YAML reads ``1e-4`` as a string and ``no`` as a boolean; ``--set KEY=VALUE`` gives text. Each value is converted as
-transformers' ``HfArgumentParser`` (what TRL's ``TrlParser`` is) converts the field's command-line argument: its
-type, true/false words, Literal, enum and ``choices`` values, list items. Ours adds what the parser leaves out:
-null for Optional fields, mappings in YAML or JSON, ``int | str`` and ``str | bool`` fields, integers written as
-floats, range checks, and a one-line :class:`ConfigError` that names the key, the value, where it came from and what
-to write instead. The top-level keys of a ``d3s train`` config (:class:`RunKeys`) are typed the same way.
+YAML reads ``1e-4`` as a string and ``no`` as a boolean; ``--set KEY=VALUE`` gives text. Each value is converted by
+the argparse action transformers' ``HfArgumentParser`` builds for its dataclass field (type, true/false words,
+Literal, enum and ``choices``, list items); the run's dataclasses (:class:`RunKeys` and its sections) and
+``D3SConfig`` then check ranges in their ``__post_init__``. The pre-pass here does only what that parser cannot,
+each marked ``pre-pass:`` below; every error is one :class:`ConfigError` line naming the key, the value, where it
+came from and what to write instead.
 """
 
 from __future__ import annotations
@@ -29,7 +29,26 @@ from d3s.rewards import REWARD_SETS
 
 
 class ConfigError(ValueError):
-    """A config value that cannot be used; the message is one line naming the key and the fix."""
+    """A config value that cannot be used; the message is one line naming the key and the fix. ``key`` names
+    the setting when a dataclass check raised it, so the parser can add where its value came from."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class RunConfig(dict):
+    """A run config parsed by :func:`coerce_run_config` (typed and checked): parsing it again returns it as is."""
+
+
+def _check_minimums(section: str, options: Any, minimums: Mapping[str, int] | None = None) -> None:
+    """Every integer field of ``options`` at least its minimum (1 unless ``minimums`` says otherwise)."""
+    for f in dataclasses.fields(options):
+        value, minimum = getattr(options, f.name), (minimums or {}).get(f.name, 1)
+        if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
+            raise ConfigError(
+                f"{section}.{f.name} must be >= {minimum}; got {value!r}", key=f"{section}.{f.name}"
+            )
 
 
 @dataclasses.dataclass
@@ -50,6 +69,14 @@ class RunKeys:
     # the reward functions by name (d3s.rewards.REWARD_SETS): accuracy, or pods (accuracy + PODS's format term)
     reward: str = dataclasses.field(default="accuracy", metadata={"choices": tuple(REWARD_SETS)})
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(
+                f"seed must be in [0, 2**32 - 1] (numpy's seed range); got {self.seed!r}", "seed"
+            )
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 (torch threads); got {self.threads!r}", "threads")
+
 
 @dataclasses.dataclass
 class SyntheticDataset:
@@ -62,6 +89,14 @@ class SyntheticDataset:
     max_operand: int = 99
     bounded: bool = False  # intermediate values stay in 0..max_operand
 
+    def __post_init__(self) -> None:
+        _check_minimums("dataset", self)
+        if self.min_ops > self.max_ops:
+            raise ConfigError(
+                f"dataset.min_ops must be <= dataset.max_ops; got {self.min_ops} > {self.max_ops}",
+                "dataset.min_ops",
+            )
+
 
 @dataclasses.dataclass
 class BenchmarkDataset:
@@ -69,6 +104,9 @@ class BenchmarkDataset:
 
     name: str = "math_level3to5"
     limit: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_minimums("dataset", self)
 
 
 @dataclasses.dataclass
@@ -80,35 +118,18 @@ class TinyOptions:
     max_ops: int = 1
     max_operand: int = 9
 
+    def __post_init__(self) -> None:
+        _check_minimums("tiny", self, {"sft_steps": 0})
+
 
 TOP_LEVEL_KEYS = frozenset(f.name for f in dataclasses.fields(RunKeys))
 NULL_WORDS = ("null", "Null", "NULL", "~")
 BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
 
-# Ranges of the top-level and section keys (the trainer's are D3SConfig's: d3s.trainer_config.TRAINER_RANGES).
-KEY_RANGES = {
-    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32 - 1] (numpy's seed range)"),
-    "threads": (lambda v: v >= 1, ">= 1 (torch threads)"),
-    "tiny.sft_steps": (lambda v: v >= 0, ">= 0"),
-}
-_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
-
-# String options with a closed set of values that GRPOConfig only checks at train time, or never.
-TRAINER_CHOICES: dict[str, tuple[Any, ...]] = {
-    "vllm_mode": ("colocate", "server"),
-    "vllm_model_impl": ("vllm", "transformers"),
-    "importance_sampling_level": ("token", "sequence"),
-    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
-    "scale_rewards": ("group", "batch", "none", True, False),
-    "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
-    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-    "include_num_input_tokens_seen": ("no", "all", "non_padding", True, False),
-}
-
-# Annotations that understate what TRL accepts (it maps True/False to "group"/"none" itself).
+# pre-pass: annotations that understate what TRL accepts (it maps True/False to "group"/"none" itself).
 TYPE_OVERRIDES: dict[str, Any] = {"scale_rewards": str | bool}
 
-# dict | str fields whose string form is a path to a JSON file (TrainingArguments reads it).
+# pre-pass: dict | str fields whose string form is a path to a JSON file (TrainingArguments reads it).
 PATH_OR_MAPPING_FIELDS = ("deepspeed", "fsdp_config", "accelerator_config")
 
 EXPECTED = {int: "an integer", float: "a number such as 1e-6", str: "a string"}
@@ -174,7 +195,8 @@ def _choices_text(choices: Any) -> str:
 
 
 def _convert(field: _Field, value: Any) -> Any:
-    """``value`` as ``field``'s type, or _Refused."""
+    """``value`` as ``field``'s type, or _Refused. pre-pass: null words, mappings and lists written in YAML or
+    JSON, which HfArgumentParser reads only as argv words; scalars go to its action (_scalar)."""
     members, action = field.members, field.action
     if type(None) in members and (value is None or value in NULL_WORDS):
         return None
@@ -212,7 +234,10 @@ def _scalar(field: _Field, value: Any) -> Any:
     from transformers.hf_argparser import string_to_bool
 
     action, members = field.action, field.members
-    kind = str if str in members and action.choices is None else action.type
+    # HfArgumentParser types a `str | bool` field as bool: such a field takes words, typed at the end
+    kind = (
+        str if str in members and (action.choices is None or action.type is string_to_bool) else action.type
+    )
     if value is False and action.choices and "no" in action.choices:
         value = "no"  # YAML 1.1 reads `save_strategy: no` as False
     if kind is string_to_bool:
@@ -236,21 +261,21 @@ def _scalar(field: _Field, value: Any) -> Any:
             raise _Refused(expected) from None
     if isinstance(converted, float) and not math.isfinite(converted):
         raise _Refused("a finite number such as 1e-6")
-    if action.choices and converted not in action.choices:
-        raise _Refused(expected)
     if (
         isinstance(converted, str) and kind is str
-    ):  # `int | str`, `str | bool`: a number or a word stays typed
+    ):  # pre-pass: `int | str`, `str | bool` keep a number or a word
         word = converted.strip().lower()
         if bool in members and word in BOOL_WORDS:
-            return BOOL_WORDS[word]
-        if int in members and word.lstrip("-").isdigit():
-            return int(word)
+            converted = BOOL_WORDS[word]
+        elif int in members and word.lstrip("-").isdigit():
+            converted = int(word)
+    if action.choices and converted not in action.choices:
+        raise _Refused(expected)
     return getattr(converted, "value", converted)  # an enum member as its value (YAML-safe)
 
 
 def _whole_number(text: str) -> int | None:
-    """1e3 or 8.0: an integer written as a float."""
+    """pre-pass: 1e3 or 8.0, an integer written as a float."""
     try:
         number = float(text)
     except ValueError:
@@ -268,28 +293,34 @@ def _from(source: str | None) -> str:
 
 
 def _check_keys(options: Any, fields: Mapping[str, _Field], what: str, fix: str, source: str | None) -> None:
-    """Refuse unknown keys, all named together, with close matches."""
+    """pre-pass: unknown keys refused all together, with close matches (the parser names only the first)."""
     unknown = sorted(str(key) for key in options if key not in fields)
     if unknown:
         hints = "".join(_did_you_mean(name, list(fields)) for name in unknown)
         raise ConfigError(f"unknown {what} {unknown}{hints}{_from(source)}; {fix}")
 
 
-def _typed(field: _Field, value: Any, label: str, source: str | None, rule: Any = None) -> Any:
-    """``value`` converted (see _convert) and inside ``rule`` (accepts, description); ConfigError otherwise."""
+def _typed(field: _Field, value: Any, label: str, source: str | None) -> Any:
+    """``value`` converted (see _convert); ConfigError naming ``label`` and ``source`` otherwise."""
     try:
-        value = _convert(field, value)
+        return _convert(field, value)
     except _Refused as refused:
         raise ConfigError(f"{label}: expected {refused.expected}, got {value!r}{_from(source)}") from None
-    if rule and isinstance(value, (int, float)) and not isinstance(value, bool) and not rule[0](value):
-        raise ConfigError(f"{label} must be {rule[1]}; got {value!r}{_from(source)}")
-    return value
+
+
+def _checked(
+    dataclass_type: type, values: Mapping[str, Any], sources: Mapping[str, str], source: str | None
+) -> None:
+    """``dataclass_type(**values)``, whose __post_init__ checks ranges; its error gets where the value came from."""
+    try:
+        dataclass_type(**values)
+    except ConfigError as err:
+        raise ConfigError(f"{err}{_from(sources.get(err.key or '', source))}") from None
 
 
 def coerce_trainer_option(name: str, value: Any, *, source: str | None = None) -> Any:
-    """``value`` of trainer option ``name`` as its field's type; ConfigError naming the key and fix otherwise."""
-    from d3s.trainer_config import range_error
-
+    """``value`` of trainer option ``name`` as its field's type (its choices included); ConfigError naming the key
+    and fix otherwise. Ranges are D3SConfig.__post_init__'s, the trainer's one check."""
     fields = _trainer_fields()
     _check_keys(
         {name: value}, fields, "trainer option(s)", "every option must be a field of D3SConfig", source
@@ -299,9 +330,6 @@ def coerce_trainer_option(name: str, value: Any, *, source: str | None = None) -
             f"trainer.method{_from(source)}: set the top-level method (or --method), not trainer.method"
         )
     coerced = _typed(fields[name], value, f"trainer.{name}", source)
-    choices = TRAINER_CHOICES.get(name)
-    if choices and coerced is not None and coerced not in choices:
-        raise ConfigError(f"trainer.{name}: expected {_choices_text(choices)}, got {value!r}{_from(source)}")
     if (
         name in PATH_OR_MAPPING_FIELDS
         and isinstance(coerced, str)
@@ -312,8 +340,6 @@ def coerce_trainer_option(name: str, value: Any, *, source: str | None = None) -
         )
     if name == "report_to":
         _check_report_to(coerced, source)
-    if error := range_error(name, coerced):
-        raise ConfigError(error + _from(source))
     return coerced
 
 
@@ -338,55 +364,63 @@ def _check_report_to(value: Any, source: str | None) -> None:
             )
 
 
-def _coerce_section(options: Any, dataclass_type: type, section: str, source: str | None) -> dict[str, Any]:
+def _coerce_section(
+    options: Any, dataclass_type: type, section: str, sources: Mapping[str, str], source: str | None
+) -> dict[str, Any]:
     fields = _fields(dataclass_type)
     _check_keys(options, fields, f"{section} option(s)", f"valid: {', '.join(fields)}", source)
-    return {
-        key: _typed(
-            fields[key], value, f"{section}.{key}", source, KEY_RANGES.get(f"{section}.{key}", _AT_LEAST_1)
-        )
+    typed = {
+        key: _typed(fields[key], value, f"{section}.{key}", sources.get(f"{section}.{key}", source))
         for key, value in options.items()
     }
+    _checked(dataclass_type, typed, sources, source)
+    return typed
 
 
-def coerce_run_config(config: Any, *, source: str | None = None) -> dict[str, Any]:
-    """A ``d3s train`` config with every value typed and range-checked; ConfigError (one line) otherwise.
+def coerce_run_config(
+    config: Any, *, source: str | None = None, sources: Mapping[str, str] | None = None
+) -> RunConfig:
+    """A ``d3s train`` config with every value typed and checked, once; ConfigError (one line) otherwise.
 
-    Checks the top-level keys (RunKeys), the dataset and tiny sections and every trainer option. Needs no model
-    and no data: paths are checked by d3s.runs.run. Only the keys given are returned (no defaults added): the
-    config is compared with a checkpoint's on resume.
+    Checks the top-level keys (RunKeys), the dataset and tiny sections and every trainer option's type (its
+    ranges: D3SConfig). ``sources`` says where a key's value came from (``trainer.max_steps``: "from
+    --max-steps 0"), ``source`` where the others did. Needs no model and no data: paths are checked by
+    d3s.runs.run. Only the keys given are returned (no defaults added): the config is compared with a
+    checkpoint's on resume. A RunConfig is returned as is.
     """
     from d3s.data.templates import TEMPLATES
     from d3s.methods import METHODS
 
+    if isinstance(config, RunConfig):
+        return config
+    sources = sources or {}
     if not isinstance(config, Mapping):
         raise ConfigError(
             f"expected a mapping of config keys at the top level, got {config!r}{_from(source)}"
         )
     fields = _fields(RunKeys)
     _check_keys(config, fields, "config keys", f"valid keys: {sorted(fields)}", source)
-    out = {key: _typed(fields[key], value, key, source, KEY_RANGES.get(key)) for key, value in config.items()}
+    out = {key: _typed(fields[key], value, key, sources.get(key, source)) for key, value in config.items()}
     for key, value in out.items():
         if value == "":
-            raise ConfigError(f"{key}: expected a non-empty string, got ''{_from(source)}")
+            raise ConfigError(f"{key}: expected a non-empty string, got ''{_from(sources.get(key, source))}")
     if "method" in out and out["method"] not in METHODS:
         raise ConfigError(
-            f"unknown method {out['method']!r}{_from(source)}; valid methods: {', '.join(sorted(METHODS))}"
+            f"unknown method {out['method']!r}{_from(sources.get('method', source))}; valid methods: "
+            f"{', '.join(sorted(METHODS))}"
         )
     if "template" in out and out["template"] not in TEMPLATES:
         raise ConfigError(
             f"template: expected {_choices_text(TEMPLATES)}, got {config['template']!r}{_from(source)}"
         )
+    _checked(RunKeys, out, sources, source)
     if out.get("dataset"):
-        name = out["dataset"].get("name", "synthetic")
-        kind = SyntheticDataset if name == "synthetic" else BenchmarkDataset
-        out["dataset"] = dataset = _coerce_section(out["dataset"], kind, "dataset", source)
-        if dataset.get("min_ops", 1) > dataset.get("max_ops", 3):
-            raise ConfigError(
-                f"dataset.min_ops must be <= dataset.max_ops; got {config['dataset']!r}{_from(source)}"
-            )
+        kind = (
+            SyntheticDataset if out["dataset"].get("name", "synthetic") == "synthetic" else BenchmarkDataset
+        )
+        out["dataset"] = _coerce_section(out["dataset"], kind, "dataset", sources, source)
     if out.get("tiny"):
-        out["tiny"] = _coerce_section(out["tiny"], TinyOptions, "tiny", source)
+        out["tiny"] = _coerce_section(out["tiny"], TinyOptions, "tiny", sources, source)
     output_dir = Path(out.get("output_dir") or ".").expanduser()
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"output_dir: {out['output_dir']} is a file; give a directory path")
@@ -395,8 +429,11 @@ def coerce_run_config(config: Any, *, source: str | None = None) -> dict[str, An
         _check_keys(
             out["trainer"], fields, "trainer option(s)", "every option must be a field of D3SConfig", source
         )
-        out["trainer"] = {k: coerce_trainer_option(k, v, source=source) for k, v in out["trainer"].items()}
-    return out
+        out["trainer"] = {
+            k: coerce_trainer_option(k, v, source=sources.get(f"trainer.{k}", source))
+            for k, v in out["trainer"].items()
+        }
+    return RunConfig(out)
 
 
 def check_model_dir(model: str, what: str) -> bool:

@@ -20,6 +20,7 @@ Everything is validated (method, trainer fields, batch geometry) before a model 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,7 +43,7 @@ from d3s.callbacks.checkpoints import (
 from d3s.methods import get_method
 from d3s.provenance.config_change import TRAINING_PER_ATTEMPT, config_changes, describe, plain
 from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
-from d3s.runs.config import TOP_LEVEL_KEYS, TinyOptions, check_model_dir, coerce_run_config
+from d3s.runs.config import TOP_LEVEL_KEYS, ConfigError, TinyOptions, check_model_dir, coerce_run_config
 
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
 CPU_DEFAULTS: dict[str, Any] = {
@@ -64,8 +65,7 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
     """
     from d3s.trainer import D3SConfig
 
-    # every value typed and range-checked (YAML reads 1e-4 as a string), unknown keys refused
-    config = coerce_run_config(config)
+    config = coerce_run_config(config)  # once: a parsed RunConfig is returned as is
     method = config.get("method", "grpo")
     trainer = dict(config.get("trainer") or {})
     use_cpu = not torch.cuda.is_available()
@@ -210,7 +210,10 @@ def config_differences(
         return {}
     previous = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     old = {key: value for key, value in previous.items() if key in TOP_LEVEL_KEYS}
-    return config_changes(old, {**config, "threads": int(config.get("threads", 1))}, TRAINING_PER_ATTEMPT)
+    with contextlib.suppress(ConfigError):  # a config this version no longer accepts is compared as written
+        old = coerce_run_config(old)
+    new = coerce_run_config(config)  # both typed: a "1e-4" written by hand equals the 0.0001 recorded
+    return config_changes(old, {**new, "threads": new.get("threads", 1)}, TRAINING_PER_ATTEMPT)
 
 
 def supersede_run(
@@ -271,6 +274,7 @@ def train(config: dict[str, Any]) -> Path:
     (if the trainer saves them), train_summary.json and final/. A re-run of an interrupted job resumes
     from its newest complete checkpoint (``resume: auto``).
     """
+    config = coerce_run_config(config)
     args = resolve_config(config)
     # Under `accelerate launch` every process runs this; only the main one writes the run's files.
     is_main = args.process_index == 0
