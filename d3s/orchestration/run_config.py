@@ -142,6 +142,15 @@ def _server_settings(raw: Mapping[str, Any], trainer: Mapping[str, Any]) -> Vllm
     return settings
 
 
+def _or_trl_default(trainer: Mapping[str, Any], name: str) -> Any:
+    """``trainer[name]``, else GRPOConfig's default, read from TRL rather than copied (imported only then)."""
+    if name in trainer:
+        return trainer[name]
+    from trl import GRPOConfig
+
+    return GRPOConfig.__dataclass_fields__[name].default
+
+
 def batch_settings(
     trainer: Mapping[str, Any], prompts_per_step: int | None, processes: int
 ) -> dict[str, Any]:
@@ -161,8 +170,8 @@ def batch_settings(
             f"train.prompts_per_step and trainer.{preset[0]} both fix the batch: remove trainer.{preset[0]} "
             "(the workflow derives gradient_accumulation_steps from prompts_per_step and the GPU count)"
         )
-    generations = int(trainer.get("num_generations", 8))
-    micro = int(trainer.get("per_device_train_batch_size", 8))
+    generations = int(_or_trl_default(trainer, "num_generations"))
+    micro = int(_or_trl_default(trainer, "per_device_train_batch_size"))
     rollouts = prompts_per_step * generations
     if rollouts % (micro * processes):
         raise ValueError(
