@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from d3s.data.templates import TEMPLATES
 from d3s.rewards import REWARD_SETS
 
 
@@ -61,7 +62,7 @@ class RunKeys:
     threads: int = 1
     output_dir: str = "runs/<method>"
     dataset: dict | None = None
-    template: str = "auto"
+    template: str = dataclasses.field(default="auto", metadata={"choices": tuple(TEMPLATES)})
     tiny: dict | None = None
     trainer: dict | None = None
     data_dir: str | None = None
@@ -388,7 +389,6 @@ def coerce_run_config(
     d3s.runs.run. Only the keys given are returned (no defaults added): the config is compared with a
     checkpoint's on resume. A RunConfig is returned as is.
     """
-    from d3s.data.templates import TEMPLATES
     from d3s.methods import METHODS
 
     if isinstance(config, RunConfig):
@@ -408,10 +408,6 @@ def coerce_run_config(
         raise ConfigError(
             f"unknown method {out['method']!r}{_from(sources.get('method', source))}; valid methods: "
             f"{', '.join(sorted(METHODS))}"
-        )
-    if "template" in out and out["template"] not in TEMPLATES:
-        raise ConfigError(
-            f"template: expected {_choices_text(TEMPLATES)}, got {config['template']!r}{_from(source)}"
         )
     _checked(RunKeys, out, sources, source)
     if out.get("dataset"):

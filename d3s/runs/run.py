@@ -142,8 +142,7 @@ def _model_init_kwargs(args) -> dict[str, Any]:
     e.g. ``{dtype: float32}`` keeps fp32 master weights under bf16 autocast: transformers loads in the
     checkpoint's dtype by default, and an optimizer on bf16 weights loses updates as small as lr 1e-6.
     """
-    kwargs = args.model_init_kwargs or {}
-    kwargs = dict(json.loads(kwargs) if isinstance(kwargs, str) else kwargs)
+    kwargs = dict(args.model_init_kwargs or {})  # a mapping: the parser reads JSON or YAML text
     if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
     return kwargs
