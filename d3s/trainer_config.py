@@ -13,8 +13,8 @@ from d3s.methods import get_method
 from d3s.rewards import ANSWER_POLICIES
 from d3s.selection import SAMPLE_RULES, SAMPLE_SCOPES, SCHEDULES, TOKEN_RULES, TOKEN_SCOPES, Schedule
 
-# Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked once, in
-# D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these.
+# Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked
+# once, in D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these.
 TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         ("learning_rate", "num_train_epochs", "repetition_penalty", "adam_epsilon", "logging_steps")
@@ -56,8 +56,8 @@ def range_error(name: str, value: Any) -> str | None:
 
 
 def _trl_choices(name: str, *choices: Any) -> Any:
-    """TRL's field ``name`` (default, help) with the values it accepts as ``choices`` metadata: TRL states them only
-    in its help text, and HfArgumentParser and D3SConfig._validate read them from here."""
+    """TRL's field ``name`` (default, help) with the values it accepts as ``choices`` metadata: TRL states
+    them only in its help text; HfArgumentParser and D3SConfig._validate read them from here."""
     trl_field = GRPOConfig.__dataclass_fields__[name]
     return field(default=trl_field.default, metadata={**trl_field.metadata, "choices": list(choices)})
 

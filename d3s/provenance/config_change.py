@@ -39,7 +39,7 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def plain(value: Any) -> Any:
-    """``value`` as plain JSON/YAML data (tuples as lists, other objects as strings): read back, it equals itself."""
+    """``value`` as plain JSON/YAML data (tuples as lists, other objects as strings), as it reads back."""
     return json.loads(json.dumps(value, default=str))
 
 
@@ -58,8 +58,8 @@ def config_changes(
 
 
 def describe(changes: Mapping[str, tuple[Any, Any]], *, by_name_only: str = "\0") -> str:
-    """The reason printed: ``key old -> new`` per change; keys starting with ``by_name_only`` (checksums, which
-    say nothing to the reader) by name only."""
+    """The reason printed: ``key old -> new`` per change; keys starting with ``by_name_only`` (checksums,
+    which say nothing to the reader) by name only."""
     return "; ".join(
         key if key.startswith(by_name_only) else f"{key} {old} -> {new}"
         for key, (old, new) in changes.items()
@@ -67,9 +67,9 @@ def describe(changes: Mapping[str, tuple[Any, Any]], *, by_name_only: str = "\0"
 
 
 def keep_or_move_aside(out: Path, key: Mapping[str, Any], key_file: str) -> str | None:
-    """Leave ``out`` to be resumed if its work was made under ``key`` (recorded in ``out/key_file``); otherwise
-    move it aside to ``<out>.superseded-<UTC time>`` (never delete it). Returns what happened, for the log, or
-    None (nothing there). The caller writes the new key."""
+    """Leave ``out`` to be resumed if its work was made under ``key`` (recorded in ``out/key_file``);
+    otherwise move it aside to ``<out>.superseded-<UTC time>`` (never delete it). Returns what happened, for
+    the log, or None (nothing there). The caller writes the new key."""
     if not out.is_dir() or not any(out.iterdir()):
         return None
     path = out / key_file

@@ -92,7 +92,7 @@ TRAINING_RULES: tuple[Rule, ...] = _rules(
         [f"config.{key}" for key in sorted(TRAINING_PER_ATTEMPT) if not key.startswith("trainer.")]
         + [TRAINER + key for key in sorted(PER_ATTEMPT_TRAINER_KEYS)],
         FREE,
-        "per-attempt value (run folder, resume policy, vLLM server address): config_change.TRAINING_PER_ATTEMPT",
+        "per-attempt value (run folder, resume policy, vLLM server address): TRAINING_PER_ATTEMPT",
     ),
     (TRAINER + "logging_dir", FREE, "run folder"),
     (TRAINER + "run_name", FREE, "the run's name"),

@@ -1,11 +1,11 @@
 """The `d3s train` boundary: a run config (YAML file and flags) parsed once into typed, checked values.
 
-YAML reads ``1e-4`` as a string and ``no`` as a boolean; ``--set KEY=VALUE`` gives text. Each value is converted by
-the argparse action transformers' ``HfArgumentParser`` builds for its dataclass field (type, true/false words,
-Literal, enum and ``choices``, list items); the run's dataclasses (:class:`RunKeys` and its sections) and
-``D3SConfig`` then check ranges in their ``__post_init__``. The pre-pass here does only what that parser cannot,
-each marked ``pre-pass:`` below; every error is one :class:`ConfigError` line naming the key, the value, where it
-came from and what to write instead.
+YAML reads ``1e-4`` as a string and ``no`` as a boolean; ``--set KEY=VALUE`` gives text. Each value is
+converted by the argparse action transformers' ``HfArgumentParser`` builds for its dataclass field (type,
+true/false words, Literal, enum and ``choices``, list items); the run's dataclasses (:class:`RunKeys` and its
+sections) and ``D3SConfig`` then check ranges in their ``__post_init__``. The pre-pass here does only what
+that parser cannot, each marked ``pre-pass:`` below; every error is one :class:`ConfigError` line naming the
+key, the value, where it came from and what to write instead.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 
 
 class RunConfig(dict):
-    """A run config parsed by :func:`coerce_run_config` (typed and checked): parsing it again returns it as is."""
+    """A run config parsed by :func:`coerce_run_config` (typed, checked): parsed again, returned as is."""
 
 
 def _check_minimums(section: str, options: Any, minimums: Mapping[str, int] | None = None) -> None:
@@ -312,7 +312,7 @@ def _typed(field: _Field, value: Any, label: str, source: str | None) -> Any:
 def _checked(
     dataclass_type: type, values: Mapping[str, Any], sources: Mapping[str, str], source: str | None
 ) -> None:
-    """``dataclass_type(**values)``, whose __post_init__ checks ranges; its error gets where the value came from."""
+    """Run ``dataclass_type``'s range checks on ``values``; an error says where the value came from."""
     try:
         dataclass_type(**values)
     except ConfigError as err:
@@ -320,8 +320,8 @@ def _checked(
 
 
 def coerce_trainer_option(name: str, value: Any, *, source: str | None = None) -> Any:
-    """``value`` of trainer option ``name`` as its field's type (its choices included); ConfigError naming the key
-    and fix otherwise. Ranges are D3SConfig.__post_init__'s, the trainer's one check."""
+    """``value`` of trainer option ``name`` as its field's type (its choices included); ConfigError naming the
+    key and fix otherwise. Ranges are D3SConfig.__post_init__'s, the trainer's one check."""
     fields = _trainer_fields()
     _check_keys(
         {name: value}, fields, "trainer option(s)", "every option must be a field of D3SConfig", source

@@ -287,8 +287,8 @@ def train(config: dict[str, Any]) -> Path:
         if changed:
             raise ValueError(
                 f"{output_dir} holds checkpoints of a run with a different configuration (changed: "
-                f"{describe(changed)}); resuming would mix the two. Use another output_dir, or resume: never to "
-                "start over (the old run's checkpoints and logs are moved aside, not deleted)"
+                f"{describe(changed)}); resuming would mix the two. Use another output_dir, or resume: never "
+                "to start over (the old run's checkpoints and logs are moved aside, not deleted)"
             )
 
     resolved = {

@@ -58,8 +58,8 @@ class EvalJob:
 
 
 def eval_options(job: EvalJob) -> dict[str, str]:
-    """The `d3s eval` options of the job; those not in config_change.EVALUATION_PER_ATTEMPT decide the samples,
-    and an evaluation resumes only under the same ones."""
+    """The `d3s eval` options of the job; those not in EVALUATION_PER_ATTEMPT decide the samples, and an
+    evaluation resumes only under the same ones."""
     ks = [k for k in job.ks if k <= job.samples] or [1]
     options = {
         "--model": job.model,
