@@ -15,6 +15,7 @@ from d3s.orchestration.processes import signals_raise_system_exit
 from d3s.orchestration.run_config import build_run_config, train_launch, write_yaml
 from d3s.orchestration.training_job import run_training_job
 from d3s.provenance.config_change import describe
+from d3s.runs.config import coerce_run_config
 from d3s.runs.run import config_differences, supersede_run
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
@@ -32,15 +33,18 @@ if declared and not granted:
         "--resources gpu=0): run on a GPU machine (docs/gpu.md)"
     )
 launch = train_launch(train_cfg, accelerate_dir, gpus=granted)
-config = build_run_config(
-    method=method,
-    seed=seed,
-    model=smk.params.model,
-    train_cfg=train_cfg,
-    task=smk.params.task,
-    output_dir=run_dir,
-    threads=int(smk.threads),
-    processes=max(1, launch.train_gpus),
+# parsed once here, the job's boundary: compared, written to train.yaml and (on the CPU) trained as parsed
+config = coerce_run_config(
+    build_run_config(
+        method=method,
+        seed=seed,
+        model=smk.params.model,
+        train_cfg=train_cfg,
+        task=smk.params.task,
+        output_dir=run_dir,
+        threads=int(smk.threads),
+        processes=max(1, launch.train_gpus),
+    )
 )
 run_dir.mkdir(parents=True, exist_ok=True)
 # A job cut off midway resumes from its last checkpoint (d3s train, resume: auto, which also restores the logs).
