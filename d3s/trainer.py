@@ -277,11 +277,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
         return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, D3SCheckpointState))
 
-    @property
-    def _last_token_mask(self) -> torch.Tensor | None:
-        """The token mask of the latest loss call (None: all tokens trained); perf/update_cost.py reads it."""
-        return self._hook_state.token_mask
-
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
         rewards_per_func = self._hook_state.rewards_per_func.to(device)
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)

@@ -135,16 +135,14 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     model = trainer.model
     # TRL calls the unwrapped model's generate
     model.generate = _wrap(recorder, model.generate, "generate_s", "generate")
-    metrics = trainer._metrics["train"]
     compute_loss = trainer.compute_loss
 
     def compute_loss_counting(model, inputs, *args, **kwargs):
-        logged = len(metrics["selection/update_tokens"])
+        tokens_before = trainer.update_tokens_total  # the trainer's count of tokens that reached the gradient
         loss = compute_loss(model, inputs, *args, **kwargs)
         recorder.now["completion_tokens_in_update"] += inputs["completion_mask"].sum().item()
         recorder.now["update_rows"] += inputs["completion_mask"].shape[0]
-        if len(metrics["selection/update_tokens"]) > logged:
-            recorder.now["backprop_tokens"] += metrics["selection/update_tokens"][-1]
+        recorder.now["backprop_tokens"] += trainer.update_tokens_total - tokens_before
         return loss
 
     trainer.compute_loss = compute_loss_counting

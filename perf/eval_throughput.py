@@ -131,7 +131,7 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
     for label, batch, settings in configs:
         backend = TransformersBackend(str(model_dir), model=model, tokenizer=tokenizer, batch_size=batch)
         generate = functools.partial(backend.generate, prompts, settings, seeds, add_special_tokens=False)
-        timing = timed(generate, repeats=repeats, warmup=1)
+        timing = timed(generate, repeats=repeats)
         samples = [s for per_problem in timing["result"] for s in per_problem]
         tokens = sum(s.num_tokens for s in samples)
         seconds = timing["median_s"]

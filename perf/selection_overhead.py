@@ -45,6 +45,7 @@ from _common import (
     prepare_tiny_model,
     set_threads,
     timed,
+    timed_once,
     write_results,
 )
 
@@ -205,7 +206,7 @@ def main() -> None:
 
     def add(scope: str, implementation: str, fn: Any, scale: float | None = None, how: str = "") -> dict:
         """Time ``fn`` into a row: the median of --repeats calls, or with ``scale`` (a loop) one call times it."""
-        timing = timed(fn, repeats=args.repeats) if scale is None else timed(fn, repeats=1, warmup=0)
+        timing = timed(fn, repeats=args.repeats) if scale is None else timed_once(fn)
         wall, cpu = timing["median_s"] * (scale or 1), timing["cpu_median_s"] * (scale or 1)
         how = how or f"median of {timing['repeats']}"
         rows.append({"scope": scope, "implementation": implementation, "seconds": wall, "cpu_seconds": cpu})

@@ -150,16 +150,24 @@ def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
     model = trainer.model
     model.train()
     if "token_mask" not in batch and trainer.args.token_rule != "none":
-        # chosen once per generation batch before the update (in training from the old-policy pass's
-        # entropies): the first (warm-up) call adds it to ``batch``, later (timed) calls reuse it
-        batch["token_mask"] = trainer._select_tokens(batch)
-    trainer.trained_tokens = 0  # tokens whose log-prob reached the gradient in this step
+        # chosen once per generation batch before the update: the first (warm-up) call adds it to ``batch``,
+        # later (timed) calls reuse it
+        batch["token_mask"] = token_mask(trainer, batch)
+    tokens_before = trainer.update_tokens_total
     for part in split_tensor_dict(batch, trainer.args.steps_per_generation) if split else [batch]:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(model, part)
         trainer.accelerator.backward(loss)
-        token_mask = trainer._last_token_mask
-        trainer.trained_tokens += int((part["completion_mask"] if token_mask is None else token_mask).sum())
+    trainer.trained_tokens = trainer.update_tokens_total - tokens_before  # log-probs that reached the gradient
+
+
+def token_mask(trainer: Any, batch: dict) -> torch.Tensor:
+    """The batch's token mask as the trainer chooses it: d3s.selection on a no-gradient pass's entropies."""
+    from d3s.selection import token_keep_mask, token_scores
+
+    scores = token_scores(batch["advantages"], token_entropies(trainer, batch), trainer.args.token_rule)
+    ratio = trainer.selection_schedule.token_keep_ratio(0.0)
+    return token_keep_mask(scores, batch["completion_mask"].bool(), ratio, trainer.args.token_scope)
 
 
 def update(trainer: Any, batch: dict) -> None:
@@ -489,13 +497,20 @@ def truncation_rows(
     return out
 
 
-def tiny_entropies(trainer: Any, full: dict) -> torch.Tensor:
-    """The tiny model's token entropies (nats) on its own generated batch: TRL's scoring pass, without gradient."""
+def token_entropies(trainer: Any, full: dict) -> torch.Tensor:
+    """Token entropies (nats) of the trainer's model on ``full``: TRL's scoring pass, without gradient."""
+    from trl.models.utils import disable_gradient_checkpointing
+
     input_ids = torch.cat([full["prompt_ids"], full["completion_ids"]], dim=1)
     attention = torch.cat([full["prompt_mask"], full["completion_mask"]], dim=1)
-    with torch.no_grad():
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
         _, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids, attention, full["completion_ids"].shape[1], compute_entropy=True
+            trainer.model,
+            input_ids,
+            attention,
+            full["completion_ids"].shape[1],
+            batch_size=trainer.args.per_device_train_batch_size,
+            compute_entropy=True,
         )
     return entropies.float() * full["completion_mask"]
 
@@ -538,7 +553,7 @@ def main() -> None:
         prompt_lengths = full["prompt_mask"].sum(1)
         truncation += truncation_rows(
             f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)",
-            tiny_entropies(generator, full), full["completion_mask"], full["advantages"], prompt_lengths,
+            token_entropies(generator, full), full["completion_mask"], full["advantages"], prompt_lengths,
             micro_batch, full["advantages"].shape[0],
         )  # fmt: skip
         del generator
