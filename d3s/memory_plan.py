@@ -1,20 +1,8 @@
 """The per-GPU memory plan of a workflow config's training and evaluation jobs (`d3s plan`).
 
-What is traced, what is scaled, what is a formula:
-- Traced (d3s.memory_trace): one micro-batch of the real model code under fake tensors: forward with gradient
-  checkpointing, TRL 1.16's fused log-prob and entropy head, the GRPO loss, backward, a fused AdamW step. The
-  model has 1 and then 2 decoder layers with the architecture's real dimensions (embedding, LM head, norms,
-  loss all real); the micro-batch is the job's (rows x prompt + completion tokens).
-- Scaled: every tracker category grows linearly in the layer count (each layer adds its parameters, their
-  optimizer state and one checkpointed hidden state; the per-layer working set does not add up), so
-  peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1)). tests/test_memory_plan.py checks it against a full trace.
-- Formula: DeepSpeed's sharding (ZeRO paper: bf16 weights 2 B, bf16 gradients 2 B, fp32 master weights and
-  Adam's moments 12 B per parameter, divided by the processes as the stage shards them), the reference
-  model's weights, DDP's gradient buckets, and vLLM (it reserves ``gpu_memory_utilization`` of the GPU while
-  generating; asleep, level 2, it keeps VLLM_ASLEEP_GIB).
-
-Traces are cached in d3s/memory_plan_cache.json, keyed by architecture and geometry; ``check_fit`` reads
-only that cache (no torch), so the workflow's parse-time check stays fast.
+1- and 2-layer traces (d3s.memory_trace) scaled linearly to the layer count, plus formulas for DeepSpeed's
+sharding, the reference model, DDP's buckets and vLLM (docs/gpu.md, "Memory plan"). Traces are cached in
+d3s/memory_plan_cache.json; ``check_fit`` reads only that cache (no torch), so the parse-time check stays fast.
 """
 
 from __future__ import annotations

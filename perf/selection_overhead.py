@@ -3,27 +3,8 @@
     .venv/bin/python perf/selection_overhead.py            # 2^20 rollouts, groups of 32, keep 8
     .venv/bin/python perf/selection_overhead.py --quick    # 2^14 rollouts, a smoke run
 
-Writes results/perf/selection_overhead.{json,md} (``--out`` elsewhere).
-
-Inputs: binary rewards with a per-prompt success rate drawn from U(0, 1) (many all-correct / all-wrong
-groups, many ties, as in RL on math), advantages normalised per group as TRL does.
-
-Intra-group rule (PODS, D1S, D3S-I): ``d3s.selection.select_samples(scope="group")`` against
-  * the loop of the official PODS single-GPU trainer: for each group, sort the rewards, then for each
-    split i in 0..k take the i largest and k - i smallest (``torch.cat``) and compute ``.var()``;
-  * the same loop in plain Python (lists, ``sorted``, sums), no torch per group.
-Cross-group rule (D3S, D1S-Cross): ``select_samples(scope="batch")`` on the pooled batch against
-  * the straightforward loop over every split i of the pooled sorted batch, recomputing the variance of
-    the k-element candidate each time (O(k) per split, O(k^2) in all);
-  * the best loop formulation: one sort, then a Python loop over the splits updating running sums
-    (O(1) per split), i.e. the sort-and-scan of the PODS paper written as a loop.
-Loops too slow for the full size are timed on a subset (groups, or evenly spaced split points) and
-extrapolated linearly; the table says which. Every loop's pick is checked to have the same variance
-as the vectorised pick. The tiny model's training step (GRPO, in the step-time geometry) is
-measured in the same run, and selection is reported as a percentage of it, both at the benchmark size
-and at the step's own batch (8 prompts x 8 rollouts, keep 2 per prompt). Ratios are taken between CPU
-times (everything here is single-threaded; wall times, also recorded, count waiting for the cores of a
-shared machine).
+Loops too slow for the full size run on a subset and are extrapolated; every loop's pick is checked against
+the vectorised pick's variance; ratios are of CPU times (perf/README.md).
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
-"""Benchmark 2: one policy update as training runs it, GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
+"""One policy update as training runs it: GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
 
     .venv/bin/python perf/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
     .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
     .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
 
-One update is what ``Trainer.train`` does per optimizer step: gradient checkpointing on (the HF Trainer turns it on
-only inside ``train()``, so this script turns it on the same way), the batch split by TRL's ``split_tensor_dict``
-into ``steps_per_generation`` micro-batches (``per_device_train_batch_size`` rows each for GRPO; D3S keeps N/G of
-the rows, so its micro-batches hold N/G as many), ``compute_loss`` + backward per micro-batch under the
-accelerator's autocast, gradient clipping and one AdamW step. Variants: ``grpo``; ``d3s`` (cross-group
-max-variance selection of N rollouts per prompt, top-K% tokens by |A| x H, LM head with gradient at the kept
-tokens only); ``d3s (masked head)``: the same selection, the LM head at every position and the loss masking the
-unselected tokens.
-
-Models and batches:
-  * cpu: the tiny model (SFT warm start) on a batch it generated and math-verify graded (real rewards), and a
-    small randomly initialised Qwen2 with Qwen2.5's vocabulary on random tokens;
-  * cuda: a randomly initialised model with Qwen2.5-Math-1.5B's architecture (built from its config, nothing
-    downloaded) on random tokens in the paper configs' geometry: G = 32, 1-8 prompts, 1,024-3,072 completion
-    tokens, a 256-token prompt; fp32 master weights under bf16 autocast (``--weights fp32``, the single-GPU paper
-    config) or bf16 weights (``--weights bf16``).
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the timed update, above what was allocated before it
-(weights, gradients' storage, optimizer state); on the CPU the growth of the resident set's high-water mark
-(``VmHWM``, reset through ``/proc/self/clear_refs``) during one update after a warm-up update, in a fresh process
-per variant.
-
-A second table measures the one exact compute saving the token level leaves: a kept rollout needs no forward or
-backward pass past its last selected token. It is measured under the real selection (``d3s.selection``, top-K% of
-|A| x H over each micro-batch) from the tiny model's own token entropies, and from a labelled *model* of entropy
-distributions at 3,000 tokens (see ``ENTROPY_MODELS``); the result is written to ``update_cost_truncation.*``.
+Variants ``grpo``, ``d3s`` (kept-token LM head) and ``d3s (masked head)``; models, peak memory and the
+truncation table (``update_cost_truncation.*``) are described in perf/README.md.
 """
 
 from __future__ import annotations
@@ -158,7 +135,9 @@ def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(model, part)
         trainer.accelerator.backward(loss)
-    trainer.trained_tokens = trainer.update_tokens_total - tokens_before  # log-probs that reached the gradient
+    trainer.trained_tokens = (
+        trainer.update_tokens_total - tokens_before
+    )  # log-probs that reached the gradient
 
 
 def token_mask(trainer: Any, batch: dict) -> torch.Tensor:
@@ -503,7 +482,10 @@ def token_entropies(trainer: Any, full: dict) -> torch.Tensor:
 
     input_ids = torch.cat([full["prompt_ids"], full["completion_ids"]], dim=1)
     attention = torch.cat([full["prompt_mask"], full["completion_mask"]], dim=1)
-    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+    with (
+        torch.no_grad(),
+        disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
+    ):
         _, entropies, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model,
             input_ids,
