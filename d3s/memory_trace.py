@@ -2,7 +2,7 @@
 
 A model with published dimensions (d3s.memory_plan.ARCHITECTURES) and TRL's fused LM head runs one
 micro-batch (checkpointed forward, GRPO loss, backward, fused AdamW with its state allocated) under
-``FakeTensorMode`` and ``MemTracker``; the trace follows CUDA where the CPU differs (docs/gpu.md, "CPU vs GPU").
+``FakeTensorMode`` and ``MemTracker``; it follows CUDA where the CPU differs (docs/gpu.md, "CPU vs GPU").
 This module imports torch and transformers: the planner imports it only to trace.
 """
 
@@ -19,7 +19,7 @@ TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "
 
 
 def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.nn.Module:
-    """The architecture's model class with ``layers`` decoder layers, random weights (call under fake mode)."""
+    """The architecture's model with ``layers`` decoder layers and random weights (call under fake mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(

@@ -7,7 +7,7 @@ Sample level (which rollouts train):
 
 Token level (which tokens of the kept rollouts train):
     token_scores          |A| * H (D3S) or H alone (the 80/20 rule)
-    token_keep_mask       top-K% of valid tokens per batch (the generation batch, in the trainer) or per sequence
+    token_keep_mask       top-K% of valid tokens per batch (the trainer's generation batch) or per sequence
 
 Schedule:
     Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
@@ -51,8 +51,7 @@ def _check_finite(name: str, values: torch.Tensor) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Sample level
+# ---- sample level ------------------------------------------------------------------------------------------
 
 
 def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -99,8 +98,9 @@ def variance_tie_tolerance(
 ) -> torch.Tensor | float:
     """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M.
 
-    R is the row's range, M its largest magnitude, u the input's unit roundoff (2^-24 for float32 and narrower,
-    2^-53 for float64 and integers): wider than the input's rounding plus our float64 sums (docs/fidelity.md).
+    R is the row's range, M its largest magnitude, u the input's unit roundoff (2^-24 for float32 and
+    narrower, 2^-53 for float64 and integers): wider than the input's rounding plus our float64 sums
+    (docs/fidelity.md).
     """
     unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
@@ -135,7 +135,8 @@ def select_samples(
         raise ValueError(f"batch of {total} rollouts is not a whole number of groups of {num_generations}")
     if not 1 <= keep_per_prompt <= num_generations:
         raise ValueError(
-            f"keep_per_prompt must be between 1 and num_generations = {num_generations}; got {keep_per_prompt}"
+            f"keep_per_prompt must be between 1 and num_generations = {num_generations}; "
+            f"got {keep_per_prompt}"
         )
     _check_finite("advantages", advantages)
     _check_finite("rewards", rewards)
@@ -196,8 +197,7 @@ def renormalize_advantages(
     return advantages.to(rewards.dtype)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Token level
+# ---- token level -------------------------------------------------------------------------------------------
 
 
 def token_scores(advantages: torch.Tensor, entropies: torch.Tensor, rule: TokenRule) -> torch.Tensor:
@@ -260,8 +260,7 @@ def token_keep_mask(
     return keep & valid
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Schedule
+# ---- schedule ----------------------------------------------------------------------------------------------
 
 
 def round_half_up(value: float) -> int:
