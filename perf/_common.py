@@ -146,7 +146,7 @@ def write_results(
     title: str | None = None,
     **settings: Any,
 ) -> tuple[Path, Path]:
-    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically; returns both paths.
+    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically; return both.
 
     ``markdown`` is the body (one or more tables); machine, versions, git state and settings (the command
     line's options but ``--out``, then ``settings``) are added around it so the Markdown file stands alone.
@@ -206,7 +206,7 @@ TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
 
 
 def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
-    """The tiny model warm-started by ``d3s train`` for ``model: tiny`` (default ``tiny:`` options), saved to ``path``."""
+    """The tiny model as ``d3s train`` warm-starts it for ``model: tiny``, saved to ``path``."""
     from d3s.runs.run import load_run_model
 
     path.mkdir(parents=True, exist_ok=True)

@@ -182,7 +182,7 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
 
 
 def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path) -> tuple[list[dict], dict]:
-    """Train ``method`` for ``steps`` steps; (the recorded steps after the first generation cycle, trainer info)."""
+    """Train ``method`` ``steps`` steps: (the steps after the first generation cycle, trainer info)."""
     overrides = SETTINGS[setting]
     trainer = build_tiny_trainer(
         method, model_dir, out / f"{setting}-{method}", max_steps=steps, metrics_log=None, **overrides
@@ -246,8 +246,10 @@ def main() -> None:
                 row = summarise(method, setting, steps[method]) | infos[method] | {"rounds": args.rounds}
                 rows.append(row)
                 print(
-                    f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation {fmt_seconds(row['generation_phase_s'])}, "
-                    f"update {fmt_seconds(row['update_phase_s'])}, backprop tokens {row['backprop_tokens']:.0f}",
+                    f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation "
+                    f"{fmt_seconds(row['generation_phase_s'])}, "
+                    f"update {fmt_seconds(row['update_phase_s'])}, backprop tokens "
+                    f"{row['backprop_tokens']:.0f}",
                     flush=True,
                 )
 

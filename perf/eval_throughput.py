@@ -88,7 +88,8 @@ def grading_rows(answer_sets: dict[str, tuple[list[str], list[Any]]], warm_up: d
                         }
                     )
                     print(
-                        f"grading {label} {mode} x{workers} {phase}: {rows[-1]['answers_per_s']:.0f} answers/s",
+                        f"grading {label} {mode} x{workers} {phase}: {rows[-1]['answers_per_s']:.0f} "
+                        "answers/s",
                         flush=True,
                     )
     return rows

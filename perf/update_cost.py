@@ -79,7 +79,7 @@ def make_trainer(
     checkpointing: bool = True,
     max_completion_length: int = 64,
 ) -> Any:
-    """A D3STrainer for ``variant`` set up as ``Trainer.train`` sets it up: checkpointing, optimizer, accumulation.
+    """A D3STrainer for ``variant`` set up as ``Trainer.train`` does: checkpointing, optimizer, accumulation.
 
     ``rows``: GRPO's rollouts per optimizer step; ``steps_per_generation`` = rows / ``micro_batch``, as when
     ``per_device_train_batch_size`` = ``micro_batch`` and the step's prompts are accumulated.
@@ -120,7 +120,7 @@ def enable_checkpointing(trainer: Any) -> None:
 
 
 def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
-    """Backward of the step's loss, micro-batch by micro-batch (``split``: as TRL's ``_prepare_inputs`` splits the
+    """Backward of the step's loss, micro-batch by micro-batch (``split``: as TRL's ``_prepare_inputs`` splits
     step's batch, without its shuffle, which timing does not depend on) or in one pass."""
     from trl.trainer.utils import split_tensor_dict
 
@@ -197,7 +197,7 @@ def kept_rows(full: dict, keep: int = KEEP) -> dict:
 def random_batch(
     prompts: int, completion_len: int, vocab: int, device: str, prompt_len: int = PROMPT_TOKENS, seed: int = 0
 ) -> dict:
-    """The rollout geometry of a real step with random tokens: every completion is ``completion_len`` long, and
+    """The rollout geometry of a real step with random tokens: every completion ``completion_len`` long, and
     binary rewards (40 % correct) give the advantages (a random model's generations carry no reward)."""
     gen = torch.Generator().manual_seed(seed)
     rows = prompts * G
@@ -285,7 +285,7 @@ def memory_worker(
 def cpu_memory(
     variant: str, model_dir: Path, out: Path, batch: dict, micro_batch: int, rows: int, threads: int
 ) -> float:
-    """Peak RSS growth of one update of ``variant``, measured in a fresh process (NaN where /proc is missing)."""
+    """Peak RSS growth of one update of ``variant`` in a fresh process (NaN where /proc is missing)."""
     if not Path("/proc/self/clear_refs").exists():
         return float("nan")
     spawn = multiprocessing.get_context("spawn")
@@ -348,20 +348,21 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
 # ---- the exact saving left at the token level: stop each kept rollout at its last selected token ----------
 
 # Forward FLOPs of one token at position t in Qwen2.5-Math-1.5B: 2 x (non-embedding parameters + the LM head)
-# + 4 x layers x hidden x t (attention scores and weighted sum). The backward pass and checkpointing's recompute
-# scale both terms alike, so the ratio of FLOPs saved is the same for forward + backward.
+# + 4 x layers x hidden x t (attention scores and weighted sum). The backward pass and checkpointing's
+# recompute scale both terms alike, so the ratio of FLOPs saved is the same for forward + backward.
 _BODY_PARAMS = 1_543_714_304 - QWEN_VOCAB * 1536  # Qwen2.5-Math-1.5B parameters minus the (tied) embedding
 _FLOPS_PER_TOKEN = 2 * (_BODY_PARAMS + QWEN_VOCAB * 1536)
 _FLOPS_PER_POSITION = 4 * 28 * 1536
 
-# A labelled MODEL of token entropies (nats) at 3,000 tokens, not a measurement. Most reasoning tokens are near
-# certain and about one in five is a high-entropy "forking" token (the 80/20 observation of Wang et al., 2025,
-# arXiv 2506.01939). Each scenario moves where in the completion the forking tokens fall.
+# A labelled MODEL of token entropies (nats) at 3,000 tokens, not a measurement. Most reasoning tokens are
+# near certain and about one in five is a high-entropy "forking" token (the 80/20 observation of Wang et al.,
+# 2025, arXiv 2506.01939). Each scenario moves where in the completion the forking tokens fall.
 ENTROPY_MODELS = {
     "stationary": "20 % forking tokens (H ~ LogNormal(0, 0.5)), the rest H ~ Exp(mean 0.05), anywhere",
     "falling": "forking share 30 % at the first token, falling linearly to 10 % at the last",
     "rising": "forking share 10 % at the first token, rising linearly to 30 % at the last",
-    "answer tail": "stationary, and a finished completion's last 60 tokens (the stated answer) H ~ Exp(mean 0.02)",
+    "answer tail": "stationary, and a finished completion's last 60 tokens (the stated answer) "
+    "H ~ Exp(mean 0.02)",
 }
 
 
@@ -411,8 +412,9 @@ def tail_after_last_selected(
 ) -> dict[str, float]:
     """What stopping every rollout at its last selected token would save, under D3S's token selection.
 
-    Rows are taken ``micro_batch_rows`` at a time (TRL's micro-batches); in each, ``d3s.selection`` keeps the top
-    ``token_keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens (prompt + completion)
+    Rows are taken ``micro_batch_rows`` at a time (TRL's micro-batches); in each, ``d3s.selection`` keeps the
+    top ``token_keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens
+    (prompt + completion)
     after each row's last selected token, the same weighted by the 1.5B model's per-position FLOPs, and the
     fraction of a padded micro-batch's positions that cutting its columns at the latest last-selected token
     removes (what a padded, non-packed batch can save).
@@ -450,10 +452,15 @@ SCHEDULE_POINTS = [(8, 0.05), (16, 0.10), (32, 0.20)]
 
 
 def truncation_rows(
-    source: str, entropies: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, prompt_lengths: torch.Tensor,
-    micro_batch: int, rows_per_step: int,
-) -> list[dict]:  # fmt: skip
-    """tail_after_last_selected at each schedule point, after D3S's sample selection and TRL's micro-batch split."""
+    source: str,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    micro_batch: int,
+    rows_per_step: int,
+) -> list[dict]:
+    """tail_after_last_selected at each schedule point, after D3S's sample selection and TRL's split."""
     out = []
     for keep, ratio in SCHEDULE_POINTS:
         batch = kept_rows(
@@ -471,8 +478,16 @@ def truncation_rows(
             batch["entropies"], batch["completion_mask"], batch["advantages"], batch["prompt_lengths"], ratio,
             micro_rows,
         )  # fmt: skip
-        out.append({"source": source, "keep_per_prompt": keep, "token_keep_ratio": ratio, "micro_batch_rows": micro_rows,
-                    "mean_completion_tokens": float(batch["completion_mask"].sum(1).float().mean()), **fractions})  # fmt: skip
+        mean_tokens = float(batch["completion_mask"].sum(1).float().mean())
+        out.append(
+            {
+                "source": source,
+                "keep_per_prompt": keep,
+                "token_keep_ratio": ratio,
+                "micro_batch_rows": micro_rows,
+            }
+            | {"mean_completion_tokens": mean_tokens, **fractions}
+        )
     return out
 
 
@@ -568,7 +583,8 @@ def main() -> None:
     for scenario in ENTROPY_MODELS:
         entropies, mask, advantages = modelled_rollouts(scenario, modelled_prompts, modelled_tokens)
         truncation += truncation_rows(
-            f"MODEL '{scenario}' ({modelled_prompts} x 32, {modelled_tokens} tokens)", entropies, mask, advantages,
+            f"MODEL '{scenario}' ({modelled_prompts} x 32, {modelled_tokens} tokens)",
+            entropies, mask, advantages,
             torch.full((mask.shape[0],), PROMPT_TOKENS), 32, modelled_prompts * G,
         )  # fmt: skip
 
@@ -576,15 +592,18 @@ def main() -> None:
     notes = [
         f"Measured on the {device_text}"
         + (" (no GPU): CPU figures, not GPU figures." if not cuda else f": {torch.cuda.get_device_name()}."),
-        "One update = the step's batch in micro-batches of per_device_train_batch_size rows for GRPO (D3S: the "
-        "same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + backward per "
+        "One update = the step's batch in micro-batches of per_device_train_batch_size rows for GRPO (D3S: "
+        "the "
+        "same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + "
+        "backward per "
         "micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up update.",
         "Peak memory: "
         + (
             "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
             "optimizer state)."
             if cuda
-            else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a warm-up "
+            else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
+            "warm-up "
             "update, in a fresh process per variant; allocator reuse makes small values coarse."
         ),
     ]
@@ -659,13 +678,20 @@ def write_truncation(rows: list[dict], args: Any, settings: dict) -> None:
         else "do not implement truncation: the bound is under 10 % of the update"
     )
     notes = [
-        "Saving bound = FLOPs of the forward/backward positions after each kept rollout's last selected token, "
-        "over all forward/backward FLOPs (Qwen2.5-Math-1.5B per-token cost incl. causal attention), with packed "
-        "rows. 'Padded micro-batch columns': the columns a padded micro-batch drops when cut at its latest last-selected "
-        "token (this includes padding that trimming each micro-batch to its longest row would already drop). The "
-        "optimizer step and fixed costs do not shrink, so the update-time saving is at most the larger of the two.",
-        "Precondition: the selection must be known before the gradient pass (entropies from an earlier pass, e.g. "
-        "vLLM's old-policy pass); computing them with an extra no-gradient forward costs about a quarter of a "
+        "Saving bound = FLOPs of the forward/backward positions after each kept rollout's last selected "
+        "token, "
+        "over all forward/backward FLOPs (Qwen2.5-Math-1.5B per-token cost incl. causal attention), with "
+        "packed "
+        "rows. 'Padded micro-batch columns': the columns a padded micro-batch drops when cut at its latest "
+        "last-selected "
+        "token (this includes padding that trimming each micro-batch to its longest row would already "
+        "drop). The "
+        "optimizer step and fixed costs do not shrink, so the update-time saving is at most the larger of "
+        "the two.",
+        "Precondition: the selection must be known before the gradient pass (entropies from an earlier "
+        "pass, e.g. "
+        "vLLM's old-policy pass); computing them with an extra no-gradient forward costs about a quarter of "
+        "a "
         "checkpointed forward + backward, more than any saving here.",
         "Entropy MODEL scenarios (not measurements): "
         + "; ".join(f"{k}: {v}" for k, v in ENTROPY_MODELS.items()),
