@@ -1,27 +1,14 @@
 """The per-GPU memory plan of a workflow config's training and evaluation jobs (`d3s plan`).
 
-What is traced, what is scaled, what is a formula:
-- Traced (d3s.memory_trace): one micro-batch of the real model code under fake tensors: forward with gradient
-  checkpointing, TRL 1.16's fused log-prob and entropy head, the GRPO loss, backward, a fused AdamW step. The
-  model has 1 and then 2 decoder layers with the architecture's real dimensions (embedding, LM head, norms,
-  loss all real); the micro-batch is the job's (rows x prompt + completion tokens).
-- Scaled: every tracker category grows linearly in the layer count (each layer adds its parameters, their
-  optimizer state and one checkpointed hidden state; the per-layer working set does not add up), so
-  peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1)). tests/test_memory_plan.py checks it against a full trace.
-- Formula: DeepSpeed's sharding (ZeRO paper: bf16 weights 2 B, bf16 gradients 2 B, fp32 master weights and
-  Adam's moments 12 B per parameter, divided by the processes as the stage shards them), the reference
-  model's weights, DDP's gradient buckets, and vLLM (it reserves ``gpu_memory_utilization`` of the GPU while
-  generating; asleep, level 2, it keeps VLLM_ASLEEP_GIB).
-
-Traces are cached in d3s/memory_plan_cache.json, keyed by architecture and geometry; ``check_fit`` reads
-only that cache (no torch), so the workflow's parse-time check stays fast.
+1- and 2-layer traces (d3s.memory_trace) scaled linearly to the layer count, plus formulas for DeepSpeed's
+sharding, the reference model, DDP's buckets and vLLM (docs/gpu.md, "Memory plan"). Traces are cached in
+d3s/memory_plan_cache.json; ``check_fit`` reads only that cache (no torch): the parse-time check stays fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -132,7 +119,8 @@ def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]
         family = {"qwen2": "qwen2", "llama": "llama"}.get(raw.get("model_type", ""))
         if family is None:
             raise PlanError(
-                f"base_model.path {path}: model_type {raw.get('model_type')!r} is not planned (qwen2, llama); "
+                f"base_model.path {path}: model_type {raw.get('model_type')!r} is not planned "
+                "(qwen2, llama); "
                 "set train.memory_plan.check: false to run without a plan"
             )
         arch = dict(
@@ -171,7 +159,8 @@ def trace_key(
     arch: Mapping[str, Any], rows: int, prompt: int, completion: int, precision: str, kl: bool
 ) -> str:
     dims = ",".join(f"{k}={arch[k]}" for k in sorted(arch) if k != "layers")
-    return f"v{CACHE_VERSION}|{dims}|rows={rows}|prompt={prompt}|completion={completion}|{precision}|kl={int(kl)}"
+    geometry = f"rows={rows}|prompt={prompt}|completion={completion}"
+    return f"v{CACHE_VERSION}|{dims}|{geometry}|{precision}|kl={int(kl)}"
 
 
 def read_cache(path: Path = CACHE_PATH) -> dict[str, Any]:
@@ -192,7 +181,7 @@ def layer_traces(
     cache: dict[str, Any] | None = None,
     trace: bool = True,
 ) -> dict[str, dict[str, int]] | None:
-    """The 1- and 2-layer traces of a geometry: from ``cache``, else traced (and added to it) when ``trace``."""
+    """The 1- and 2-layer traces of a geometry: from ``cache``, else traced (and cached) when ``trace``."""
     cache = read_cache() if cache is None else cache
     key = trace_key(arch, rows, prompt, completion, precision, kl)
     if key in cache:
@@ -249,7 +238,7 @@ def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
 
 
 def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
-    """Rows of the largest micro-batch the update sees: the kept rows of a selection method (its largest N)."""
+    """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N)."""
     from d3s.methods import get_method
 
     micro = int(trainer.get("per_device_train_batch_size", 8))
@@ -302,7 +291,8 @@ def plan_training(
         reference = 4 * psi / GIB if kl else 0.0  # TRL loads the reference with model_init_kwargs: fp32 here
         buffers = 4 * psi / GIB if processes > 1 else 0.0  # DDP's gradient buckets (not bucket views)
     else:
-        # DeepSpeed's bf16 engine: bf16 module weights, ZeRO-2 shards gradients and optimizer state, ZeRO-3 all
+        # DeepSpeed's bf16 engine: bf16 module weights, ZeRO-2 shards gradients and optimizer state,
+        # ZeRO-3 all
         weights = 2 * psi / (processes if stage == 3 else 1) / GIB
         grads = 2 * psi / processes / GIB
         # fp32 master weights + Adam's two moments; offloaded, they live in host memory
@@ -443,7 +433,8 @@ def check_fit(config: Mapping[str, Any]) -> str | None:
     return (
         f"train.memory_plan: {job.job} needs {job.peak:.1f} GiB per GPU ({parts}), over the "
         f"{plan.limit:.1f} GiB of a {plan.gpu_memory_gib:g} GiB GPU with a {plan.margin:.0%} margin: lower "
-        f"{setting_to_change(job)} (d3s plan --config shows the plan; train.memory_plan.check: false runs anyway)"
+        f"{setting_to_change(job)} (d3s plan --config shows the plan; "
+        "train.memory_plan.check: false runs anyway)"
     )
 
 
@@ -469,7 +460,3 @@ def format_plan(plan: ConfigPlan) -> str:
             + f" | {job.peak:.1f} | {margin:.0%} | {fits} | {job.notes} |"
         )
     return "\n".join(lines)
-
-
-def round_up(value: float, step: float = 0.1) -> float:
-    return math.ceil(value / step) * step

@@ -1,20 +1,9 @@
 """Trace one training step's memory with the real model code under fake tensors (no GPU, no download).
 
-A Qwen2 or Llama model with the published dimensions (d3s.memory_plan.ARCHITECTURES) and random weights is
-built under ``FakeTensorMode``; TRL 1.16's fused LM head (``add_fused_lm_head``, log-probs and entropies in
-vocabulary tiles) is added as GRPOTrainer adds it; one micro-batch then runs forward with gradient
-checkpointing, the GRPO loss, backward and a fused AdamW step, with optimizer state already allocated (every
-step after the first), under ``torch.distributed._tools.mem_tracker.MemTracker``. The tracer's peak, by its
-categories, is the measurement. Fake tensors carry shapes and dtypes only, so a 7B step costs seconds.
-
-Two things run differently on the CPU than on a GPU:
-- TRL's fused head copies each bf16 tile to fp32 for its fp32 gradient accumulation on the CPU, where CUDA's
-  ``addmm(out_dtype=)`` copies nothing: the trace follows CUDA (``_as_on_cuda``);
-- on CUDA the fused head projects only the labelled positions (``compact``), elsewhere every position. The
-  compact path's boolean indexing has a data-dependent shape, which fake tensors cannot trace, so the trace
-  projects every position: the head's per-token buffers (fp32 hidden-state gradient, bf16 copy) are counted
-  for prompt + completion tokens instead of the completion's, under 0.1 GiB more at the paper geometries.
-This module imports torch and transformers: the planner (d3s.memory_plan) imports it only to trace.
+A model with published dimensions (d3s.memory_plan.ARCHITECTURES) and TRL's fused LM head runs one
+micro-batch (checkpointed forward, GRPO loss, backward, fused AdamW with its state allocated) under
+``FakeTensorMode`` and ``MemTracker``; it follows CUDA where the CPU differs (docs/gpu.md, "CPU vs GPU").
+This module imports torch and transformers: the planner imports it only to trace.
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "
 
 
 def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.nn.Module:
-    """The architecture's model class with ``layers`` decoder layers, random weights (call under fake mode)."""
+    """The architecture's model with ``layers`` decoder layers and random weights (call under fake mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(

@@ -52,7 +52,7 @@ GSPO_TRL = {
     "loss_type": "grpo",
 }
 
-# D3S schedule values: N 8 -> 32 of G = 32, K 5 % -> 20 % (paper-notes §3; the values are from a secondary source).
+# D3S schedule: N 8 -> 32 of G = 32, K 5 % -> 20 % (paper-notes §3; the values are from a secondary source).
 _D3S_SCHEDULE = dict(
     keep_per_prompt_fraction_init=0.25,
     keep_per_prompt_fraction_final=1.0,
@@ -62,84 +62,79 @@ _D3S_SCHEDULE = dict(
     schedule="linear",
 )
 
+_QUARTER = dict(keep_per_prompt_fraction_init=0.25, keep_per_prompt_fraction_final=0.25)  # N = G/4 fixed
+_CROSS_GROUP = dict(sample_rule="max_variance", sample_scope="batch")
+_INTRA_GROUP = dict(sample_rule="max_variance", sample_scope="group")
+
 METHODS: dict[str, Method] = {
     "grpo": Method("D3S Table 1/2 row 'GRPO': all rollouts, all tokens (TRL GRPOTrainer unchanged)"),
     "pods": Method(
         "D3S Table 1 row 'GRPO+PODS'; PODS (arXiv 2504.13818) max-variance n -> m = n/4 per prompt, "
         "advantages re-normalised on the kept subset",
-        sample_rule="max_variance",
-        sample_scope="group",
+        **_INTRA_GROUP,
         renormalize=True,
-        keep_per_prompt_fraction_init=0.25,
-        keep_per_prompt_fraction_final=0.25,
+        **_QUARTER,
     ),
     "pods_random": Method(
         "PODS rule ablation 'Random' at (64, 16): m = n/4 random rollouts per prompt, re-normalised",
         sample_rule="random",
         renormalize=True,
-        keep_per_prompt_fraction_init=0.25,
-        keep_per_prompt_fraction_final=0.25,
+        **_QUARTER,
     ),
     "pods_max_reward": Method(
         "PODS rule ablation 'Max-Reward' at (64, 16): the m = n/4 highest rewards per prompt, re-normalised",
         sample_rule="max_reward",
         renormalize=True,
-        keep_per_prompt_fraction_init=0.25,
-        keep_per_prompt_fraction_final=0.25,
+        **_QUARTER,
     ),
     "d1s": Method(
-        "D3S Table 2 row '+D1S': intra-group max Var(A), N = G/4 fixed, all-G advantages kept, no token level",
-        sample_rule="max_variance",
-        sample_scope="group",
-        keep_per_prompt_fraction_init=0.25,
-        keep_per_prompt_fraction_final=0.25,
+        "D3S Table 2 row '+D1S': intra-group max Var(A), N = G/4 fixed, all-G advantages kept, "
+        "no token level",
+        **_INTRA_GROUP,
+        **_QUARTER,
     ),
     "d1s_cross": Method(
         "D3S Table 2 row '+D1S-Cross': cross-group max Var(A) over the pooled batch, N = G/4 fixed",
-        sample_rule="max_variance",
-        sample_scope="batch",
-        keep_per_prompt_fraction_init=0.25,
-        keep_per_prompt_fraction_final=0.25,
+        **_CROSS_GROUP,
+        **_QUARTER,
     ),
     "d2s": Method(
         "D3S Table 2 row '+D2S': D1S-Cross plus top-K% |A|*H tokens, fixed at the schedule's start "
         "(N = G/4, K = 5 %; our choice, the paper gives no fixed values)",
-        sample_rule="max_variance",
-        sample_scope="batch",
-        keep_per_prompt_fraction_init=0.25,
-        keep_per_prompt_fraction_final=0.25,
+        **_CROSS_GROUP,
+        **_QUARTER,
         token_rule="adv_entropy",
         token_keep_ratio_init=0.05,
         token_keep_ratio_final=0.05,
     ),
     "d3s": Method(
-        "D3S Table 1/2 row 'GRPO+D3S': cross-group samples + |A|*H tokens, linear schedule N 8 -> 32, K 5 -> 20 %",
-        sample_rule="max_variance",
-        sample_scope="batch",
+        "D3S Table 1/2 row 'GRPO+D3S': cross-group samples + |A|*H tokens, linear schedule N 8 -> 32, "
+        "K 5 -> 20 %",
+        **_CROSS_GROUP,
         **_D3S_SCHEDULE,
     ),
     "d3s_i": Method(
         "D3S Appendix D.1 'D3S-I': D3S with intra-group sample selection (stable on Llama3.1-8B-Instruct)",
-        sample_rule="max_variance",
-        sample_scope="group",
+        **_INTRA_GROUP,
         **_D3S_SCHEDULE,
     ),
     "entropy_8020": Method(
-        "80/20 rule (Beyond the 80/20 Rule, arXiv 2506.01939): gradients on the top 20 % highest-entropy tokens",
+        "80/20 rule (Beyond the 80/20 Rule, arXiv 2506.01939): gradients on the top 20 % "
+        "highest-entropy tokens",
         token_rule="entropy",
         token_keep_ratio_init=0.20,
         token_keep_ratio_final=0.20,
     ),
     "gspo": Method(
-        "D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, each rollout "
+        "D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, "
+        "each rollout "
         "batch in 4 mini-batches (one optimizer step each)",
         minibatches_per_generation=4,
         trl_settings=GSPO_TRL,
     ),
     "gspo_d3s": Method(
         "D3S Table 1 row 'GSPO+D3S': D3S selection on top of GSPO (the sequence ratio over the kept tokens)",
-        sample_rule="max_variance",
-        sample_scope="batch",
+        **_CROSS_GROUP,
         minibatches_per_generation=4,
         trl_settings=GSPO_TRL,
         **_D3S_SCHEDULE,

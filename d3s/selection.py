@@ -7,27 +7,13 @@ Sample level (which rollouts train):
 
 Token level (which tokens of the kept rollouts train):
     token_scores          |A| * H (D3S) or H alone (the 80/20 rule)
-    token_keep_mask       top-K% of valid tokens per batch (the generation batch, in the trainer) or per sequence
+    token_keep_mask       top-K% of valid tokens per batch (the trainer's generation batch) or per sequence
 
 Schedule:
     Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
     round_half_up         the one rounding rule for keep counts (the schedule's and the method registry's)
 
-Ties in max_variance_subset (which rollouts train when several subsets are equally good), for a row of n
-values and k kept:
-    1. the values are sorted descending by a stable sort, so among equal values the top picks take the
-       earliest indices and the bottom picks the latest (the picks depend on the order of the input only
-       through this);
-    2. split i (the i largest plus the k - i smallest, i = 0..k) is optimal when its population variance is
-       within variance_tie_tolerance = 16 (u + k 2^-53) R M of the best split's (R the row's range, M its
-       largest magnitude, u = 2^-24 for float32 and narrower inputs, 2^-53 for float64 and integers);
-    3. the largest optimal i wins.
-The tolerance is wider than any rounding of our float64 sums, so float rounding never decides a tie: CPU and
-CUDA pick the same rows, and float32 or float64 advantages of the same discrete rewards pick what the rule
-gives in exact arithmetic on the rewards. It is narrower than the gap between distinct variances of integer
-rewards in [0, m] (at least 1 / k^2 against at most 1e-6 m^2 for float32 inputs) while k < 1000 / m, so it
-never merges those; with continuous values it merges splits whose variances differ by less than the input's
-own rounding could move them, and float32 and float64 inputs can then pick differently.
+Ties in max_variance_subset: docs/fidelity.md ("Ties in max-variance selection").
 """
 
 from __future__ import annotations
@@ -65,21 +51,16 @@ def _check_finite(name: str, values: torch.Tensor) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Sample level
+# ---- sample level ------------------------------------------------------------------------------------------
 
 
 def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (..., k) of a size-k subset of ``values`` (..., n) with the largest population variance.
 
-    Some optimal subset is the i largest plus the k - i smallest values for some i in 0..k (PODS, Lemma 3.1),
-    so we sort once and score all k + 1 splits from prefix sums of the k largest and the k smallest. The
-    indices come back in ascending order. Work is O(n log n) per row with no Python loop over rows.
-
-    The tie rule (the module docstring states it in full): the sort is stable, so among equal values the
-    top picks take the earliest indices and the bottom picks the latest; every split whose variance is
-    within ``variance_tie_tolerance`` of the best counts as optimal, and the largest such i wins (a
-    constant row keeps its first k).
+    Some optimal subset is the i largest plus the k - i smallest values for some i in 0..k (PODS, Lemma 3.1):
+    one sort, then all k + 1 splits scored from sums over the k largest and k smallest; indices ascending.
+    Ties: a stable sort, every split within ``variance_tie_tolerance`` of the best is optimal, the largest
+    such i wins (a constant row keeps its first k).
     """
     if values.dim() == 0:
         raise ValueError("values must have at least one dimension (..., n)")
@@ -117,12 +98,9 @@ def variance_tie_tolerance(
 ) -> torch.Tensor | float:
     """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M.
 
-    R is the row's range (max - min), M its largest magnitude and u the unit roundoff of the input's
-    precision: 2^-24 for float32 and narrower floats, 2^-53 for float64 and integers. Rounding every value
-    by a relative 2u (as computing A = (r - mean) / std in float32 does) moves the gap between two splits'
-    variances by at most 4 u R M, and our float64 sums over at most k terms by at most 12 (k + 1) 2^-53 R M
-    (worst case; typical rounding is far smaller); the tolerance exceeds both together. So exact ties, and
-    ties of exact values that the input's rounding broke, always fall inside.
+    R is the row's range, M its largest magnitude, u the input's unit roundoff (2^-24 for float32 and
+    narrower, 2^-53 for float64 and integers): wider than the input's rounding plus our float64 sums
+    (docs/fidelity.md).
     """
     unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
@@ -157,7 +135,8 @@ def select_samples(
         raise ValueError(f"batch of {total} rollouts is not a whole number of groups of {num_generations}")
     if not 1 <= keep_per_prompt <= num_generations:
         raise ValueError(
-            f"keep_per_prompt must be between 1 and num_generations = {num_generations}; got {keep_per_prompt}"
+            f"keep_per_prompt must be between 1 and num_generations = {num_generations}; "
+            f"got {keep_per_prompt}"
         )
     _check_finite("advantages", advantages)
     _check_finite("rewards", rewards)
@@ -218,8 +197,7 @@ def renormalize_advantages(
     return advantages.to(rewards.dtype)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Token level
+# ---- token level -------------------------------------------------------------------------------------------
 
 
 def token_scores(advantages: torch.Tensor, entropies: torch.Tensor, rule: TokenRule) -> torch.Tensor:
@@ -282,17 +260,13 @@ def token_keep_mask(
     return keep & valid
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Schedule
+# ---- schedule ----------------------------------------------------------------------------------------------
 
 
 def round_half_up(value: float) -> int:
     """The nearest integer, halves rounded up (2.5 -> 3): the rule for every keep count N.
 
-    The papers say "round" without a rule; half up is the usual reading. The 1e-9 absorbs binary error, so a
-    value that is a half in exact arithmetic rounds up even when its float lands a hair below (0.58 x 25 is
-    14.499999999999998, a schedule from 1 to 6 at p = 0.7 gives 4.499999999999999). An exact value within 1e-9
-    below a half would need a schedule of over 5 x 10^8 steps.
+    The papers say "round" without a rule; the 1e-9 absorbs binary error (0.58 x 25 = 14.499999999999998).
     """
     return math.floor(value + 0.5 + 1e-9)
 

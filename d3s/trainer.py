@@ -1,16 +1,10 @@
 """D3STrainer: TRL's GRPO with sample- and token-level down-sampling (D3S, PODS and the methods they compare).
 
-TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds two things, both decided once
-per generation batch, from the gathered batch, identically on every rank:
-  1. after TRL scored the rollouts, keep a subset (``_generate_and_score_completions``) and re-index every
-     per-rollout tensor;
-  2. over the kept rollouts of every rank, the top-K% tokens by |A| x H, carried as the per-rollout tensor
-     ``token_mask`` that TRL splits with the batch; the loss trains only those tokens (``_compute_loss``).
-With ``method="grpo"`` both are off and the trainer is TRL's GRPOTrainer, step for step.
-
-The compute savings (log-prob passes on the kept rollouts only; the LM head only at the kept tokens) are opt-in
-mixins in d3s/savings/, off unless D3SConfig switches them on; checkpoint state is a callback in d3s/callbacks/checkpoints.py. The TRL
-internals used are listed and checked in d3s/trl_contract.py; docs/fidelity.md writes out each method's objective.
+TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds, once per generation batch
+and identically on every rank: (1) keep a subset of the scored rollouts and re-index every per-rollout tensor;
+(2) over the kept rollouts of every rank, the top-K% tokens by |A| x H as the per-rollout ``token_mask`` the
+loss trains. With ``method="grpo"`` both are off: TRL's GRPOTrainer, step for step. Opt-in savings:
+d3s/savings/; TRL internals used: d3s/trl_contract.py; each method's objective: docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -53,8 +47,8 @@ class HookState:
     # the token mask of the current loss call (None: every token trains): read by the KL coefficient and the
     # kept-token head, which TRL calls without it
     token_mask: torch.Tensor | None = None
-    # the entropies of the current loss call's gradient pass: TRL's logged entropy is over its loss mask, which
-    # the kept tokens replace under sequence-level ratios and token_norm "selected"
+    # the entropies of the current loss call's gradient pass: TRL logs entropy over its loss mask, which the
+    # kept tokens replace under sequence-level ratios and token_norm "selected"
     loss_entropies: torch.Tensor | None = None
     # set per generation batch, read by the first token selection after it (the anatomy log's token record)
     anatomy_tokens_due: bool = False
@@ -68,8 +62,8 @@ class HookState:
 
 
 class SelectedTokensBeta(float):
-    """beta for TRL's ``per_token_loss + self.beta * per_token_kl``, which TRL adds after its token mask: the KL
-    then trains the selected tokens only (the paper's "only selected tokens contribute to the gradient")."""
+    """beta for TRL's ``per_token_loss + self.beta * per_token_kl`` (added after its token mask): the KL then
+    trains the selected tokens only (the paper's "only selected tokens contribute to the gradient")."""
 
     def __new__(cls, beta: float, hook_state: HookState) -> SelectedTokensBeta:
         coefficient = super().__new__(cls, beta)
@@ -142,13 +136,13 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                 selected["num_items_in_batch"] = self.accelerator.gather(selected["token_mask"].sum()).sum()
         return selected
 
-    # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts ----------------------------------
+    # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts -------------------------------
 
     def _select_tokens(self, batch: dict, entropies: torch.Tensor | None = None) -> torch.Tensor:
         """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T).
 
-        ``entropies``: the old-policy pass's, where TRL ran one (vLLM, GSPO's mini-batches, num_iterations > 1);
-        otherwise a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
+        ``entropies``: the old-policy pass's where TRL ran one (vLLM, GSPO mini-batches, num_iterations > 1),
+        else a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
         """
         if entropies is None:
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -211,7 +205,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
     ) -> torch.Tensor:
-        """The token mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
+        """The mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
         if self._hook_state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
             self._hook_state.token_mask = self._rank_tokens(
                 self._hook_state.loss_inputs, entropies, mask.bool()
@@ -235,7 +229,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # GRPOTrainer(model, reward_funcs, args, ...): d3s's accuracy_reward is graded under args.answer_policy.
+        # GRPOTrainer(model, reward_funcs, args, ...): accuracy_reward is graded under args.answer_policy.
         config = kwargs["args"] if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, D3SConfig):
             if "reward_funcs" in kwargs:
@@ -276,11 +270,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     def _checkpoint_state(self) -> D3SCheckpointState:
         # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
         return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, D3SCheckpointState))
-
-    @property
-    def _last_token_mask(self) -> torch.Tensor | None:
-        """The token mask of the latest loss call (None: all tokens trained); perf/update_cost.py reads it."""
-        return self._hook_state.token_mask
 
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
         rewards_per_func = self._hook_state.rewards_per_func.to(device)
@@ -375,7 +364,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
 
     def _log_entropy_of_every_token(self, inputs: dict) -> None:
-        """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token, as always."""
+        """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token."""
         entropies, mask = (
             self._hook_state.loss_entropies,
             inputs["completion_mask"] * inputs.get("tool_mask", 1),

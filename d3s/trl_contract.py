@@ -1,9 +1,9 @@
 """What d3s needs from TRL beyond its public API, in one place, checked when d3s.trainer is imported.
 
 TRL has no hook to filter rollouts before its log-prob passes, nor one that hands the advantages to its
-token-mask hook (docs/trl-hooks-proposal.md drafts both). Until it does, the trainer overrides private methods of
-``GRPOTrainer`` and reads private attributes. They are pinned to one TRL version: re-read each of them (trl
-``trainer/grpo_trainer.py``) before moving the pin. ``test_grpo_reproduces_trl_grpo_trainer_exactly``
+token-mask hook (docs/trl-hooks-proposal.md drafts both). Until it does, the trainer overrides private
+methods of ``GRPOTrainer`` and reads private attributes. They are pinned to one TRL version: re-read each
+(trl ``trainer/grpo_trainer.py``) before moving the pin. ``test_grpo_reproduces_trl_grpo_trainer_exactly``
 (tests/test_trainer.py) and tests/test_compute_savings.py fail first when the behaviour behind a name moved.
 """
 
@@ -19,10 +19,10 @@ TRAINER_METHODS = {
     "_generate_and_score_completions": "core: select the kept rollouts and re-index the batch",
     "_compute_loss": "core: the generation batch's token mask as TRL's loss mask (GSPO, token_norm), the KL "
     "coefficient on the kept tokens; tokens trained",
-    "get_high_entropy_mask": "core: returns the token mask chosen for the generation batch (TRL multiplies the "
-    "policy term by it)",
-    "_get_per_token_logps_and_entropies": "core: entropies from the old-policy pass; savings: placeholders while "
-    "TRL scores, the kept-token head",
+    "get_high_entropy_mask": "core: returns the token mask chosen for the generation batch (TRL multiplies "
+    "the policy term by it)",
+    "_get_per_token_logps_and_entropies": "core: entropies from the old-policy pass; savings: placeholders "
+    "while TRL scores, the kept-token head",
 }
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
 TRAINER_ATTRIBUTES = (
@@ -38,7 +38,7 @@ TRAINER_ATTRIBUTES = (
     "importance_sampling_level",
     "_entropy_bonus_enabled",
     "ref_model",
-    "num_iterations",  # with the two below: whether TRL runs its old-policy pass (the token level's entropies)
+    "num_iterations",  # with the next two: whether TRL runs its old-policy pass (the token entropies)
     "use_vllm",
     "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode",  # deferred passes: the vLLM importance-sampling ratio, recomputed

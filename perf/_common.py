@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
+from torch.utils import benchmark
 from transformers import TrainerCallback
 
 from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions
@@ -46,8 +48,6 @@ def base_parser(doc: str | None, tiny_model: bool = True) -> argparse.ArgumentPa
 
 
 def set_threads(threads: int) -> None:
-    import torch
-
     torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -57,8 +57,6 @@ def set_threads(threads: int) -> None:
 
 def machine() -> dict[str, Any]:
     """CPU model, cores, GPUs, torch threads and the load average (a noise indicator on shared machines)."""
-    import torch
-
     info = hardware()
     info["python"] = platform.python_version()
     info["torch_threads"] = torch.get_num_threads()
@@ -67,54 +65,59 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def _grading_worker_pids() -> list[int]:
-    """Process ids of the default grader's worker subprocesses (the training reward runs there)."""
-    import d3s.rewards as rewards
-
-    grader = rewards._default_grader
-    if grader is None or grader._owner_pid != os.getpid():
-        return []
-    return [worker.process.pid for worker in grader._workers if worker.process.poll() is None]
-
-
 def cpu_clock() -> float:
-    """CPU seconds used so far by this process and the grading worker subprocesses.
+    """CPU seconds used so far by this process and its live children (the grading workers).
 
-    On a shared machine CPU time, unlike wall time, does not grow when other jobs take the cores, so
-    ratios of CPU times are the steadier measure of work (single-threaded code: equal to wall time on an
-    idle machine). Worker time has the kernel's tick resolution (10 ms): meaningful summed over steps.
+    CPU time, unlike wall time, does not grow while other jobs hold the cores: the steadier measure of work
+    on a shared machine. Children's time has the kernel's 10 ms tick: meaningful summed over steps.
     """
     seconds = time.process_time()
-    for pid in _grading_worker_pids():
-        with suppress(psutil.Error):  # a worker that just exited
-            seconds += sum(psutil.Process(pid).cpu_times()[:2])  # user + system
+    for child in psutil.Process().children(recursive=True):
+        with suppress(psutil.Error):  # a child that just exited
+            seconds += sum(child.cpu_times()[:2])  # user + system
     return seconds
 
 
-def timed(
-    fn: Callable[[], Any], repeats: int = 5, warmup: int = 1, min_seconds: float = 0.0
-) -> dict[str, Any]:
-    """Median wall and CPU seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
+class _WallAndCpuClock:
+    """The wall clock torch.utils.benchmark reads, noting the process's CPU clock at each read."""
 
-    ``min_seconds``: keep repeating past ``repeats`` until this much wall time was measured, so very
-    short calls still get enough samples for a stable median. Returns the medians, the number of timed
-    calls (``repeats``) and the last call's ``result``.
+    def __init__(self) -> None:
+        self.cpu: list[float] = []
+
+    def __call__(self) -> float:
+        self.cpu.append(time.process_time())
+        return time.perf_counter()
+
+
+def timed(fn: Callable[[], Any], repeats: int = 5, min_seconds: float = 0.0) -> dict[str, Any]:
+    """Median wall and CPU seconds per call of ``fn`` through torch.utils.benchmark's ``blocked_autorange``.
+
+    One untimed call first (its ``result`` is returned); then blocks of calls for at least ``repeats`` times
+    that call's length, and ``min_seconds``. ``repeats``: the calls timed.
     """
-    for _ in range(warmup):
-        fn()
-    samples: list[float] = []
-    cpu_samples: list[float] = []
-    while len(samples) < repeats or sum(samples) < min_seconds:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        result = fn()
-        samples.append(time.perf_counter() - start)
-        cpu_samples.append(time.process_time() - cpu_start)
+    start = time.perf_counter()
+    result = fn()
+    first_s = time.perf_counter() - start
+    clock = _WallAndCpuClock()
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, timer=clock, num_threads=torch.get_num_threads())
+    measurement = timer.blocked_autorange(min_run_time=max(repeats * first_s, min_seconds))
+    blocks, per_block = len(measurement.raw_times), measurement.number_per_run
+    reads = clock.cpu[-2 * blocks :]  # two reads per measured block, the last blocks timed
+    cpu = [(end - begin) / per_block for begin, end in zip(reads[::2], reads[1::2], strict=True)]
     return {
-        "median_s": statistics.median(samples),
-        "cpu_median_s": statistics.median(cpu_samples),
-        "repeats": len(samples),
+        "median_s": measurement.median,
+        "cpu_median_s": statistics.median(cpu),
+        "repeats": blocks * per_block,
         "result": result,
     }
+
+
+def timed_once(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Wall and CPU seconds of one call of ``fn`` (the slow loops, timed once), in ``timed``'s shape."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    result = fn()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"median_s": wall, "cpu_median_s": cpu, "repeats": 1, "result": result}
 
 
 def markdown_table(rows: Sequence[Any], columns: Mapping[str, Callable[[Any], Any]]) -> str:
@@ -143,7 +146,7 @@ def write_results(
     title: str | None = None,
     **settings: Any,
 ) -> tuple[Path, Path]:
-    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically; returns both paths.
+    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically; return both.
 
     ``markdown`` is the body (one or more tables); machine, versions, git state and settings (the command
     line's options but ``--out``, then ``settings``) are added around it so the Markdown file stands alone.
@@ -203,7 +206,7 @@ TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
 
 
 def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
-    """The tiny model warm-started by ``d3s train`` for ``model: tiny`` (default ``tiny:`` options), saved to ``path``."""
+    """The tiny model as ``d3s train`` warm-starts it for ``model: tiny``, saved to ``path``."""
     from d3s.runs.run import load_run_model
 
     path.mkdir(parents=True, exist_ok=True)

@@ -5,35 +5,8 @@
     # wall seconds per step of every method, 20 steps (results/perf/step_time_per_method.md):
     .venv/bin/python perf/end_to_end_step.py --methods all --settings beta0_iter1 --cycles 19 --rounds 1
 
-Writes results/perf/end_to_end_step.{json,md} (``--out`` elsewhere).
-
-Every method trains the same SFT-warm-started tiny model in the step-time geometry
-(8 prompts x 8 rollouts, completions <= 24 tokens, 1 torch thread), in two settings:
-  * ``beta=0, num_iterations=1`` (the CPU default: no reference or old-policy pass), and
-  * ``beta=0.04, num_iterations=2`` (a reference pass, an old-policy pass, and a second update on the same
-    rollouts), where passes over dropped rollouts would cost the most.
-The trainer is instrumented from outside (instance-level wrappers and module hooks set up here; d3s is
-not changed), so the benchmark measures whatever the trainer currently does:
-  * step wall time, on_step_begin -> on_step_end (a TrainerCallback);
-  * generation phase: ``_generate_and_score_completions`` (generate, rewards, no-grad log-prob passes,
-    selection); inside it ``model.generate``, ``_calculate_rewards``, and the no-grad forwards;
-  * update phase = step - generation phase: ``compute_loss`` (the gradient forward, the loss and the
-    token mask), and the rest (backward, gradient clipping, optimizer);
-  * selection: time in ``d3s.trainer.select_samples`` / ``token_keep_mask`` (wrapped where the trainer looks
-    them up);
-  * tokens forwarded: a forward pre-hook on the policy (and reference) model counts, per pass, the input
-    positions (padding included, what the compute pays for), the non-padding tokens, and the labelled
-    positions scored by the LM head; the gradient pass also counts the positions projected through the LM
-    head with gradient (all labelled positions, or the positions of the trainer's ``select_tokens`` mask
-    when it restricts the head to kept tokens);
-  * tokens backpropagated: the trainer's ``selection/update_tokens`` (completion tokens with nonzero loss
-    weight) per step.
-Each method runs ``--rounds`` times (method order reversed every other round, after one discarded
-warm-up run) so drifts in machine load do not favour the methods run first or last. Times are means over
-the steps after each run's first generation cycle (start-up effects), so the phases add up to the step;
-ratios to grpo in the same run are the numbers to compare, by wall time and by CPU time (this process
-plus the grading worker; steadier than wall time on a shared machine, since waiting for a core is not
-counted).
+The trainer is instrumented from outside (wrappers on TRL's hooks, module hooks; d3s is not changed);
+perf/README.md lists what is timed and counted.
 """
 
 from __future__ import annotations
@@ -135,16 +108,14 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     model = trainer.model
     # TRL calls the unwrapped model's generate
     model.generate = _wrap(recorder, model.generate, "generate_s", "generate")
-    metrics = trainer._metrics["train"]
     compute_loss = trainer.compute_loss
 
     def compute_loss_counting(model, inputs, *args, **kwargs):
-        logged = len(metrics["selection/update_tokens"])
+        tokens_before = trainer.update_tokens_total  # the trainer's count of tokens that reached the gradient
         loss = compute_loss(model, inputs, *args, **kwargs)
         recorder.now["completion_tokens_in_update"] += inputs["completion_mask"].sum().item()
         recorder.now["update_rows"] += inputs["completion_mask"].shape[0]
-        if len(metrics["selection/update_tokens"]) > logged:
-            recorder.now["backprop_tokens"] += metrics["selection/update_tokens"][-1]
+        recorder.now["backprop_tokens"] += trainer.update_tokens_total - tokens_before
         return loss
 
     trainer.compute_loss = compute_loss_counting
@@ -211,7 +182,7 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
 
 
 def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path) -> tuple[list[dict], dict]:
-    """Train ``method`` for ``steps`` steps; (the recorded steps after the first generation cycle, trainer info)."""
+    """Train ``method`` ``steps`` steps: (the steps after the first generation cycle, trainer info)."""
     overrides = SETTINGS[setting]
     trainer = build_tiny_trainer(
         method, model_dir, out / f"{setting}-{method}", max_steps=steps, metrics_log=None, **overrides
@@ -275,8 +246,10 @@ def main() -> None:
                 row = summarise(method, setting, steps[method]) | infos[method] | {"rounds": args.rounds}
                 rows.append(row)
                 print(
-                    f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation {fmt_seconds(row['generation_phase_s'])}, "
-                    f"update {fmt_seconds(row['update_phase_s'])}, backprop tokens {row['backprop_tokens']:.0f}",
+                    f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation "
+                    f"{fmt_seconds(row['generation_phase_s'])}, "
+                    f"update {fmt_seconds(row['update_phase_s'])}, backprop tokens "
+                    f"{row['backprop_tokens']:.0f}",
                     flush=True,
                 )
 

@@ -3,23 +3,8 @@
     .venv/bin/python perf/eval_throughput.py            # ~1-2 min on a 2-core machine
     .venv/bin/python perf/eval_throughput.py --quick    # small sizes, a smoke run
 
-Writes results/perf/eval_throughput.{json,md} (``--out`` elsewhere).
-
-Grading: ``d3s.rewards.Grader`` (the evaluation's and the training reward's grader) with 1 and 2 worker
-subprocesses, and in-process without a time limit (no IPC, no protection: the lower bound of the
-overhead), on
-  * short synthetic answers: the tiny task's held-out completions `` 3+4=7. \\boxed{7}``, every other one
-    with a wrong boxed answer;
-  * real MATH500 reference solutions (``../shared/data/math500/test.jsonl``, or ``--data-dir``) graded
-    against their gold answers: long LaTeX, the worst case of the benchmarks; skipped with a note if absent.
-Workers are started before the clock starts (start-up is a one-off cost per evaluation job). A cold
-pass over the first fifth of the answers on fresh workers (math-verify's parser caches warm up as it
-parses) is followed by a warm pass over the rest; every answer's gold is new to the grader (its gold
-cache does not help), as on the first sample of a problem.
-
-Generation: ``d3s.evaluation.backends.TransformersBackend`` on the SFT-warm-started tiny model and the
-synthetic task's held-out problems: 8 samples per problem at temperature 0.6, top-p 0.95 (the paper's
-evaluation settings, shortened), with 8 and 32 prompts per ``generate`` call, and greedy decoding.
+Grading: cold then warm passes, 1 and 2 workers and in-process; generation: the tiny model, sampled and
+greedy (perf/README.md).
 """
 
 from __future__ import annotations
@@ -103,7 +88,8 @@ def grading_rows(answer_sets: dict[str, tuple[list[str], list[Any]]], warm_up: d
                         }
                     )
                     print(
-                        f"grading {label} {mode} x{workers} {phase}: {rows[-1]['answers_per_s']:.0f} answers/s",
+                        f"grading {label} {mode} x{workers} {phase}: {rows[-1]['answers_per_s']:.0f} "
+                        "answers/s",
                         flush=True,
                     )
     return rows
@@ -131,7 +117,7 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
     for label, batch, settings in configs:
         backend = TransformersBackend(str(model_dir), model=model, tokenizer=tokenizer, batch_size=batch)
         generate = functools.partial(backend.generate, prompts, settings, seeds, add_special_tokens=False)
-        timing = timed(generate, repeats=repeats, warmup=1)
+        timing = timed(generate, repeats=repeats)
         samples = [s for per_problem in timing["result"] for s in per_problem]
         tokens = sum(s.num_tokens for s in samples)
         seconds = timing["median_s"]

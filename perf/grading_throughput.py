@@ -3,21 +3,8 @@
     .venv/bin/python perf/grading_throughput.py            # a few minutes on a 2-core machine
     .venv/bin/python perf/grading_throughput.py --quick    # small sizes, a smoke run
 
-Writes results/perf/grading_throughput.{json,md} (``--out`` elsewhere).
-
-The completions are written here, deterministically (seeded), in the shapes that real ones take:
-
-* **long chains of thought** (about 3,000 tokens: ~11k characters of reasoning with inline LaTeX) ending in
-  a ``\\boxed{}`` answer, or, one in four, in a plain "The answer is 42." with no box (the fallback);
-* **looping completions** that repeat a boxed line hundreds of times (600 to 1,400 boxes, mostly the same
-  box, a few distinct ones), as early RL on a base Qwen2.5-Math model produces;
-* **short answers** (``\\boxed{42}``, ``<answer>42</answer>``, "42").
-
-Rows of kind ``mix``: completions per second for each answer policy and worker count (workers started
-before the clock starts), the slowest single answer and the timeouts. Rows of kind ``step``: the
-training reward (``make_accuracy_reward``, one worker, the default time limit) on one step at the paper
-geometry, 32 prompts x 32 completions of up to 3,000 tokens, with the mix's share of looping
-completions; seconds per step.
+The mix (long chains of thought, looping completions with hundreds of boxes, short answers) is written here,
+seeded; perf/README.md describes its rows.
 """
 
 from __future__ import annotations

@@ -3,15 +3,7 @@
     .venv/bin/python perf/grading_time_limit.py            # ~10 s on a 2-core machine
     .venv/bin/python perf/grading_time_limit.py --quick    # a smaller limit, a smoke run
 
-Writes results/perf/grading_time_limit.{json,md} (``--out`` elsewhere).
-
-``d3s.rewards.Grader`` with 2 worker subprocesses grades a batch of adversarial answers (power towers that
-sympy tries to evaluate, deeply nested braces, 100k-character answers) under ``--limit`` seconds per answer.
-Per answer: the seconds the grader charged it and, when it timed out, how far past the limit it was cut off.
-For the batch: the wall time against the limit times answers per worker (each timed-out answer also
-restarts its worker; the replacement starts while the other worker keeps grading). Workers are started
-before the clock starts. The unit tests check the behaviour (hanging answers time out and count as wrong,
-the grader recovers); this measures the time.
+Two grader workers grade adversarial answers under ``--limit`` seconds each (perf/README.md).
 """
 
 from __future__ import annotations

@@ -3,27 +3,8 @@
     .venv/bin/python perf/selection_overhead.py            # 2^20 rollouts, groups of 32, keep 8
     .venv/bin/python perf/selection_overhead.py --quick    # 2^14 rollouts, a smoke run
 
-Writes results/perf/selection_overhead.{json,md} (``--out`` elsewhere).
-
-Inputs: binary rewards with a per-prompt success rate drawn from U(0, 1) (many all-correct / all-wrong
-groups, many ties, as in RL on math), advantages normalised per group as TRL does.
-
-Intra-group rule (PODS, D1S, D3S-I): ``d3s.selection.select_samples(scope="group")`` against
-  * the loop of the official PODS single-GPU trainer: for each group, sort the rewards, then for each
-    split i in 0..k take the i largest and k - i smallest (``torch.cat``) and compute ``.var()``;
-  * the same loop in plain Python (lists, ``sorted``, sums), no torch per group.
-Cross-group rule (D3S, D1S-Cross): ``select_samples(scope="batch")`` on the pooled batch against
-  * the straightforward loop over every split i of the pooled sorted batch, recomputing the variance of
-    the k-element candidate each time (O(k) per split, O(k^2) in all);
-  * the best loop formulation: one sort, then a Python loop over the splits updating running sums
-    (O(1) per split), i.e. the sort-and-scan of the PODS paper written as a loop.
-Loops too slow for the full size are timed on a subset (groups, or evenly spaced split points) and
-extrapolated linearly; the table says which. Every loop's pick is checked to have the same variance
-as the vectorised pick. The tiny model's training step (GRPO, in the step-time geometry) is
-measured in the same run, and selection is reported as a percentage of it, both at the benchmark size
-and at the step's own batch (8 prompts x 8 rollouts, keep 2 per prompt). Ratios are taken between CPU
-times (everything here is single-threaded; wall times, also recorded, count waiting for the cores of a
-shared machine).
+Loops too slow for the full size run on a subset and are extrapolated; every loop's pick is checked against
+the vectorised pick's variance; ratios are of CPU times (perf/README.md).
 """
 
 from __future__ import annotations
@@ -45,6 +26,7 @@ from _common import (
     prepare_tiny_model,
     set_threads,
     timed,
+    timed_once,
     write_results,
 )
 
@@ -138,7 +120,7 @@ def population_var(values: torch.Tensor) -> float:
 
 def tie_tolerance(values: torch.Tensor, keep: int) -> float:
     """The variance gap max_variance_subset counts as a tie on ``values`` (d3s.selection's documented rule:
-    splits closer than this are equally good, and the largest i wins), plus the loops' own float64 rounding."""
+    splits closer than this are equally good, the largest i wins), plus the loops' own float64 rounding."""
     spread = (values.max() - values.min()).item()
     magnitude = values.abs().max().item()
     return variance_tie_tolerance(spread, magnitude, keep, values.dtype) + 1e-12
@@ -204,8 +186,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
 
     def add(scope: str, implementation: str, fn: Any, scale: float | None = None, how: str = "") -> dict:
-        """Time ``fn`` into a row: the median of --repeats calls, or with ``scale`` (a loop) one call times it."""
-        timing = timed(fn, repeats=args.repeats) if scale is None else timed(fn, repeats=1, warmup=0)
+        """Time ``fn`` into a row: ``timed`` over --repeats calls, or with ``scale`` (a loop) one call."""
+        timing = timed(fn, repeats=args.repeats) if scale is None else timed_once(fn)
         wall, cpu = timing["median_s"] * (scale or 1), timing["cpu_median_s"] * (scale or 1)
         how = how or f"median of {timing['repeats']}"
         rows.append({"scope": scope, "implementation": implementation, "seconds": wall, "cpu_seconds": cpu})
@@ -350,7 +332,8 @@ def main() -> None:
         f"(cross-group: {batch_keep:,} from the pooled batch). Vectorised times are medians; loops run once.",
         "Ratios use CPU time (all of this is single-threaded, so CPU time is the work done; on this shared "
         "machine wall time also counts waiting for the cores). On an idle machine the two agree.",
-        f"Tiny-model GRPO step (8 prompts x 8 rollouts, <= 24 tokens, {args.threads} thread), measured in this "
+        f"Tiny-model GRPO step (8 prompts x 8 rollouts, <= 24 tokens, {args.threads} thread), measured in "
+        "this "
         f"run: {fmt_seconds(step['median_s'])} wall, {fmt_seconds(step_cpu)} CPU incl. the grading worker "
         f"(medians of {step['steps_timed']} steps).",
         f"Goal 'vectorised >= 50x faster than the PODS loop': {pods_ratio:.0f}x against select_samples "
@@ -358,15 +341,18 @@ def main() -> None:
         f"max_variance_subset (the same per-group picks the loop returns): "
         f"{'met' if pods_ratio >= 50 else 'NOT met'}.",
         f"Cross-group: the best loop (one sort, O(1) Python work per split) takes "
-        f"{running / vec_batch['cpu_median_s']:.1f}x the vectorised time: the sort of the pooled batch dominates "
+        f"{running / vec_batch['cpu_median_s']:.1f}x the vectorised time: the sort of the pooled batch "
+        "dominates "
         f"both; the loop that recomputes each candidate's variance (O(k^2)) takes "
         f"{recompute / vec_batch['cpu_median_s']:.0f}x.",
         f"Goal 'selection < 1 % of the tiny step': at the tiny step's own batch {step_pct['group']:.3f} % "
         f"(group) / {step_pct['batch']:.3f} % (batch): "
         f"{'met' if max(step_pct.values()) < 1 else 'NOT met'}; at {total:,} rollouts "
-        f"{100 * vec_group['cpu_median_s'] / step_cpu:.2g} % / {100 * vec_batch['cpu_median_s'] / step_cpu:.2g} % "
+        f"{100 * vec_group['cpu_median_s'] / step_cpu:.2g} % / "
+        f"{100 * vec_batch['cpu_median_s'] / step_cpu:.2g} % "
         f"(that batch is {total // 64:,} times the step's 64 rollouts; the sort dominates).",
-        "max |ΔVar| / tie tolerance: largest difference between the variance of the loop's pick (exact float64 "
+        "max |ΔVar| / tie tolerance: largest difference between the variance of the loop's pick (exact "
+        "float64 "
         "argmax) and the vectorised pick, over d3s.selection.variance_tie_tolerance of the values. Splits "
         "closer than the tolerance are ties under the documented rule (the largest i wins), so any value "
         "<= 1 is a pick the rule allows; 0 is the same variance. On float32 advantages pooled over many "

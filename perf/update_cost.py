@@ -1,34 +1,11 @@
-"""Benchmark 2: one policy update as training runs it, GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
+"""One policy update as training runs it: GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
 
     .venv/bin/python perf/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
     .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
     .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
 
-One update is what ``Trainer.train`` does per optimizer step: gradient checkpointing on (the HF Trainer turns it on
-only inside ``train()``, so this script turns it on the same way), the batch split by TRL's ``split_tensor_dict``
-into ``steps_per_generation`` micro-batches (``per_device_train_batch_size`` rows each for GRPO; D3S keeps N/G of
-the rows, so its micro-batches hold N/G as many), ``compute_loss`` + backward per micro-batch under the
-accelerator's autocast, gradient clipping and one AdamW step. Variants: ``grpo``; ``d3s`` (cross-group
-max-variance selection of N rollouts per prompt, top-K% tokens by |A| x H, LM head with gradient at the kept
-tokens only); ``d3s (masked head)``: the same selection, the LM head at every position and the loss masking the
-unselected tokens.
-
-Models and batches:
-  * cpu: the tiny model (SFT warm start) on a batch it generated and math-verify graded (real rewards), and a
-    small randomly initialised Qwen2 with Qwen2.5's vocabulary on random tokens;
-  * cuda: a randomly initialised model with Qwen2.5-Math-1.5B's architecture (built from its config, nothing
-    downloaded) on random tokens in the paper configs' geometry: G = 32, 1-8 prompts, 1,024-3,072 completion
-    tokens, a 256-token prompt; fp32 master weights under bf16 autocast (``--weights fp32``, the single-GPU paper
-    config) or bf16 weights (``--weights bf16``).
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the timed update, above what was allocated before it
-(weights, gradients' storage, optimizer state); on the CPU the growth of the resident set's high-water mark
-(``VmHWM``, reset through ``/proc/self/clear_refs``) during one update after a warm-up update, in a fresh process
-per variant.
-
-A second table measures the one exact compute saving the token level leaves: a kept rollout needs no forward or
-backward pass past its last selected token. It is measured under the real selection (``d3s.selection``, top-K% of
-|A| x H over each micro-batch) from the tiny model's own token entropies, and from a labelled *model* of entropy
-distributions at 3,000 tokens (see ``ENTROPY_MODELS``); the result is written to ``update_cost_truncation.*``.
+Variants ``grpo``, ``d3s`` (kept-token LM head) and ``d3s (masked head)``; models, peak memory and the
+truncation table (``update_cost_truncation.*``) are described in perf/README.md.
 """
 
 from __future__ import annotations
@@ -102,7 +79,7 @@ def make_trainer(
     checkpointing: bool = True,
     max_completion_length: int = 64,
 ) -> Any:
-    """A D3STrainer for ``variant`` set up as ``Trainer.train`` sets it up: checkpointing, optimizer, accumulation.
+    """A D3STrainer for ``variant`` set up as ``Trainer.train`` does: checkpointing, optimizer, accumulation.
 
     ``rows``: GRPO's rollouts per optimizer step; ``steps_per_generation`` = rows / ``micro_batch``, as when
     ``per_device_train_batch_size`` = ``micro_batch`` and the step's prompts are accumulated.
@@ -143,23 +120,33 @@ def enable_checkpointing(trainer: Any) -> None:
 
 
 def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
-    """Backward of the step's loss, micro-batch by micro-batch (``split``: as TRL's ``_prepare_inputs`` splits the
+    """Backward of the step's loss, micro-batch by micro-batch (``split``: as TRL's ``_prepare_inputs`` splits
     step's batch, without its shuffle, which timing does not depend on) or in one pass."""
     from trl.trainer.utils import split_tensor_dict
 
     model = trainer.model
     model.train()
     if "token_mask" not in batch and trainer.args.token_rule != "none":
-        # chosen once per generation batch before the update (in training from the old-policy pass's
-        # entropies): the first (warm-up) call adds it to ``batch``, later (timed) calls reuse it
-        batch["token_mask"] = trainer._select_tokens(batch)
-    trainer.trained_tokens = 0  # tokens whose log-prob reached the gradient in this step
+        # chosen once per generation batch before the update: the first (warm-up) call adds it to ``batch``,
+        # later (timed) calls reuse it
+        batch["token_mask"] = token_mask(trainer, batch)
+    tokens_before = trainer.update_tokens_total
     for part in split_tensor_dict(batch, trainer.args.steps_per_generation) if split else [batch]:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(model, part)
         trainer.accelerator.backward(loss)
-        token_mask = trainer._last_token_mask
-        trainer.trained_tokens += int((part["completion_mask"] if token_mask is None else token_mask).sum())
+    trainer.trained_tokens = (
+        trainer.update_tokens_total - tokens_before
+    )  # log-probs that reached the gradient
+
+
+def token_mask(trainer: Any, batch: dict) -> torch.Tensor:
+    """The batch's token mask as the trainer chooses it: d3s.selection on a no-gradient pass's entropies."""
+    from d3s.selection import token_keep_mask, token_scores
+
+    scores = token_scores(batch["advantages"], token_entropies(trainer, batch), trainer.args.token_rule)
+    ratio = trainer.selection_schedule.token_keep_ratio(0.0)
+    return token_keep_mask(scores, batch["completion_mask"].bool(), ratio, trainer.args.token_scope)
 
 
 def update(trainer: Any, batch: dict) -> None:
@@ -210,7 +197,7 @@ def kept_rows(full: dict, keep: int = KEEP) -> dict:
 def random_batch(
     prompts: int, completion_len: int, vocab: int, device: str, prompt_len: int = PROMPT_TOKENS, seed: int = 0
 ) -> dict:
-    """The rollout geometry of a real step with random tokens: every completion is ``completion_len`` long, and
+    """The rollout geometry of a real step with random tokens: every completion ``completion_len`` long, and
     binary rewards (40 % correct) give the advantages (a random model's generations carry no reward)."""
     gen = torch.Generator().manual_seed(seed)
     rows = prompts * G
@@ -298,7 +285,7 @@ def memory_worker(
 def cpu_memory(
     variant: str, model_dir: Path, out: Path, batch: dict, micro_batch: int, rows: int, threads: int
 ) -> float:
-    """Peak RSS growth of one update of ``variant``, measured in a fresh process (NaN where /proc is missing)."""
+    """Peak RSS growth of one update of ``variant`` in a fresh process (NaN where /proc is missing)."""
     if not Path("/proc/self/clear_refs").exists():
         return float("nan")
     spawn = multiprocessing.get_context("spawn")
@@ -361,20 +348,21 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
 # ---- the exact saving left at the token level: stop each kept rollout at its last selected token ----------
 
 # Forward FLOPs of one token at position t in Qwen2.5-Math-1.5B: 2 x (non-embedding parameters + the LM head)
-# + 4 x layers x hidden x t (attention scores and weighted sum). The backward pass and checkpointing's recompute
-# scale both terms alike, so the ratio of FLOPs saved is the same for forward + backward.
+# + 4 x layers x hidden x t (attention scores and weighted sum). The backward pass and checkpointing's
+# recompute scale both terms alike, so the ratio of FLOPs saved is the same for forward + backward.
 _BODY_PARAMS = 1_543_714_304 - QWEN_VOCAB * 1536  # Qwen2.5-Math-1.5B parameters minus the (tied) embedding
 _FLOPS_PER_TOKEN = 2 * (_BODY_PARAMS + QWEN_VOCAB * 1536)
 _FLOPS_PER_POSITION = 4 * 28 * 1536
 
-# A labelled MODEL of token entropies (nats) at 3,000 tokens, not a measurement. Most reasoning tokens are near
-# certain and about one in five is a high-entropy "forking" token (the 80/20 observation of Wang et al., 2025,
-# arXiv 2506.01939). Each scenario moves where in the completion the forking tokens fall.
+# A labelled MODEL of token entropies (nats) at 3,000 tokens, not a measurement. Most reasoning tokens are
+# near certain and about one in five is a high-entropy "forking" token (the 80/20 observation of Wang et al.,
+# 2025, arXiv 2506.01939). Each scenario moves where in the completion the forking tokens fall.
 ENTROPY_MODELS = {
     "stationary": "20 % forking tokens (H ~ LogNormal(0, 0.5)), the rest H ~ Exp(mean 0.05), anywhere",
     "falling": "forking share 30 % at the first token, falling linearly to 10 % at the last",
     "rising": "forking share 10 % at the first token, rising linearly to 30 % at the last",
-    "answer tail": "stationary, and a finished completion's last 60 tokens (the stated answer) H ~ Exp(mean 0.02)",
+    "answer tail": "stationary, and a finished completion's last 60 tokens (the stated answer) "
+    "H ~ Exp(mean 0.02)",
 }
 
 
@@ -424,8 +412,9 @@ def tail_after_last_selected(
 ) -> dict[str, float]:
     """What stopping every rollout at its last selected token would save, under D3S's token selection.
 
-    Rows are taken ``micro_batch_rows`` at a time (TRL's micro-batches); in each, ``d3s.selection`` keeps the top
-    ``token_keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens (prompt + completion)
+    Rows are taken ``micro_batch_rows`` at a time (TRL's micro-batches); in each, ``d3s.selection`` keeps the
+    top ``token_keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens
+    (prompt + completion)
     after each row's last selected token, the same weighted by the 1.5B model's per-position FLOPs, and the
     fraction of a padded micro-batch's positions that cutting its columns at the latest last-selected token
     removes (what a padded, non-packed batch can save).
@@ -463,10 +452,15 @@ SCHEDULE_POINTS = [(8, 0.05), (16, 0.10), (32, 0.20)]
 
 
 def truncation_rows(
-    source: str, entropies: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, prompt_lengths: torch.Tensor,
-    micro_batch: int, rows_per_step: int,
-) -> list[dict]:  # fmt: skip
-    """tail_after_last_selected at each schedule point, after D3S's sample selection and TRL's micro-batch split."""
+    source: str,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    micro_batch: int,
+    rows_per_step: int,
+) -> list[dict]:
+    """tail_after_last_selected at each schedule point, after D3S's sample selection and TRL's split."""
     out = []
     for keep, ratio in SCHEDULE_POINTS:
         batch = kept_rows(
@@ -484,18 +478,36 @@ def truncation_rows(
             batch["entropies"], batch["completion_mask"], batch["advantages"], batch["prompt_lengths"], ratio,
             micro_rows,
         )  # fmt: skip
-        out.append({"source": source, "keep_per_prompt": keep, "token_keep_ratio": ratio, "micro_batch_rows": micro_rows,
-                    "mean_completion_tokens": float(batch["completion_mask"].sum(1).float().mean()), **fractions})  # fmt: skip
+        mean_tokens = float(batch["completion_mask"].sum(1).float().mean())
+        out.append(
+            {
+                "source": source,
+                "keep_per_prompt": keep,
+                "token_keep_ratio": ratio,
+                "micro_batch_rows": micro_rows,
+            }
+            | {"mean_completion_tokens": mean_tokens, **fractions}
+        )
     return out
 
 
-def tiny_entropies(trainer: Any, full: dict) -> torch.Tensor:
-    """The tiny model's token entropies (nats) on its own generated batch: TRL's scoring pass, without gradient."""
+def token_entropies(trainer: Any, full: dict) -> torch.Tensor:
+    """Token entropies (nats) of the trainer's model on ``full``: TRL's scoring pass, without gradient."""
+    from trl.models.utils import disable_gradient_checkpointing
+
     input_ids = torch.cat([full["prompt_ids"], full["completion_ids"]], dim=1)
     attention = torch.cat([full["prompt_mask"], full["completion_mask"]], dim=1)
-    with torch.no_grad():
+    with (
+        torch.no_grad(),
+        disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
+    ):
         _, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids, attention, full["completion_ids"].shape[1], compute_entropy=True
+            trainer.model,
+            input_ids,
+            attention,
+            full["completion_ids"].shape[1],
+            batch_size=trainer.args.per_device_train_batch_size,
+            compute_entropy=True,
         )
     return entropies.float() * full["completion_mask"]
 
@@ -538,7 +550,7 @@ def main() -> None:
         prompt_lengths = full["prompt_mask"].sum(1)
         truncation += truncation_rows(
             f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)",
-            tiny_entropies(generator, full), full["completion_mask"], full["advantages"], prompt_lengths,
+            token_entropies(generator, full), full["completion_mask"], full["advantages"], prompt_lengths,
             micro_batch, full["advantages"].shape[0],
         )  # fmt: skip
         del generator
@@ -571,7 +583,8 @@ def main() -> None:
     for scenario in ENTROPY_MODELS:
         entropies, mask, advantages = modelled_rollouts(scenario, modelled_prompts, modelled_tokens)
         truncation += truncation_rows(
-            f"MODEL '{scenario}' ({modelled_prompts} x 32, {modelled_tokens} tokens)", entropies, mask, advantages,
+            f"MODEL '{scenario}' ({modelled_prompts} x 32, {modelled_tokens} tokens)",
+            entropies, mask, advantages,
             torch.full((mask.shape[0],), PROMPT_TOKENS), 32, modelled_prompts * G,
         )  # fmt: skip
 
@@ -579,15 +592,18 @@ def main() -> None:
     notes = [
         f"Measured on the {device_text}"
         + (" (no GPU): CPU figures, not GPU figures." if not cuda else f": {torch.cuda.get_device_name()}."),
-        "One update = the step's batch in micro-batches of per_device_train_batch_size rows for GRPO (D3S: the "
-        "same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + backward per "
+        "One update = the step's batch in micro-batches of per_device_train_batch_size rows for GRPO (D3S: "
+        "the "
+        "same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + "
+        "backward per "
         "micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up update.",
         "Peak memory: "
         + (
             "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
             "optimizer state)."
             if cuda
-            else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a warm-up "
+            else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
+            "warm-up "
             "update, in a fresh process per variant; allocator reuse makes small values coarse."
         ),
     ]
@@ -662,13 +678,20 @@ def write_truncation(rows: list[dict], args: Any, settings: dict) -> None:
         else "do not implement truncation: the bound is under 10 % of the update"
     )
     notes = [
-        "Saving bound = FLOPs of the forward/backward positions after each kept rollout's last selected token, "
-        "over all forward/backward FLOPs (Qwen2.5-Math-1.5B per-token cost incl. causal attention), with packed "
-        "rows. 'Padded micro-batch columns': the columns a padded micro-batch drops when cut at its latest last-selected "
-        "token (this includes padding that trimming each micro-batch to its longest row would already drop). The "
-        "optimizer step and fixed costs do not shrink, so the update-time saving is at most the larger of the two.",
-        "Precondition: the selection must be known before the gradient pass (entropies from an earlier pass, e.g. "
-        "vLLM's old-policy pass); computing them with an extra no-gradient forward costs about a quarter of a "
+        "Saving bound = FLOPs of the forward/backward positions after each kept rollout's last selected "
+        "token, "
+        "over all forward/backward FLOPs (Qwen2.5-Math-1.5B per-token cost incl. causal attention), with "
+        "packed "
+        "rows. 'Padded micro-batch columns': the columns a padded micro-batch drops when cut at its latest "
+        "last-selected "
+        "token (this includes padding that trimming each micro-batch to its longest row would already "
+        "drop). The "
+        "optimizer step and fixed costs do not shrink, so the update-time saving is at most the larger of "
+        "the two.",
+        "Precondition: the selection must be known before the gradient pass (entropies from an earlier "
+        "pass, e.g. "
+        "vLLM's old-policy pass); computing them with an extra no-gradient forward costs about a quarter of "
+        "a "
         "checkpointed forward + backward, more than any saving here.",
         "Entropy MODEL scenarios (not measurements): "
         + "; ".join(f"{k}: {v}" for k, v in ENTROPY_MODELS.items()),

@@ -1,10 +1,9 @@
 """Checkpoints of a D3S run: the run's own state, the mark of a complete checkpoint, weights-only older ones.
 
-``D3SCheckpointState`` is a transformers callback. Its counters are an ``ExportableState``: Trainer saves
-them in each checkpoint's trainer_state.json (``stateful_callbacks``), and the callback reads them back when training
-resumes. ``on_save``, after Trainer wrote the checkpoint on every rank, writes d3s_state.json (what
-``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with ``full_state_checkpoints: latest``, cuts the
-older checkpoints to their weights.
+``D3SCheckpointState`` (a transformers callback) keeps its counters in each checkpoint's trainer_state.json
+(``stateful_callbacks``) and reads them back on resume. ``on_save``, after every rank wrote the checkpoint,
+writes d3s_state.json (the mark ``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with
+``full_state_checkpoints: latest``, cuts the older checkpoints to their weights.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ D3S_STATE_FILE = "d3s_state.json"
 WEIGHTS_ONLY_FILE = "d3s_weights_only.txt"
 FULL_STATE_CHECKPOINTS = ("all", "latest")
 # What a checkpoint holds only for resuming, beside the weights (transformers 5.17 Trainer._save_checkpoint:
-# optimizer, scheduler, grad scaler, RNG per rank; DeepSpeed's engine.save_checkpoint: global_step<N>/ with the
-# sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py and zero_to_torch.py).
+# optimizer, scheduler, grad scaler, RNG per rank; DeepSpeed's engine.save_checkpoint: global_step<N>/ with
+# the sharded fp32 master weights and optimizer states, `latest`, zero_to_fp32.py and zero_to_torch.py).
 RESUME_STATE_PATTERNS = (
     "optimizer.pt",
     "optimizer.bin",
@@ -52,16 +51,16 @@ CHECKPOINT_ONLY_FILES = ("trainer_state.json", D3S_STATE_FILE, WEIGHTS_ONLY_FILE
 
 
 def has_training_state(checkpoint: str | os.PathLike[str]) -> bool:
-    """True when the checkpoint holds optimizer state: optimizer.pt/.bin (an ``optimizer*`` folder under FSDP),
-    or DeepSpeed's global_step* folder. save_only_model: true writes neither, so such a checkpoint cannot resume.
+    """True when the checkpoint holds optimizer state: optimizer.pt/.bin (an ``optimizer*`` folder under
+    FSDP) or DeepSpeed's global_step*. save_only_model: true writes neither: such a checkpoint cannot resume.
     """
     return any(path.name.startswith(("optimizer", "global_step")) for path in Path(checkpoint).iterdir())
 
 
 def strip_to_weights(checkpoint: str | os.PathLike[str], reason: str) -> list[str]:
-    """Remove what ``checkpoint`` holds only for resuming (RESUME_STATE_PATTERNS), keeping its weights, tokenizer,
-    trainer state and logs; returns the names removed. A checkpoint without weight files keeps everything (its
-    weights exist only inside DeepSpeed's global_step*: ZeRO-3 without zero3_save_16bit_model).
+    """Remove what ``checkpoint`` holds only for resuming (RESUME_STATE_PATTERNS), keeping its weights,
+    tokenizer, trainer state and logs; returns the names removed. A checkpoint without weight files keeps
+    everything (its weights live only in DeepSpeed's global_step*: ZeRO-3 without zero3_save_16bit_model).
 
     WEIGHTS_ONLY_FILE is written first, so a crash midway never leaves a checkpoint that looks resumable.
     """

@@ -50,8 +50,9 @@ class NanGuardCallback(TrainerCallback):
         ]
         if bad:
             raise FloatingPointError(
-                f"{', '.join(bad)} is NaN at step {state.global_step}; training stopped before saving this step. "
-                f"Resume from the last checkpoint in {args.output_dir} with a lower learning_rate or check the reward"
+                f"{', '.join(bad)} is NaN at step {state.global_step}; training stopped before saving this "
+                f"step. Resume from the last checkpoint in {args.output_dir} with a lower learning_rate or "
+                "check the reward"
             )
 
 

@@ -1,13 +1,6 @@
 """Deferred log-prob passes (``D3SConfig.defer_logprob_passes``): a dropped rollout costs only its generation
-and reward.
-
-TRL runs the old-policy, reference and vLLM importance-sampling log-prob passes inside
-``_generate_and_score_completions``, over every rollout, before a subclass can drop any. While the trainer
-defers them, ``_get_per_token_logps_and_entropies`` hands TRL zero placeholders of the right shape; after
-selection, ``run_deferred_logprob_passes`` runs TRL's passes on the kept rows and replaces the placeholders
-(and the importance-sampling metrics TRL logged from them). The selected batch and the losses equal TRL's
-order.
-"""
+and reward. While TRL scores, its log-prob passes get zero placeholders; after selection TRL's passes run on
+the kept rows and replace them (docs/fidelity.md, "Compute savings")."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""The kept-token head (``D3SConfig.kept_token_logprobs``): log-probabilities with gradient only where the
-update trains.
-
-With a token keep ratio K < 1 the loss multiplies every unselected token by zero, yet TRL's fused LM head still
-projects, and back-propagates through, every completion position. ``add_kept_token_head`` wraps the model's
-forward (after TRL's ``add_fused_lm_head``) with one more keyword, ``select_tokens``: a boolean mask of the
-positions that train. Given it, the forward
-
-  1. runs the backbone once (with gradient),
-  2. scores every labelled position without gradient: log-probability and entropy, in TRL's chunked kernel,
-  3. projects only the selected positions through the LM head with gradient.
-
-Unselected positions carry their no-gradient log-probability, so the loss, every logged metric and the gradients
-equal the straightforward masked computation, while the head's backward (and its tile buffer) shrinks with K.
-The call goes through the model's own forward, so DDP, DeepSpeed and PEFT wrappers see an ordinary forward.
-
-``KeptTokenHead`` plugs it into the trainer: the gradient pass of ``_compute_loss`` goes through
-``_get_per_token_logps_and_entropies``, which calls the model with the token mask the trainer chose for the
-generation batch before the loss (d3s/trainer.py).
-"""
+"""The kept-token head (``D3SConfig.kept_token_logprobs``): with K < 1 the gradient pass projects through the
+LM head only at the kept tokens; unselected positions carry their no-gradient log-probability, so losses,
+metrics and gradients equal the masked computation (docs/fidelity.md, "Compute savings")."""
 
 from __future__ import annotations
 
