@@ -1,44 +1,5 @@
-"""Answer grading with math-verify, shared by the training reward and the evaluation.
-
-One grading function (:func:`grade`) decides whether a completion's final answer equals the gold
-answer, so a model is rewarded during training exactly as it is scored afterwards.
-
-How an answer is graded:
-
-* **Gold** is normalised as predictions are (:func:`normalize_answer`, so ``-3./2`` is -3/2, not a string),
-  then ``$`` delimiters are removed and it is wrapped as ``\\boxed{...}``, because
-  math-verify returns ``[]`` for bare LaTeX such as ``\\dfrac{9}{7}``; if the boxed form does not parse,
-  ``$...$`` and the raw string are tried. A list of golds (OlympiadBench's ``final_answer``) counts as
-  correct when any of them matches. Gold that parses in none of these forms is *unparsable*: it is
-  reported (``gold_parsed=False``, reward ``None``), never scored as wrong.
-* **What counts as the answer** (:func:`extract_answer`, docs/evaluation.md has an example per rule).
-  Where a completion has a box, only boxes are read, never free text; an empty or unclosed last box is no
-  answer (wrong). Box contents are normalised (:func:`normalize_answer`: trailing punctuation, ``18.``,
-  unit words, a sentence's leading number) and deduplicated before math-verify parses them. Without a
-  box: the last ``<answer>`` tag, else the text after the last "answer is", else math-verify's fallback
-  (anchors, last expression) on the completion's last characters (``answer_extraction="boxed_first"``,
-  the Qwen2.5-Math evaluation convention), or nothing (``"boxed_only"``).
-* **Which answer counts** (the *answer policy*). ``math_verify`` (the default) reads every distinct box
-  together as one set answer, as math-verify does: ``\\boxed{18} ... wait, actually \\boxed{20}`` is
-  the answer {18, 20} and does not match the gold 20. ``last_boxed`` takes only the last ``\\boxed{...}``
-  / ``\\fbox{...}`` (balanced braces; ``\\boxed 5`` without braces is the token after it), as the
-  Qwen2.5-Math evaluation toolkit does. ``answer_tag`` (PODS's format) takes the last
-  ``<answer>...</answer>`` (its last box if it has one, else its text); without a tag it reads the
-  completion as ``last_boxed`` does. The same math-verify settings verify every policy's answer.
-* **Bounded work.** One linear pass finds every box; each distinct answer is parsed once; more than
-  ``MAX_DISTINCT_BOXES`` distinct boxes or an answer over ``MAX_ANSWER_CHARS`` is wrong without parsing.
-  A completion looping over a thousand boxes is graded in milliseconds; the time limit below is only a
-  last guard against what sympy cannot finish.
-* ``verify(gold, pred)`` is called gold first: the comparison is not symmetric.
-* **Time limit.** math-verify's own timeouts use ``signal.alarm``, which fails off the main thread and
-  cannot stop everything, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``)
-  and every answer is graded in a persistent worker *subprocess* that is killed and replaced when it
-  overruns its wall-clock limit. The worker is started with ``subprocess`` and spoken to through
-  ``multiprocessing.connection`` (pickled messages, ``wait`` with a timeout): a process pool
-  (``concurrent.futures``, pebble) cannot be used, because daemonic pool workers, where grading must also
-  work, may not start ``multiprocessing`` children. Timed-out answers count as wrong and are reported
-  as ``timed_out``.
-"""
+"""Answer grading with math-verify, shared by the training reward and the evaluation, so a model is rewarded
+as it is scored. The rules (gold, extraction, answer policies, time limit): docs/evaluation.md, "Grading"."""
 
 from __future__ import annotations
 

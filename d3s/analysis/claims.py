@@ -1,21 +1,5 @@
-"""The papers' claims as verdicts with intervals (``tables/claims.csv``).
-
-Every comparison is paired by seed: a seed fixes the base model, the data order and the evaluation set, so
-method differences are measured within a seed and the seed-to-seed spread cancels. A verdict is decided by the
-95 % interval alone:
-
-- ``supported``: the whole interval lies on the side the paper claims (above 0 for a gain, below 1 for a cost
-  ratio, above 1 for a speedup);
-- ``refuted``: the whole interval lies on the other side;
-- ``inconclusive``: the interval holds the null; ``min_detectable_effect`` then says how large an effect the
-  run could have detected (80 % power at the observed seed variance, two-sided 5 % test).
-
-Intervals: paired Student-t for Pass@k gains and per-run means (gradient norm, entropy); paired t on log
-ratios for costs (update tokens, seconds per step); a seed bootstrap for the speedups to 99 % of the
-reference's best, where a resample in which the method never reaches the target counts as speedup 0. The
-intervals are not adjusted for multiplicity; ``verdict_holm`` gives the verdict after Holm's step-down
-adjustment of the rows' p-values (family: the whole table), for readers who want the family-wise view.
-"""
+"""The papers' claims as verdicts with intervals (``tables/claims.csv``; docs/workflow.md, "The claims
+table")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups.
-
-:func:`write_table` writes a table with a ``<name>.provenance.json`` sidecar naming the manifests (runs and
-evaluations) it came from, their git commits and settings hashes, and any mix of settings allowed.
-"""
+"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups; each written with
+a ``<name>.provenance.json`` sidecar (:func:`write_table`)."""
 
 from __future__ import annotations
 

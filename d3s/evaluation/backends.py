@@ -1,9 +1,5 @@
-"""Generation backends behind one interface: vLLM (GPU, fast) and transformers (anywhere).
-
-Both take already-templated prompt strings, tokenize them with the model's own tokenizer (so the two
-backends see identical token ids), and return ``samples`` completions per prompt. vLLM is imported
-only when its backend is constructed, so nothing here needs it installed.
-"""
+"""Generation backends behind one interface: vLLM (GPU, imported only when used) and transformers; both
+tokenize with the model's own tokenizer, so they see identical token ids."""
 
 from __future__ import annotations
 

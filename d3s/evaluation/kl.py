@@ -1,21 +1,5 @@
-"""KL to the initial policy, measured without gradient on a fixed probe set (the KL the D3S paper plots).
-
-The paper configs train with beta = 0, so TRL logs no ``kl``. Instead, at every evaluated checkpoint the
-policy samples its own completions of a fixed set of probe prompts (seeded), and both the policy and the
-reference (the run's initial model) score them under ``torch.no_grad``:
-
-    k1 = log pi(y_t) - log pi_ref(y_t)                       unbiased for KL(pi || pi_ref) per token
-    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1   TRL's ``kl`` estimator, >= 0 token by token
-
-Both are averaged over the completion tokens (TRL's token mean); ``k1_per_sequence`` is the mean over
-completions of the summed k1, an unbiased estimate of the sequence-level KL. A completion counts its tokens
-up to and including its first EOS; nothing after EOS and no padding enters any mean. With ``top_p`` < 1 the
-completions come from the truncated sampler, and k1 is no longer unbiased for the untruncated KL; the default
-samples at top-p 1. Log-probs are those of the sampling distribution (logits / temperature), as TRL's.
-
-One JSON file per evaluated checkpoint (``measure_checkpoint_kl``), so parallel evaluation jobs never share a file;
-``d3s.analysis.io.load_kl`` gathers them into a table.
-"""
+"""KL to the initial policy (k1, k3) on a fixed probe set, without gradient: one JSON per evaluated checkpoint
+(docs/workflow.md says what is measured and why; the paper configs train with beta = 0, so TRL logs no KL)."""
 
 from __future__ import annotations
 
