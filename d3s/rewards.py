@@ -173,16 +173,8 @@ def _last_answer_tag(completion: str) -> str | None | object:
 
 
 def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
-    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong).
-
-    Where a completion has a box, only boxes are read: ``last_boxed`` and ``answer_tag`` (inside the
-    last ``<answer>``) the last one, ``math_verify`` every distinct one together as one set answer; an
-    empty or unclosed last box is no answer. Without a box the fallback reads the last ``<answer>`` tag,
-    else the text after the last "answer is" / "answer:", else the completion's last
-    ``FALLBACK_TAIL_CHARS`` characters (math-verify then takes the last expression there).
-    ``fallback=False`` (``answer_extraction="boxed_only"``): without a box (or answer tag under
-    ``answer_tag``), no answer.
-    """
+    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong); the
+    rules, one example each: docs/evaluation.md. ``fallback=False``: ``answer_extraction="boxed_only"``."""
     if policy == "answer_tag":
         tag = _last_answer_tag(completion)
         if tag is None:  # empty or cut-off answer tag
@@ -370,12 +362,8 @@ class _WorkerProcess:
 
 
 class Grader:
-    """Grades answers in ``num_workers`` persistent subprocesses, each answer under ``time_limit`` s.
-
-    ``time_limit=None`` grades in the calling process with no limit at all (debugging only: one
-    pathological answer can then hang the caller). Thread-safe; create one per process (after a fork,
-    :func:`default_grader` makes a fresh one).
-    """
+    """Grades answers in ``num_workers`` persistent subprocesses, each under ``time_limit`` s (None: in
+    process, unlimited, for debugging). Thread-safe; one per process (:func:`default_grader` after a fork)."""
 
     def __init__(
         self,
@@ -560,12 +548,7 @@ def grade(
     *,
     grader: Grader | None = None,
 ) -> bool:
-    """True when the completion's final answer equals the gold answer (math-verify, gold first).
-
-    ``policy``: ``"math_verify"`` reads all boxed answers together as one set answer (math-verify's
-    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention);
-    ``"answer_tag"`` the last ``<answer>`` tag (PODS's format).
-    """
+    """True when the completion's final answer equals the gold answer under the answer ``policy``."""
     return grade_detailed(completion, gold, policy, grader=grader).correct
 
 
@@ -584,13 +567,8 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
 def accuracy_reward(
     completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
 ) -> list[float | None]:
-    """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None when the gold is unparsable.
-
-    TRL passes ``prompts``, ``completion_ids``, ``trainer_state`` and every dataset column as keyword
-    arguments; only ``completions`` and the ``answer`` column are used. ``None`` makes TRL ignore the
-    sample for this reward instead of punishing the model for a bad gold answer. Graded under the
-    ``math_verify`` answer policy; :func:`make_accuracy_reward` binds another one.
-    """
+    """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None (TRL ignores the sample) when the gold
+    is unparsable; graded under ``math_verify`` (:func:`make_accuracy_reward` binds another policy)."""
     return _rewards_from(default_grader(), completions, answer, DEFAULT_ANSWER_POLICY)
 
 
@@ -607,11 +585,8 @@ def _rewards_from(
 def make_accuracy_reward(
     grader: Grader | None = None, *, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
 ) -> Callable[..., list[float | None]]:
-    """:func:`accuracy_reward` bound to ``grader`` (e.g. more workers or another time limit; None: the
-    process's default grader, looked up at each call so it survives a fork) and to an answer ``policy``.
-
-    The returned function keeps the name ``accuracy_reward``, so TRL logs it under the same key.
-    """
+    """:func:`accuracy_reward` bound to ``grader`` (None: the default grader, looked up per call so it
+    survives a fork) and ``policy``; it keeps its name, so TRL logs it under the same key."""
     check_answer_policy(policy)
 
     def accuracy_reward(

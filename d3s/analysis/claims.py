@@ -202,12 +202,8 @@ def _row(claim: Claim, method: str, reference: str, result: Mapping[str, float],
 def difference_row(
     claim: Claim, per_seed: pd.DataFrame, method: str, reference: str, scale: float = 1.0
 ) -> dict:
-    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points).
-
-    Where ``per_seed`` has an ``se`` column (the evaluation's standard error of each value, from the problem
-    bootstrap), the row also gives the two noises apart: ``seed_sd``, the spread of the paired differences
-    across seeds (what the interval is made of), and ``eval_se``, the evaluation's own share of it (root mean
-    square over seeds of the standard error of one seed's difference)."""
+    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points). With an
+    ``se`` column it also gives ``seed_sd`` and ``eval_se`` apart (docs/workflow.md, "Noise, both kinds")."""
     pairs = _paired(per_seed, method, reference)
     differences = scale * (pairs[method] - pairs[reference])
     row = _row(claim, method, reference, paired_t(differences))
