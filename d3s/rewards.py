@@ -400,7 +400,7 @@ class Grader:
         golds: Sequence[Gold],
         policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
     ) -> list[GradeResult]:
-        """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spreading answers over the workers."""
+        """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spread over the workers."""
         return self.grade_many_by_policy(completions, golds, (policy,))[policy]
 
     def grade_many_by_policy(

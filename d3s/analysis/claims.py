@@ -133,7 +133,7 @@ def t_interval(values: Iterable[float], level: float = LEVEL) -> dict[str, float
 
 
 def paired_t(differences: Iterable[float], level: float = LEVEL) -> dict[str, float]:
-    """Mean of paired differences, its t-interval, two-sided p-value (null 0) and minimum detectable effect."""
+    """Mean of paired differences, its t-interval, p-value (null 0) and minimum detectable effect."""
     d = np.asarray(list(differences), dtype=float)
     d = d[~np.isnan(d)]
     result = {key: float(value) for key, value in t_interval(d, level).items()} | {"n": len(d)}
@@ -418,7 +418,7 @@ def ordering_row(
     """Does our ordering of methods agree with the paper's? The fraction of method pairs that our seed-mean
     Pass@1 orders as the paper's Pass@1 does (0.5: chance), with a seed-bootstrap interval.
 
-    ``final``: method, seed, value (final Pass@1); ``paper``: method -> the paper's Pass@1 in table ``source``.
+    ``final``: method, seed, value (final Pass@1); ``paper``: method -> Pass@1 in the paper's ``source``.
     """
     wide = final.pivot_table(index="seed", columns="method", values="value")
     methods = [m for m in paper if m in wide]

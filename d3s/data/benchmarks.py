@@ -289,8 +289,8 @@ SYNTHETIC_MINIMUMS = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_op
 
 
 def check_synthetic_options(options: Mapping[str, Any], what: str = "synthetic") -> dict[str, int]:
-    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand, bounded 0/1) as integers, checked;
-    ``what`` names them in the messages (the CLI's ``--synthetic``)."""
+    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand, bounded 0/1) as checked
+    integers; ``what`` names them in the messages (the CLI's ``--synthetic``)."""
     for key, value in options.items():
         if key not in SYNTHETIC_MINIMUMS:
             raise BenchmarkError(f"unknown {what} option {key!r}; valid: {', '.join(SYNTHETIC_MINIMUMS)}")

@@ -181,8 +181,8 @@ def samples_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*/samples.jsonl")) or sorted(path.glob("samples.jsonl"))
     if not files:
         raise ValueError(
-            f"--audit-samples {path}: no samples.jsonl there or in its benchmark folders (give the file, or an "
-            "evaluation directory)"
+            f"--audit-samples {path}: no samples.jsonl there or in its benchmark folders "
+            "(give the file, or an evaluation directory)"
         )
     return files
 

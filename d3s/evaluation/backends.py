@@ -81,7 +81,8 @@ def choose_backend(name: str) -> str:
         return "vllm" if vllm_installed() and gpu_available() else "transformers"
     if name == "vllm" and not vllm_installed():
         raise ValueError(
-            "backend 'vllm' requested but vllm is not installed: pip install 'd3s[gpu]' or use --backend transformers"
+            "backend 'vllm' requested but vllm is not installed: "
+            "pip install 'd3s[gpu]' or use --backend transformers"
         )
     return name
 

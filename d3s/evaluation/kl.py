@@ -22,7 +22,7 @@ KL_FILE = "kl.json"  # in the evaluated checkpoint's folder: eval/<method>/seed<
 
 @dataclass(frozen=True)
 class KLProbeSettings:
-    """The probe: the first ``prompts`` training prompts, ``samples`` completions each (config ``eval.kl``)."""
+    """The probe: the first ``prompts`` training prompts, ``samples`` completions each (``eval.kl``)."""
 
     prompts: int = 8
     samples: int = 4
@@ -234,7 +234,7 @@ def kl_to_reference(
 
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
-    """The first ``count`` prompts of the run's training data, templated exactly as training templated them."""
+    """The first ``count`` prompts of the run's training data, templated exactly as in training."""
     from d3s.runs.run import _training_rows  # the training job's own prompt construction
 
     rows = _training_rows(train_config, tokenizer)
