@@ -61,12 +61,8 @@ def probe_completions(
     settings: KLProbeSettings,
     add_special_tokens: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) of ``settings.samples`` samples of the policy per prompt.
-
-    Prompts are tokenised as TRL tokenises string prompts (``add_special_tokens`` True); completions are cut
-    after their first EOS. Sampling is seeded per batch of ``settings.batch_size`` rows inside a forked RNG,
-    so the caller's random state is untouched and the same seed and batch size give the same completions.
-    """
+    """(prompt ids, completion ids) of ``settings.samples`` samples per prompt, tokenised as TRL does, cut
+    after the first EOS; seeded per batch in a forked RNG, so the caller's random state is untouched."""
     import torch
     from transformers import GenerationConfig
 
@@ -128,12 +124,8 @@ def completion_logprobs(
     batch_size: int = 16,
     pad_id: int = 0,
 ) -> list[torch.Tensor]:
-    """Per-token log-probs (float32, on the CPU) of each completion given its prompt, under ``model``.
-
-    Rows are batched with the prompt left-padded and the completion right-padded; padding is masked out of
-    attention and positions count only real tokens, so a row scores as it would alone. Log-probs are those
-    of softmax(logits / temperature), the sampling distribution.
-    """
+    """Per-token log-probs (float32, CPU) of each completion given its prompt under softmax(logits /
+    temperature); padding is masked and positions count real tokens only: a row scores as alone."""
     import torch
 
     device = model.device
@@ -214,12 +206,8 @@ def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence
 def kl_to_reference(
     policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[str], settings: KLProbeSettings
 ) -> dict:
-    """KL(policy || reference) on the policy's own sampled completions of ``prompts``, without gradient.
-
-    Returns ``k1``, ``k3`` (token means), ``k1_per_sequence``, ``tokens``, ``sequences``,
-    ``mean_completion_tokens`` and ``truncated_fraction`` (completions that hit ``max_new_tokens`` without
-    EOS: the KL of a truncated completion counts only its sampled tokens).
-    """
+    """KL(policy || reference) on the policy's own sampled completions of ``prompts``, without gradient: the
+    estimates of :func:`kl_estimates`, ``mean_completion_tokens`` and ``truncated_fraction`` (no EOS)."""
     settings.validate(prefix="kl_to_reference: ")
     sequences = probe_completions(policy, tokenizer, prompts, settings)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -253,12 +241,8 @@ def measure_checkpoint_kl(
     labels: dict | None = None,
     device: str | None = None,
 ) -> dict:
-    """Load the checkpoint and the reference, measure the KL on the probe and write ``out`` (JSON).
-
-    ``train_config`` is the run's ``d3s train`` config (its ``train.yaml``): the probe is the first
-    ``settings.prompts`` of its training prompts. The models are freed before returning, so a generation
-    backend loaded afterwards in the same process gets the memory back.
-    """
+    """Measure the KL of ``checkpoint`` to ``reference`` on the probe of the run's ``train_config``
+    (train.yaml) and write ``out`` (JSON); the models are freed before returning for the next backend."""
     import torch
     from transformers import AutoTokenizer
 
