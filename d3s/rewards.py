@@ -1,44 +1,5 @@
-"""Answer grading with math-verify, shared by the training reward and the evaluation.
-
-One grading function (:func:`grade`) decides whether a completion's final answer equals the gold
-answer, so a model is rewarded during training exactly as it is scored afterwards.
-
-How an answer is graded:
-
-* **Gold** is normalised as predictions are (:func:`normalize_answer`, so ``-3./2`` is -3/2, not a string),
-  then ``$`` delimiters are removed and it is wrapped as ``\\boxed{...}``, because
-  math-verify returns ``[]`` for bare LaTeX such as ``\\dfrac{9}{7}``; if the boxed form does not parse,
-  ``$...$`` and the raw string are tried. A list of golds (OlympiadBench's ``final_answer``) counts as
-  correct when any of them matches. Gold that parses in none of these forms is *unparsable*: it is
-  reported (``gold_parsed=False``, reward ``None``), never scored as wrong.
-* **What counts as the answer** (:func:`extract_answer`, docs/evaluation.md has an example per rule).
-  Where a completion has a box, only boxes are read, never free text; an empty or unclosed last box is no
-  answer (wrong). Box contents are normalised (:func:`normalize_answer`: trailing punctuation, ``18.``,
-  unit words, a sentence's leading number) and deduplicated before math-verify parses them. Without a
-  box: the last ``<answer>`` tag, else the text after the last "answer is", else math-verify's fallback
-  (anchors, last expression) on the completion's last characters (``answer_extraction="boxed_first"``,
-  the Qwen2.5-Math evaluation convention), or nothing (``"boxed_only"``).
-* **Which answer counts** (the *answer policy*). ``math_verify`` (the default) reads every distinct box
-  together as one set answer, as math-verify does: ``\\boxed{18} ... wait, actually \\boxed{20}`` is
-  the answer {18, 20} and does not match the gold 20. ``last_boxed`` takes only the last ``\\boxed{...}``
-  / ``\\fbox{...}`` (balanced braces; ``\\boxed 5`` without braces is the token after it), as the
-  Qwen2.5-Math evaluation toolkit does. ``answer_tag`` (PODS's format) takes the last
-  ``<answer>...</answer>`` (its last box if it has one, else its text); without a tag it reads the
-  completion as ``last_boxed`` does. The same math-verify settings verify every policy's answer.
-* **Bounded work.** One linear pass finds every box; each distinct answer is parsed once; more than
-  ``MAX_DISTINCT_BOXES`` distinct boxes or an answer over ``MAX_ANSWER_CHARS`` is wrong without parsing.
-  A completion looping over a thousand boxes is graded in milliseconds; the time limit below is only a
-  last guard against what sympy cannot finish.
-* ``verify(gold, pred)`` is called gold first: the comparison is not symmetric.
-* **Time limit.** math-verify's own timeouts use ``signal.alarm``, which fails off the main thread and
-  cannot stop everything, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``)
-  and every answer is graded in a persistent worker *subprocess* that is killed and replaced when it
-  overruns its wall-clock limit. The worker is started with ``subprocess`` and spoken to through
-  ``multiprocessing.connection`` (pickled messages, ``wait`` with a timeout): a process pool
-  (``concurrent.futures``, pebble) cannot be used, because daemonic pool workers, where grading must also
-  work, may not start ``multiprocessing`` children. Timed-out answers count as wrong and are reported
-  as ``timed_out``.
-"""
+"""Answer grading with math-verify, shared by the training reward and the evaluation, so a model is rewarded
+as it is scored. The rules (gold, extraction, answer policies, time limit): docs/evaluation.md, "Grading"."""
 
 from __future__ import annotations
 
@@ -212,16 +173,8 @@ def _last_answer_tag(completion: str) -> str | None | object:
 
 
 def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
-    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong).
-
-    Where a completion has a box, only boxes are read: ``last_boxed`` and ``answer_tag`` (inside the
-    last ``<answer>``) the last one, ``math_verify`` every distinct one together as one set answer; an
-    empty or unclosed last box is no answer. Without a box the fallback reads the last ``<answer>`` tag,
-    else the text after the last "answer is" / "answer:", else the completion's last
-    ``FALLBACK_TAIL_CHARS`` characters (math-verify then takes the last expression there).
-    ``fallback=False`` (``answer_extraction="boxed_only"``): without a box (or answer tag under
-    ``answer_tag``), no answer.
-    """
+    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong); the
+    rules, one example each: docs/evaluation.md. ``fallback=False``: ``answer_extraction="boxed_only"``."""
     if policy == "answer_tag":
         tag = _last_answer_tag(completion)
         if tag is None:  # empty or cut-off answer tag
@@ -409,12 +362,8 @@ class _WorkerProcess:
 
 
 class Grader:
-    """Grades answers in ``num_workers`` persistent subprocesses, each answer under ``time_limit`` s.
-
-    ``time_limit=None`` grades in the calling process with no limit at all (debugging only: one
-    pathological answer can then hang the caller). Thread-safe; create one per process (after a fork,
-    :func:`default_grader` makes a fresh one).
-    """
+    """Grades answers in ``num_workers`` persistent subprocesses, each under ``time_limit`` s (None: in
+    process, unlimited, for debugging). Thread-safe; one per process (:func:`default_grader` after a fork)."""
 
     def __init__(
         self,
@@ -451,7 +400,7 @@ class Grader:
         golds: Sequence[Gold],
         policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
     ) -> list[GradeResult]:
-        """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spreading answers over the workers."""
+        """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spread over the workers."""
         return self.grade_many_by_policy(completions, golds, (policy,))[policy]
 
     def grade_many_by_policy(
@@ -599,12 +548,7 @@ def grade(
     *,
     grader: Grader | None = None,
 ) -> bool:
-    """True when the completion's final answer equals the gold answer (math-verify, gold first).
-
-    ``policy``: ``"math_verify"`` reads all boxed answers together as one set answer (math-verify's
-    behaviour); ``"last_boxed"`` grades only the last box (the Qwen2.5-Math toolkit's convention);
-    ``"answer_tag"`` the last ``<answer>`` tag (PODS's format).
-    """
+    """True when the completion's final answer equals the gold answer under the answer ``policy``."""
     return grade_detailed(completion, gold, policy, grader=grader).correct
 
 
@@ -623,13 +567,8 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
 def accuracy_reward(
     completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
 ) -> list[float | None]:
-    """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None when the gold is unparsable.
-
-    TRL passes ``prompts``, ``completion_ids``, ``trainer_state`` and every dataset column as keyword
-    arguments; only ``completions`` and the ``answer`` column are used. ``None`` makes TRL ignore the
-    sample for this reward instead of punishing the model for a bad gold answer. Graded under the
-    ``math_verify`` answer policy; :func:`make_accuracy_reward` binds another one.
-    """
+    """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None (TRL ignores the sample) when the gold
+    is unparsable; graded under ``math_verify`` (:func:`make_accuracy_reward` binds another policy)."""
     return _rewards_from(default_grader(), completions, answer, DEFAULT_ANSWER_POLICY)
 
 
@@ -646,11 +585,8 @@ def _rewards_from(
 def make_accuracy_reward(
     grader: Grader | None = None, *, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
 ) -> Callable[..., list[float | None]]:
-    """:func:`accuracy_reward` bound to ``grader`` (e.g. more workers or another time limit; None: the
-    process's default grader, looked up at each call so it survives a fork) and to an answer ``policy``.
-
-    The returned function keeps the name ``accuracy_reward``, so TRL logs it under the same key.
-    """
+    """:func:`accuracy_reward` bound to ``grader`` (None: the default grader, looked up per call so it
+    survives a fork) and ``policy``; it keeps its name, so TRL logs it under the same key."""
     check_answer_policy(policy)
 
     def accuracy_reward(

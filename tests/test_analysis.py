@@ -7,9 +7,11 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from helpers import REPO_ROOT
+from scipy import stats
 
 from d3s.analysis import figures, io, tables
 from d3s.analysis.report import write_claims, write_report
@@ -292,3 +294,11 @@ def test_the_check_runs_once_and_its_provenance_json_is_read_while_up_to_date(re
     _summary(results / "eval" / "grpo" / "seed0" / "step3" / "summary.json", 0.2, 0.4)
     os.utime(results / "eval" / "grpo" / "seed0" / "step3" / "manifest.json", (later - 20, later - 20))
     assert load_provenance(results, allow_mixed=True).notes == []
+
+
+@pytest.mark.parametrize("values", [[0.2, 0.9, 0.4, 0.5], [10.0, 12.0], [3.0, 3.0, 3.0]])
+def test_mean_ci_equals_the_hand_formula(values):
+    arr = np.asarray(values)
+    half = stats.t.ppf(0.975, len(arr) - 1) * arr.std(ddof=1) / math.sqrt(len(arr))
+    assert tables.mean_ci(values) == pytest.approx((arr.mean(), half, len(arr)))
+    assert tables.mean_ci([])[2] == 0 and math.isnan(tables.mean_ci([math.nan, None])[0])

@@ -3,6 +3,7 @@ seed bootstrap of speedups and the ordering agreement with the paper."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -250,3 +251,32 @@ def test_every_pods_row_names_its_protocol():
     assert pods_protocol("pods_random", "grpo", {"grpo": 8, "pods_random": 32}).startswith("PODS's own")
     assert pods_protocol("d3s", "grpo", {"grpo": 32, "d3s": 32}) == ""  # not a PODS comparison
     assert pods_protocol("pods", "base", {"pods": 32}).startswith("D3S's")
+
+
+@pytest.mark.parametrize("differences", [[1.0, 2.5, 0.5], [-3.0, 4.0, 1.0, 2.0, 0.0], [0.1, 0.2]])
+def test_paired_t_equals_the_hand_formula(differences):
+    d = np.asarray(differences)
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    statistic = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+    result = paired_t(differences)
+    assert (result["ci_low"], result["ci_high"]) == pytest.approx((d.mean() - half, d.mean() + half))
+    assert result["p_value"] == pytest.approx(2 * stats.t.sf(abs(statistic), len(d) - 1))
+
+
+def test_paired_t_of_a_constant_difference_is_certain():
+    assert paired_t([2.0, 2.0, 2.0]) | {"n": 3} == {
+        "estimate": 2.0, "ci_low": 2.0, "ci_high": 2.0, "p_value": 0.0, "mde": 0.0, "n": 3
+    }  # fmt: skip
+    assert paired_t([0.0, 0.0])["p_value"] == 1.0
+
+
+def test_seed_bootstrap_is_the_percentile_interval_of_its_draws():
+    values = np.array([0.3, 1.2, 0.7, 2.0, 1.1])
+    (low, high), draws = claims.seed_bootstrap(lambda draw: float(values[draw].mean()), 5, 500, seed=3)
+    assert len(draws) == 500 and set(np.round(draws, 12)) <= {
+        round(float(values[list(c)].mean()), 12) for c in itertools.combinations_with_replacement(range(5), 5)
+    }
+    assert (low, high) == pytest.approx(tuple(np.quantile(draws, [0.025, 0.975])))
+    again = claims.seed_bootstrap(lambda draw: float(values[draw].mean()), 5, 500, seed=3)
+    assert again[0] == (low, high) and np.array_equal(again[1], draws)
+    assert claims.bootstrap_p_value(np.array([0.5, 1.5, 2.0, 3.0]), 1.0) == 0.5

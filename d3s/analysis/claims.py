@@ -1,26 +1,11 @@
-"""The papers' claims as verdicts with intervals (``tables/claims.csv``).
-
-Every comparison is paired by seed: a seed fixes the base model, the data order and the evaluation set, so
-method differences are measured within a seed and the seed-to-seed spread cancels. A verdict is decided by the
-95 % interval alone:
-
-- ``supported``: the whole interval lies on the side the paper claims (above 0 for a gain, below 1 for a cost
-  ratio, above 1 for a speedup);
-- ``refuted``: the whole interval lies on the other side;
-- ``inconclusive``: the interval holds the null; ``min_detectable_effect`` then says how large an effect the
-  run could have detected (80 % power at the observed seed variance, two-sided 5 % test).
-
-Intervals: paired Student-t for Pass@k gains and per-run means (gradient norm, entropy); paired t on log
-ratios for costs (update tokens, seconds per step); a seed bootstrap for the speedups to 99 % of the
-reference's best, where a resample in which the method never reaches the target counts as speedup 0. The
-intervals are not adjusted for multiplicity; ``verdict_holm`` gives the verdict after Holm's step-down
-adjustment of the rows' p-values (family: the whole table), for readers who want the family-wise view.
-"""
+"""The papers' claims as verdicts with intervals (``tables/claims.csv``; docs/workflow.md, "The claims
+table")."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +35,7 @@ COLUMNS = [
     "note",
     "protocol",
 ]
+NO_INTERVAL = {"ci_low": math.nan, "ci_high": math.nan, "p_value": math.nan, "mde": math.nan}
 
 
 @dataclass(frozen=True)
@@ -131,35 +117,28 @@ def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float 
     return float(optimize.brentq(shortfall, 0.0, 100.0) * sd / math.sqrt(n))
 
 
+def t_interval(values: Iterable[float], level: float = LEVEL) -> dict[str, float]:
+    """Mean of ``values`` (NaN and None dropped), its t-interval and two-sided p-value against 0."""
+    d = np.asarray([x for x in values if x is not None and not math.isnan(x)], dtype=float)
+    result = {"estimate": float(d.mean()) if len(d) else math.nan, "n": len(d)}
+    if len(d) < 2:
+        return result | {"ci_low": math.nan, "ci_high": math.nan, "p_value": math.nan}
+    if (d == d[0]).all():  # scipy gives no p-value; a constant difference is certain
+        return result | {"ci_low": d[0], "ci_high": d[0], "p_value": float(d[0] == 0)}
+    with warnings.catch_warnings():  # nearly constant values: scipy warns, the numbers are still right
+        warnings.simplefilter("ignore", RuntimeWarning)
+        test = stats.ttest_1samp(d, 0.0)
+        interval = test.confidence_interval(level)
+    return result | {"ci_low": interval.low, "ci_high": interval.high, "p_value": test.pvalue}
+
+
 def paired_t(differences: Iterable[float], level: float = LEVEL) -> dict[str, float]:
-    """Mean of paired differences, its t-interval, two-sided p-value (null 0) and minimum detectable effect."""
-    d = np.asarray([x for x in differences if not math.isnan(x)], dtype=float)
-    n = len(d)
-    mean = float(d.mean()) if n else float("nan")
-    if n < 2:
-        return {
-            "estimate": mean,
-            "ci_low": math.nan,
-            "ci_high": math.nan,
-            "p_value": math.nan,
-            "mde": math.nan,
-            "n": n,
-        }
-    sd = float(d.std(ddof=1))
-    half = float(stats.t.ppf(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n))
-    p = (
-        1.0
-        if sd == 0 and mean == 0
-        else (0.0 if sd == 0 else float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)))
-    )
-    return {
-        "estimate": mean,
-        "ci_low": mean - half,
-        "ci_high": mean + half,
-        "p_value": p,
-        "mde": min_detectable_effect(sd, n, level),
-        "n": n,
-    }
+    """Mean of paired differences, its t-interval, p-value (null 0) and minimum detectable effect."""
+    d = np.asarray(list(differences), dtype=float)
+    d = d[~np.isnan(d)]
+    result = {key: float(value) for key, value in t_interval(d, level).items()} | {"n": len(d)}
+    sd = float(d.std(ddof=1)) if len(d) > 1 else math.nan
+    return result | {"mde": min_detectable_effect(sd, len(d), level)}
 
 
 def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
@@ -223,12 +202,8 @@ def _row(claim: Claim, method: str, reference: str, result: Mapping[str, float],
 def difference_row(
     claim: Claim, per_seed: pd.DataFrame, method: str, reference: str, scale: float = 1.0
 ) -> dict:
-    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points).
-
-    Where ``per_seed`` has an ``se`` column (the evaluation's standard error of each value, from the problem
-    bootstrap), the row also gives the two noises apart: ``seed_sd``, the spread of the paired differences
-    across seeds (what the interval is made of), and ``eval_se``, the evaluation's own share of it (root mean
-    square over seeds of the standard error of one seed's difference)."""
+    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points). With an
+    ``se`` column it also gives ``seed_sd`` and ``eval_se`` apart (docs/workflow.md, "Noise, both kinds")."""
     pairs = _paired(per_seed, method, reference)
     differences = scale * (pairs[method] - pairs[reference])
     row = _row(claim, method, reference, paired_t(differences))
@@ -251,6 +226,13 @@ def ratio_row(claim: Claim, per_seed: pd.DataFrame, method: str, reference: str)
         "mde": 1 - math.exp(-logs["mde"]) if not math.isnan(logs["mde"]) else math.nan,
     }
     return _row(claim, method, reference, result, "geometric mean of the per-seed ratios")
+
+
+def shared_seeds(curves: pd.DataFrame, method: str, reference: str) -> list:
+    """The seeds on which both ``method`` and ``reference`` have a curve, sorted."""
+    return sorted(
+        set.intersection(*(set(curves.loc[curves["method"] == m, "seed"]) for m in (method, reference)))
+    )
 
 
 def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> tuple[np.ndarray, np.ndarray]:
@@ -285,6 +267,29 @@ def speedup(
     return 0.0 if math.isinf(t_method) else _first_reach(ref_value, ref_at, target) / t_method
 
 
+def seed_bootstrap(
+    statistic: Callable[[np.ndarray], float], seeds: int, resamples: int, seed: int
+) -> tuple[tuple[float, float], np.ndarray]:
+    """Percentile interval and draws of ``statistic(seed indices)`` over resamples of whole seeds (paired: one
+    draw of seeds serves every method the statistic compares)."""
+    result = stats.bootstrap(
+        (np.arange(seeds),),
+        statistic,
+        n_resamples=resamples,
+        vectorized=False,
+        confidence_level=LEVEL,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    interval = result.confidence_interval
+    return (float(interval.low), float(interval.high)), result.bootstrap_distribution
+
+
+def bootstrap_p_value(draws: np.ndarray, null: float) -> float:
+    """Two-sided bootstrap p-value: twice the smaller share of draws on either side of ``null``."""
+    return min(1.0, 2 * min(float((draws <= null).mean()), float((draws >= null).mean())))
+
+
 def speedup_row(
     claim: Claim,
     curves: pd.DataFrame,
@@ -297,35 +302,22 @@ def speedup_row(
 ) -> dict:
     """Speedup to ``fraction`` of the reference's best, with a percentile bootstrap over seeds (paired: a
     resample draws whole seeds, the same for both methods). ``x``: "step" or "wall_clock"."""
-    seeds = sorted(
-        set(curves.loc[curves["method"] == method, "seed"])
-        & set(curves.loc[curves["method"] == reference, "seed"])
-    )
-    empty = {
-        "estimate": math.nan,
-        "ci_low": math.nan,
-        "ci_high": math.nan,
-        "p_value": math.nan,
-        "mde": math.nan,
-        "n": 0,
-    }
+    seeds = shared_seeds(curves, method, reference)
     if not seeds:
-        return _row(claim, method, reference, empty)
+        return _row(claim, method, reference, NO_INTERVAL | {"estimate": math.nan, "n": 0})
     arrays = curve_arrays(curves, method, seeds, x), curve_arrays(curves, reference, seeds, x)
     estimate = speedup(*arrays, np.arange(len(seeds)), fraction)
-    result = empty | {"estimate": estimate, "n": len(seeds)}
+    result = NO_INTERVAL | {"estimate": estimate, "n": len(seeds)}
     note = "never reached the target (speedup 0)" if estimate == 0 else ""
     if len(seeds) > 1:
-        rng = np.random.default_rng(seed)
-        draws = np.array(
-            [speedup(*arrays, rng.integers(len(seeds), size=len(seeds)), fraction) for _ in range(resamples)]
+        interval, draws = seed_bootstrap(
+            lambda draw: speedup(*arrays, draw, fraction), len(seeds), resamples, seed
         )
-        tail = (1 - LEVEL) / 2
-        result["ci_low"], result["ci_high"] = (float(v) for v in np.quantile(draws, [tail, 1 - tail]))
-        result["p_value"] = min(1.0, 2 * min(float((draws <= 1).mean()), float((draws >= 1).mean())))
+        result["ci_low"], result["ci_high"], result["p_value"] = *interval, bootstrap_p_value(draws, 1.0)
         if (draws > 0).all():  # detectable speedup from the bootstrap spread of log speedups
             spread = float(np.log(draws).std(ddof=1))
-            result["mde"] = math.exp((stats.norm.ppf(1 - tail) + stats.norm.ppf(POWER)) * spread) - 1
+            z = stats.norm.ppf(1 - (1 - LEVEL) / 2) + stats.norm.ppf(POWER)
+            result["mde"] = math.exp(z * spread) - 1
         never = float((draws == 0).mean())
         if never:
             note = "; ".join(
@@ -426,20 +418,13 @@ def ordering_row(
     """Does our ordering of methods agree with the paper's? The fraction of method pairs that our seed-mean
     Pass@1 orders as the paper's Pass@1 does (0.5: chance), with a seed-bootstrap interval.
 
-    ``final``: method, seed, value (final Pass@1); ``paper``: method -> the paper's Pass@1 in table ``source``.
+    ``final``: method, seed, value (final Pass@1); ``paper``: method -> Pass@1 in the paper's ``source``.
     """
     wide = final.pivot_table(index="seed", columns="method", values="value")
     methods = [m for m in paper if m in wide]
     wide = wide[methods].dropna()
     pairs = [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :] if paper[a] != paper[b]]
-    result = {
-        "estimate": math.nan,
-        "ci_low": math.nan,
-        "ci_high": math.nan,
-        "p_value": math.nan,
-        "mde": math.nan,
-        "n": len(wide),
-    }
+    result = NO_INTERVAL | {"estimate": math.nan, "n": len(wide)}
     if pairs and len(wide) > 1:  # one seed: no interval, so no verdict
         first, second = ([methods.index(m) for m in side] for side in zip(*pairs, strict=True))
         claimed = np.sign([paper[a] - paper[b] for a, b in pairs])
@@ -449,16 +434,12 @@ def ordering_row(
             mean = values[draw].mean(axis=0)
             return float((np.sign(mean[first] - mean[second]) == claimed).mean())
 
-        rng = np.random.default_rng(seed)
-        draws = np.array([agreement(rng.integers(len(wide), size=len(wide))) for _ in range(resamples)])
-        tail = (1 - LEVEL) / 2
-        low, high = np.quantile(draws, [tail, 1 - tail])
-        p = min(1.0, 2 * min(float((draws <= 0.5).mean()), float((draws >= 0.5).mean())))
+        (low, high), draws = seed_bootstrap(agreement, len(wide), resamples, seed)
         result |= {
             "estimate": agreement(np.arange(len(wide))),
-            "ci_low": float(low),
-            "ci_high": float(high),
-            "p_value": p,
+            "ci_low": low,
+            "ci_high": high,
+            "p_value": bootstrap_p_value(draws, 0.5),
         }
     claim = Claim(
         "ordering_agrees_with_paper",

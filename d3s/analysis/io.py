@@ -1,10 +1,5 @@
-"""Readers of the workflow's logged files (layout: docs/workflow.md).
-
-Each loader first checks the manifests of what it reads (d3s.provenance.settings_check.load_provenance:
-the workflow's provenance.json while it is up to date, else the check run then): results made with settings
-that must agree but differ are refused with MixedSettingsError unless ``allow_mixed=True``. Rows carry a
-``manifest`` column, the manifest of the run or evaluation they came from (relative path).
-"""
+"""Readers of the workflow's logged files (docs/workflow.md); each checks the manifests of what it reads and
+refuses mixed settings (MixedSettingsError) unless ``allow_mixed=True``; rows name their ``manifest``."""
 
 from __future__ import annotations
 

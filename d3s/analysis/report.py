@@ -1,10 +1,5 @@
-"""report.md: the paper's numbers (results/paper/) beside ours, the papers' claims checked, figures linked,
-and the manifests every number came from.
-
-Reads only the workflow's tables (results/<experiment>/tables/*.csv, written by the notebooks), logs and
-manifests. Results whose settings must agree but differ are refused (d3s.provenance.settings_check) unless
-``analysis.allow_mixed_settings`` is true; then a warning at the top of the report states the mix.
-"""
+"""report.md: the paper's numbers beside ours, the claims checked, figures and the manifests every number came
+from; refuses mixed settings unless ``analysis.allow_mixed_settings`` (d3s.provenance.settings_check)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups.
-
-:func:`write_table` writes a table with a ``<name>.provenance.json`` sidecar naming the manifests (runs and
-evaluations) it came from, their git commits and settings hashes, and any mix of settings allowed.
-"""
+"""Tables of the reproduction: Pass@k with intervals across seeds, efficiency and speedups; each written with
+a ``<name>.provenance.json`` sidecar (:func:`write_table`)."""
 
 from __future__ import annotations
 
@@ -11,22 +8,16 @@ import os
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
-from d3s.analysis.claims import curve_arrays, speedup
+from d3s.analysis.claims import curve_arrays, shared_seeds, speedup, t_interval
 from d3s.provenance.manifest import atomic_write_text
 from d3s.provenance.settings_check import Provenance
 
 
 def mean_ci(values) -> tuple[float, float, int]:
     """Mean and half-width of the 95 % t-interval across seeds (half-width NaN for one seed)."""
-    arr = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
-    n = len(arr)
-    if n == 0:
-        return float("nan"), float("nan"), 0
-    if n == 1:
-        return float(arr[0]), float("nan"), 1
-    return float(arr.mean()), float(stats.t.ppf(0.975, n - 1) * arr.std(ddof=1) / math.sqrt(n)), n
+    result = t_interval(values)
+    return result["estimate"], (result["ci_high"] - result["ci_low"]) / 2, result["n"]
 
 
 def write_table(
@@ -98,11 +89,6 @@ def summarise_dynamics(metrics: pd.DataFrame, columns) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _first_reach(curve: pd.DataFrame, x: str, target: float) -> float:
-    hit = curve[curve["value"] >= target - 1e-12]
-    return float(hit[x].iloc[0]) if not hit.empty else float("nan")
-
-
 def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1) -> pd.DataFrame:
     """Pass@k (mean over benchmarks) per method, seed, step, with the update tokens and training wall-clock
     reached at that step (from metrics.jsonl; 0 at step 0)."""
@@ -129,10 +115,7 @@ def speedups(
     verdicts are the claims table's (d3s.analysis.claims)."""
     out = {}
     for method in sorted(curves["method"].unique()):
-        seeds = sorted(
-            set(curves.loc[curves["method"] == method, "seed"])
-            & set(curves.loc[curves["method"] == reference, "seed"])
-        )
+        seeds = shared_seeds(curves, method, reference)
         arrays = (curve_arrays(curves, m, seeds, x) for m in (method, reference))
         value = speedup(*arrays, np.arange(len(seeds)), fraction) if seeds else math.nan
         out[method] = value if value > 0 else math.nan

@@ -1,11 +1,5 @@
-"""Registry and loaders of the math benchmarks (and the MATH level 3-5 training set).
-
-Every benchmark is one :class:`BenchmarkSpec` row in :data:`BENCHMARKS`: where its local copy lives
-(``<root>/<benchmark>/test.jsonl``), which field holds the question, where the gold answer is, which field
-holds a reference solution (for the grader audit), and its Hugging Face Hub copy, loaded with ``datasets``.
-Loading returns a list of :class:`Problem` with the gold already normalised to a tuple of strings, so
-the evaluation and the training reward never need to know a benchmark's quirks.
-"""
+"""Registry (:data:`BENCHMARKS`) and loaders of the math benchmarks and the MATH level 3-5 training set; golds
+are normalised to a tuple of strings at load, so no caller needs a benchmark's quirks."""
 
 from __future__ import annotations
 
@@ -295,8 +289,8 @@ SYNTHETIC_MINIMUMS = {"count": 1, "seed": 0, "min_ops": 1, "max_ops": 1, "max_op
 
 
 def check_synthetic_options(options: Mapping[str, Any], what: str = "synthetic") -> dict[str, int]:
-    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand, bounded 0/1) as integers, checked;
-    ``what`` names them in the messages (the CLI's ``--synthetic``)."""
+    """The synthetic task's options (count, seed, min_ops, max_ops, max_operand, bounded 0/1) as checked
+    integers; ``what`` names them in the messages (the CLI's ``--synthetic``)."""
     for key, value in options.items():
         if key not in SYNTHETIC_MINIMUMS:
             raise BenchmarkError(f"unknown {what} option {key!r}; valid: {', '.join(SYNTHETIC_MINIMUMS)}")

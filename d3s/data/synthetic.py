@@ -1,11 +1,5 @@
-"""The synthetic task of the tiny default: chained integer arithmetic with a short chain of thought.
-
-Prompt ``Q: 7-3+5=\\nA:``; target completion `` 7-3=4, 4+5=9. \\boxed{9}`` (one character per token with the
-tokenizer of :mod:`d3s.tiny_model`), so many tokens carry entropy and token-level selection matters. With
-``bounded`` every intermediate value stays in 0..``max_operand`` (with 9: every step is a one-digit fact a
-tiny model learns quickly), so difficulty comes from the length of the chain. Problems are a pure function
-of (seed, index): the held-out split never overlaps training.
-"""
+"""The synthetic task of the tiny default: chained integer arithmetic with a short chain of thought
+(docs/workflow.md, "The testbed"); problems are a pure function of (seed, index)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-r"""Prompt templates.
-
-* ``qwen_math_cot``: the Qwen2.5-Math chain-of-thought prompt used by the D3S paper's evaluation: the
-  system message "Please reason step by step, and put your final answer within \boxed{}." and the
-  question as the user message, rendered through the tokenizer's chat template (models without a
-  system role get the instruction appended to the user message instead).
-* ``plain``: the same instruction in plain text for base models without a chat template.
-* ``pods``: PODS's answer format: a system message asking for the reasoning inside ``<think>...</think>``
-  and the final answer inside ``<answer>...</answer>`` (graded with ``answer_policy: answer_tag`` and
-  rewarded with ``reward: pods``, d3s.rewards), the question as the user message; in plain text for
-  models without a chat template. The wording is ours; the format is the one PODS grades.
-* ``raw``: the question as is (the synthetic task's prompts are already in the model's format).
-* ``auto``: the benchmark's own default if it has one (``raw`` for synthetic), else ``qwen_math_cot``
-  when the tokenizer has a chat template and ``plain`` otherwise.
-"""
+r"""Prompt templates (``qwen_math_cot``, ``plain``, ``pods``, ``raw``, ``auto``; docs/evaluation.md)."""
 
 from __future__ import annotations
 

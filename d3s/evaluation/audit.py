@@ -1,17 +1,5 @@
-r"""Grader audit: does the grader understand each benchmark's gold answers and reference solutions?
-
-For every benchmark: how many gold answers parse, and, where a reference solution exists, how often the
-solution's own final answer (the last ``\boxed{}``, or the number after ``####`` for GSM8K) verifies
-against the gold with :func:`d3s.rewards.grade`. A reference answer that fails is either a grader gap
-or a disagreement inside the dataset; the rows list a few examples of each to look at.
-
-Second table: how often the two answer policies (``math_verify``: every box as one set answer;
-``last_boxed``: the last box only) disagree, per benchmark, on real completions: the reference
-solutions themselves, and the completions of any ``samples.jsonl`` given (a model's evaluation).
-Every boxed completion is graded again under both policies against its gold; completions without any box
-are counted but not graded, because both policies then read the same text the same way (they cannot
-differ).
-"""
+r"""Grader audit: do the gold answers and reference solutions parse and verify, and how often do the answer
+policies disagree on real completions (docs/evaluation.md, "Grader audit")."""
 
 from __future__ import annotations
 
@@ -193,8 +181,8 @@ def samples_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*/samples.jsonl")) or sorted(path.glob("samples.jsonl"))
     if not files:
         raise ValueError(
-            f"--audit-samples {path}: no samples.jsonl there or in its benchmark folders (give the file, or an "
-            "evaluation directory)"
+            f"--audit-samples {path}: no samples.jsonl there or in its benchmark folders "
+            "(give the file, or an evaluation directory)"
         )
     return files
 

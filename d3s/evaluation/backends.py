@@ -1,9 +1,5 @@
-"""Generation backends behind one interface: vLLM (GPU, fast) and transformers (anywhere).
-
-Both take already-templated prompt strings, tokenize them with the model's own tokenizer (so the two
-backends see identical token ids), and return ``samples`` completions per prompt. vLLM is imported
-only when its backend is constructed, so nothing here needs it installed.
-"""
+"""Generation backends behind one interface: vLLM (GPU, imported only when used) and transformers; both
+tokenize with the model's own tokenizer, so they see identical token ids."""
 
 from __future__ import annotations
 
@@ -85,7 +81,8 @@ def choose_backend(name: str) -> str:
         return "vllm" if vllm_installed() and gpu_available() else "transformers"
     if name == "vllm" and not vllm_installed():
         raise ValueError(
-            "backend 'vllm' requested but vllm is not installed: pip install 'd3s[gpu]' or use --backend transformers"
+            "backend 'vllm' requested but vllm is not installed: "
+            "pip install 'd3s[gpu]' or use --backend transformers"
         )
     return name
 

@@ -1,21 +1,5 @@
-"""KL to the initial policy, measured without gradient on a fixed probe set (the KL the D3S paper plots).
-
-The paper configs train with beta = 0, so TRL logs no ``kl``. Instead, at every evaluated checkpoint the
-policy samples its own completions of a fixed set of probe prompts (seeded), and both the policy and the
-reference (the run's initial model) score them under ``torch.no_grad``:
-
-    k1 = log pi(y_t) - log pi_ref(y_t)                       unbiased for KL(pi || pi_ref) per token
-    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1   TRL's ``kl`` estimator, >= 0 token by token
-
-Both are averaged over the completion tokens (TRL's token mean); ``k1_per_sequence`` is the mean over
-completions of the summed k1, an unbiased estimate of the sequence-level KL. A completion counts its tokens
-up to and including its first EOS; nothing after EOS and no padding enters any mean. With ``top_p`` < 1 the
-completions come from the truncated sampler, and k1 is no longer unbiased for the untruncated KL; the default
-samples at top-p 1. Log-probs are those of the sampling distribution (logits / temperature), as TRL's.
-
-One JSON file per evaluated checkpoint (``measure_checkpoint_kl``), so parallel evaluation jobs never share a file;
-``d3s.analysis.io.load_kl`` gathers them into a table.
-"""
+"""KL to the initial policy (k1, k3) on a fixed probe set, without gradient: one JSON per evaluated checkpoint
+(docs/workflow.md says what is measured and why; the paper configs train with beta = 0, so TRL logs no KL)."""
 
 from __future__ import annotations
 
@@ -38,7 +22,7 @@ KL_FILE = "kl.json"  # in the evaluated checkpoint's folder: eval/<method>/seed<
 
 @dataclass(frozen=True)
 class KLProbeSettings:
-    """The probe: the first ``prompts`` training prompts, ``samples`` completions each (config ``eval.kl``)."""
+    """The probe: the first ``prompts`` training prompts, ``samples`` completions each (``eval.kl``)."""
 
     prompts: int = 8
     samples: int = 4
@@ -77,12 +61,8 @@ def probe_completions(
     settings: KLProbeSettings,
     add_special_tokens: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) of ``settings.samples`` samples of the policy per prompt.
-
-    Prompts are tokenised as TRL tokenises string prompts (``add_special_tokens`` True); completions are cut
-    after their first EOS. Sampling is seeded per batch of ``settings.batch_size`` rows inside a forked RNG,
-    so the caller's random state is untouched and the same seed and batch size give the same completions.
-    """
+    """(prompt ids, completion ids) of ``settings.samples`` samples per prompt, tokenised as TRL does, cut
+    after the first EOS; seeded per batch in a forked RNG, so the caller's random state is untouched."""
     import torch
     from transformers import GenerationConfig
 
@@ -144,12 +124,8 @@ def completion_logprobs(
     batch_size: int = 16,
     pad_id: int = 0,
 ) -> list[torch.Tensor]:
-    """Per-token log-probs (float32, on the CPU) of each completion given its prompt, under ``model``.
-
-    Rows are batched with the prompt left-padded and the completion right-padded; padding is masked out of
-    attention and positions count only real tokens, so a row scores as it would alone. Log-probs are those
-    of softmax(logits / temperature), the sampling distribution.
-    """
+    """Per-token log-probs (float32, CPU) of each completion given its prompt under softmax(logits /
+    temperature); padding is masked and positions count real tokens only: a row scores as alone."""
     import torch
 
     device = model.device
@@ -230,12 +206,8 @@ def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence
 def kl_to_reference(
     policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[str], settings: KLProbeSettings
 ) -> dict:
-    """KL(policy || reference) on the policy's own sampled completions of ``prompts``, without gradient.
-
-    Returns ``k1``, ``k3`` (token means), ``k1_per_sequence``, ``tokens``, ``sequences``,
-    ``mean_completion_tokens`` and ``truncated_fraction`` (completions that hit ``max_new_tokens`` without
-    EOS: the KL of a truncated completion counts only its sampled tokens).
-    """
+    """KL(policy || reference) on the policy's own sampled completions of ``prompts``, without gradient: the
+    estimates of :func:`kl_estimates`, ``mean_completion_tokens`` and ``truncated_fraction`` (no EOS)."""
     settings.validate(prefix="kl_to_reference: ")
     sequences = probe_completions(policy, tokenizer, prompts, settings)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -250,7 +222,7 @@ def kl_to_reference(
 
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
-    """The first ``count`` prompts of the run's training data, templated exactly as training templated them."""
+    """The first ``count`` prompts of the run's training data, templated exactly as in training."""
     from d3s.runs.run import _training_rows  # the training job's own prompt construction
 
     rows = _training_rows(train_config, tokenizer)
@@ -269,12 +241,8 @@ def measure_checkpoint_kl(
     labels: dict | None = None,
     device: str | None = None,
 ) -> dict:
-    """Load the checkpoint and the reference, measure the KL on the probe and write ``out`` (JSON).
-
-    ``train_config`` is the run's ``d3s train`` config (its ``train.yaml``): the probe is the first
-    ``settings.prompts`` of its training prompts. The models are freed before returning, so a generation
-    backend loaded afterwards in the same process gets the memory back.
-    """
+    """Measure the KL of ``checkpoint`` to ``reference`` on the probe of the run's ``train_config``
+    (train.yaml) and write ``out`` (JSON); the models are freed before returning for the next backend."""
     import torch
     from transformers import AutoTokenizer
 

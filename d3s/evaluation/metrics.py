@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+from scipy import stats
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -31,23 +33,24 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def bootstrap_ci(
     values: Sequence[float], *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of per-problem ``values`` (problems resampled).
-
-    Seeded, so the same values always give the same interval.
-    """
+    """Seeded percentile bootstrap interval of the mean of per-problem ``values`` (problems resampled)."""
     if not values:
         raise ValueError("no values to bootstrap")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
-    rng = random.Random(seed)
-    size = len(values)
-    means = sorted(sum(values[rng.randrange(size)] for _ in range(size)) / size for _ in range(resamples))
-    alpha = (1.0 - confidence) / 2.0
-    low = means[max(0, math.floor(alpha * resamples))]
-    high = means[min(resamples - 1, math.ceil((1.0 - alpha) * resamples) - 1)]
-    return low, high
+    if len(set(values)) == 1:  # no spread (or one problem, which scipy refuses): no width
+        return float(values[0]), float(values[0])
+    result = stats.bootstrap(
+        (np.asarray(values, dtype=float),),
+        np.mean,
+        n_resamples=resamples,
+        confidence_level=confidence,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 def pass_at_k_table(
