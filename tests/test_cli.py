@@ -70,9 +70,11 @@ def test_d3s_train_with_pods_reward_and_answer_tag_policy(tmp_path):
         ({"trainer": {"per_device_train_batch_size": 4, "steps_per_generation": 4}}, "TRL would drop rows"),
     ],
 )
-def test_bad_config_is_refused_before_loading_a_model(tmp_path, overrides, message, capsys):
+def test_bad_config_is_refused_before_loading_a_model(tmp_path, overrides, message, capsys, monkeypatch):
     if "CUDA GPU" in message and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    if "data_dir" in overrides:  # the Hub is out of reach here: fail over to it at once, not after timeouts
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = write_config(tmp_path, **overrides)
     assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err

@@ -95,8 +95,9 @@ def test_cli_rejects_bad_arguments_before_loading(
 
 
 def test_cli_reports_missing_data(
-    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is out of reach here: no network timeouts
     argv = ["--model", str(tiny_model), "--out", str(tmp_path / "o"), "--benchmarks", "gsm8k"]
     assert run_eval(parse([*argv, "--data-dir", str(tmp_path / "empty")])) == 2
     assert "gsm8k/test.jsonl" in capsys.readouterr().err
