@@ -1,12 +1,6 @@
-"""Shared helpers of the performance benchmarks: machine description, timing, result files.
+"""Shared helpers of the benchmarks: command line, machine, timing, result files, the tiny trainer.
 
-Scripts are run as files, ``.venv/bin/python perf/<name>.py``: Python puts ``perf/`` first
-on ``sys.path``, so they import this module as ``from _common import ...`` (no package, no path hacks).
-
-Every benchmark writes ``<out>/<name>.json`` (settings, rows, machine, versions, git state) and
-``<out>/<name>.md`` (the same as a Markdown table) atomically, ``<out>`` defaulting to
-``results/perf/``. Results are compared as ratios measured in one run: the development machines
-are shared and noisy, so absolute times mean little off a dedicated GPU node.
+Run the scripts as files (``python perf/<name>.py``): they import this module as ``from _common import ...``.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -53,6 +47,16 @@ def set_threads(threads: int) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with the table
+
+
+def parse_args(parser: argparse.ArgumentParser, pin_threads: bool = True, **quick: Any) -> argparse.Namespace:
+    """The command line's options, with ``--quick`` the ``quick`` ones; then the torch threads set."""
+    args = parser.parse_args()
+    if args.quick:
+        vars(args).update(quick)
+    if pin_threads:
+        set_threads(args.threads)
+    return args
 
 
 def machine() -> dict[str, Any]:
@@ -120,10 +124,12 @@ def timed_once(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"median_s": wall, "cpu_median_s": cpu, "repeats": 1, "result": result}
 
 
-def markdown_table(rows: Sequence[Any], columns: Mapping[str, Callable[[Any], Any]]) -> str:
-    """A GitHub Markdown table: one column per header, its cells ``column(row)`` (str() of each)."""
+def markdown_table(rows: Iterable[Any], columns: Mapping[str, str | Callable[[Any], Any]]) -> str:
+    """A GitHub Markdown table, one column per header: its cells ``cell.format_map(row)`` or ``cell(row)``."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(cell(row)) for cell in columns.values()) + " |" for row in rows]
+    for row in rows:
+        cells = (cell.format_map(row) if isinstance(cell, str) else cell(row) for cell in columns.values())
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 

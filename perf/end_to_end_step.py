@@ -29,8 +29,8 @@ from _common import (
     build_tiny_trainer,
     fmt_seconds,
     markdown_table,
+    parse_args,
     prepare_tiny_model,
-    set_threads,
     write_results,
 )
 
@@ -43,6 +43,50 @@ SAVINGS = {"defer_logprob_passes": True, "kept_token_logprobs": True}  # both op
 SETTINGS = {
     "beta0_iter1": {"beta": 0.0, "num_iterations": 1} | SAVINGS,
     "beta0.04_iter2": {"beta": 0.04, "num_iterations": 2} | SAVINGS,
+}
+
+
+RATIOS = {  # row key -> its ratio to grpo's in the same setting (token counts: to at least 1)
+    "step_s": "step_vs_grpo",
+    "update_phase_s": "update_vs_grpo",
+    "step_cpu_s": "step_cpu_vs_grpo",
+    "update_phase_cpu_s": "update_cpu_vs_grpo",
+    "backprop_tokens": "backprop_tokens_vs_grpo",
+    "forward_tokens_total": "forward_tokens_vs_grpo",
+}
+
+
+def _share(key: str, digits: int = 0) -> Callable[[dict], str]:
+    return lambda r: f"{100 * r[key] / r['step_s']:.{digits}f} %"
+
+
+TIME_COLUMNS = {
+    "method": "{method}",
+    "step (wall)": lambda r: fmt_seconds(r["step_s"]),
+    "step / grpo (wall / CPU)": "{step_vs_grpo:.2f} / {step_cpu_vs_grpo:.2f}",
+    "TRL step_time (median)": lambda r: fmt_seconds(r["trl_step_time_median"]),
+    "generation phase": _share("generation_phase_s"),
+    "of which generate": _share("generate_s"),
+    "rewards": _share("reward_s"),
+    "no-grad log-prob passes": _share("scoring_forward_s"),
+    "sample selection": _share("select_samples_s", 2),
+    "update phase": _share("update_phase_s"),
+    "of which loss forward": _share("compute_loss_s"),
+    "backward + optimizer": _share("backward_optimizer_s"),
+    "update phase (% of step CPU)": lambda r: f"{100 * r['update_phase_cpu_s'] / r['step_cpu_s']:.0f} %",
+    "update / grpo (wall / CPU)": "{update_vs_grpo:.2f} / {update_cpu_vs_grpo:.2f}",
+}
+TOKEN_COLUMNS = {
+    "method": "{method}",
+    "samples kept": "{sample_keep_fraction:.2f}",
+    "generation (prefill + decode)": "{generation_tokens:.0f}",
+    "no-grad log-prob passes": "{scoring_pass_tokens:.0f} ({scoring_passes:.1f} passes/step)",
+    "gradient pass": "{loss_pass_tokens:.0f}",
+    "positions scored by the LM head (gradient pass)": "{loss_pass_scored:.0f}",
+    "LM-head positions with gradient": "{lm_head_grad_positions:.0f}",
+    "tokens backpropagated (update_tokens)": "{backprop_tokens:.0f}",
+    "backprop / grpo": "{backprop_tokens_vs_grpo:.2f}",
+    "all forwarded / grpo": "{forward_tokens_vs_grpo:.2f}",
 }
 
 
@@ -130,16 +174,14 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
 def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[str, Any]:
     """Means per step of every timer and counter, plus the derived update phase."""
     keys = sorted({key for step in steps for key in step})
-    mean = {key: sum(step.get(key, 0.0) for step in steps) / len(steps) for key in keys}
-    forward = defaultdict(float)
-    for key, value in mean.items():
-        parts = key.split(".")
-        if len(parts) == 4:  # phase.role.grad.kind
-            phase, _, grad, kind = parts
+    raw = {key: sum(step.get(key, 0.0) for step in steps) / len(steps) for key in keys}
+    mean, forward = defaultdict(float, raw), defaultdict(float)  # absent timers and counters: 0
+    for key, value in raw.items():
+        if key.count(".") == 3:  # phase.role.grad.kind
+            phase, _, grad, kind = key.split(".")
             forward[f"{phase}_{grad}_{kind}"] += value
-    step_s = mean["step_s"]
-    generation = mean.get("generation_phase_s", 0.0)
-    step_cpu, generation_cpu = mean.get("step_cpu_s", 0.0), mean.get("generation_phase_cpu_s", 0.0)
+    step_s, generation = mean["step_s"], mean["generation_phase_s"]
+    step_cpu, generation_cpu = mean["step_cpu_s"], mean["generation_phase_cpu_s"]
     return {
         "method": method,
         "setting": setting,
@@ -147,20 +189,20 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
         "step_s": step_s,
         "step_s_median": statistics.median(step["step_s"] for step in steps),
         "generation_phase_s": generation,
-        "generate_s": mean.get("generate_s", 0.0),
-        "reward_s": mean.get("reward_s", 0.0),
+        "generate_s": mean["generate_s"],
+        "reward_s": mean["reward_s"],
         "scoring_forward_s": sum(
-            v for k, v in mean.items() if k.startswith("scoring.") and k.endswith("forward_s")
+            v for k, v in raw.items() if k.startswith("scoring.") and k.endswith("forward_s")
         ),
-        "select_samples_s": mean.get("select_samples_s", 0.0),
+        "select_samples_s": mean["select_samples_s"],
         "update_phase_s": step_s - generation,
         "step_cpu_s": step_cpu,
         "generation_phase_cpu_s": generation_cpu,
         "update_phase_cpu_s": step_cpu - generation_cpu,
-        "compute_loss_cpu_s": mean.get("compute_loss_cpu_s", 0.0),
-        "compute_loss_s": mean.get("compute_loss_s", 0.0),
-        "backward_optimizer_s": step_s - generation - mean.get("compute_loss_s", 0.0),
-        "token_mask_s": mean.get("token_mask_s", 0.0),
+        "compute_loss_cpu_s": mean["compute_loss_cpu_s"],
+        "compute_loss_s": mean["compute_loss_s"],
+        "backward_optimizer_s": step_s - generation - mean["compute_loss_s"],
+        "token_mask_s": mean["token_mask_s"],
         "generation_tokens": forward["generate_nograd_tokens"],
         "scoring_pass_tokens": forward["scoring_nograd_tokens"],
         "scoring_pass_positions": forward["scoring_nograd_positions"],
@@ -169,15 +211,15 @@ def summarise(method: str, setting: str, steps: list[dict[str, float]]) -> dict[
         "loss_pass_positions": forward["loss_grad_positions"],
         "loss_pass_scored": forward["loss_grad_scored"],
         "lm_head_grad_positions": forward["loss_grad_head_grad"],
-        "completion_tokens_in_update": mean.get("completion_tokens_in_update", 0.0),
-        "update_rows": mean.get("update_rows", 0.0),
-        "sample_keep_fraction": mean.get("update_rows", 0.0) / TINY_TRAINER["per_device_train_batch_size"],
+        "completion_tokens_in_update": mean["completion_tokens_in_update"],
+        "update_rows": mean["update_rows"],
+        "sample_keep_fraction": mean["update_rows"] / TINY_TRAINER["per_device_train_batch_size"],
         "trl_step_time_median": statistics.median(step.get("trl_step_time_s", 0.0) for step in steps),
-        "backprop_tokens": mean.get("backprop_tokens", 0.0),
-        "forward_tokens_total": forward["generate_nograd_tokens"]
-        + forward["scoring_nograd_tokens"]
-        + forward["loss_grad_tokens"],
-        "raw_means": mean,
+        "backprop_tokens": mean["backprop_tokens"],
+        "forward_tokens_total": sum(
+            forward[f"{p}_tokens"] for p in ("generate_nograd", "scoring_nograd", "loss_grad")
+        ),
+        "raw_means": raw,
     }
 
 
@@ -211,35 +253,26 @@ def main() -> None:
     )
     parser.add_argument("--cycles", type=int, default=5, help="generation cycles timed per method run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per method, order reversed each round")
-    args = parser.parse_args()
-    if args.quick:
-        args.cycles, args.sft_steps, args.rounds = 1, 0, 1
+    args = parse_args(parser, cycles=1, sft_steps=0, rounds=1)
     args.methods = args.methods or ("grpo,d3s" if args.quick else ",".join(METHODS))
     args.settings = args.settings or (next(iter(SETTINGS)) if args.quick else ",".join(SETTINGS))
-    set_threads(args.threads)
     methods = sorted(ALL_METHODS) if args.methods == "all" else args.methods.split(",")
     settings = args.settings.split(",")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
         # A discarded run first: the first trainer of a process pays one-off costs (lazy imports, caches).
-        run_method(
-            "grpo", settings[0], model_dir, 2 * SETTINGS[settings[0]]["num_iterations"], Path(tmp) / "warm-up"
-        )
+        warm_up_steps = 2 * SETTINGS[settings[0]]["num_iterations"]
+        run_method("grpo", settings[0], model_dir, warm_up_steps, Path(tmp) / "warm-up")
         for setting in settings:
-            iterations = SETTINGS[setting]["num_iterations"]
+            steps_per_run = SETTINGS[setting]["num_iterations"] * (1 + args.cycles)
             steps: dict[str, list[dict]] = {method: [] for method in methods}
             infos: dict[str, dict] = {}
             # Alternate the method order between rounds so drifts in machine load do not favour one end.
             for round_index in range(args.rounds):
                 for method in methods if round_index % 2 == 0 else methods[::-1]:
-                    recorded, infos[method] = run_method(
-                        method,
-                        setting,
-                        model_dir,
-                        iterations * (1 + args.cycles),
-                        Path(tmp) / str(round_index),
-                    )
+                    work = Path(tmp) / str(round_index)
+                    recorded, infos[method] = run_method(method, setting, model_dir, steps_per_run, work)
                     steps[method] += recorded
                     print(f"{setting} round {round_index} {method}: {len(recorded)} steps", flush=True)
             for method in methods:
@@ -247,56 +280,17 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"{setting} {method}: step {fmt_seconds(row['step_s'])}, generation "
-                    f"{fmt_seconds(row['generation_phase_s'])}, "
-                    f"update {fmt_seconds(row['update_phase_s'])}, backprop tokens "
-                    f"{row['backprop_tokens']:.0f}",
+                    f"{fmt_seconds(row['generation_phase_s'])}, update {fmt_seconds(row['update_phase_s'])}, "
+                    f"backprop tokens {row['backprop_tokens']:.0f}",
                     flush=True,
                 )
-
-    def share(key: str, digits: int = 0) -> Callable[[dict], str]:
-        return lambda r: f"{100 * r[key] / r['step_s']:.{digits}f} %"
-
-    time_columns = {
-        "method": lambda r: r["method"],
-        "step (wall)": lambda r: fmt_seconds(r["step_s"]),
-        "step / grpo (wall / CPU)": lambda r: f"{r['step_vs_grpo']:.2f} / {r['step_cpu_vs_grpo']:.2f}",
-        "TRL step_time (median)": lambda r: fmt_seconds(r["trl_step_time_median"]),
-        "generation phase": share("generation_phase_s"),
-        "of which generate": share("generate_s"),
-        "rewards": share("reward_s"),
-        "no-grad log-prob passes": share("scoring_forward_s"),
-        "sample selection": share("select_samples_s", 2),
-        "update phase": share("update_phase_s"),
-        "of which loss forward": share("compute_loss_s"),
-        "backward + optimizer": share("backward_optimizer_s"),
-        "update phase (% of step CPU)": lambda r: f"{100 * r['update_phase_cpu_s'] / r['step_cpu_s']:.0f} %",
-        "update / grpo (wall / CPU)": lambda r: f"{r['update_vs_grpo']:.2f} / {r['update_cpu_vs_grpo']:.2f}",
-    }
-    token_columns = {
-        "method": lambda r: r["method"],
-        "samples kept": lambda r: f"{r['sample_keep_fraction']:.2f}",
-        "generation (prefill + decode)": lambda r: f"{r['generation_tokens']:.0f}",
-        "no-grad log-prob passes": lambda r: (
-            f"{r['scoring_pass_tokens']:.0f} ({r['scoring_passes']:.1f} passes/step)"
-        ),
-        "gradient pass": lambda r: f"{r['loss_pass_tokens']:.0f}",
-        "positions scored by the LM head (gradient pass)": lambda r: f"{r['loss_pass_scored']:.0f}",
-        "LM-head positions with gradient": lambda r: f"{r['lm_head_grad_positions']:.0f}",
-        "tokens backpropagated (update_tokens)": lambda r: f"{r['backprop_tokens']:.0f}",
-        "backprop / grpo": lambda r: f"{r['backprop_tokens_vs_grpo']:.2f}",
-        "all forwarded / grpo": lambda r: f"{r['forward_tokens_vs_grpo']:.2f}",
-    }
     tables = []
     for setting in settings:
         subset = [r for r in rows if r["setting"] == setting]
         base = next((r for r in subset if r["method"] == "grpo"), subset[0])
         for r in subset:
-            r["step_vs_grpo"] = r["step_s"] / base["step_s"]
-            r["update_vs_grpo"] = r["update_phase_s"] / base["update_phase_s"]
-            r["step_cpu_vs_grpo"] = r["step_cpu_s"] / base["step_cpu_s"]
-            r["update_cpu_vs_grpo"] = r["update_phase_cpu_s"] / base["update_phase_cpu_s"]
-            r["backprop_tokens_vs_grpo"] = r["backprop_tokens"] / max(base["backprop_tokens"], 1.0)
-            r["forward_tokens_vs_grpo"] = r["forward_tokens_total"] / max(base["forward_tokens_total"], 1.0)
+            for key, ratio in RATIOS.items():
+                r[ratio] = r[key] / (max(base[key], 1.0) if "tokens" in key else base[key])
         overrides = SETTINGS[setting]
         tables += [
             f"## {setting}: beta={overrides['beta']}, num_iterations={overrides['num_iterations']}",
@@ -304,11 +298,11 @@ def main() -> None:
             "Time per step (mean), split into the generation phase and the update phase, as % of the step's "
             "wall time (and the update phase as % of its CPU time); ratios to grpo by wall and by CPU time:",
             "",
-            markdown_table(subset, time_columns),
+            markdown_table(subset, TIME_COLUMNS),
             "",
             "Tokens per step (mean; non-padding tokens fed to the model):",
             "",
-            markdown_table(subset, token_columns),
+            markdown_table(subset, TOKEN_COLUMNS),
             "",
         ]
     notes = [
@@ -325,21 +319,19 @@ def main() -> None:
         "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
     ]
     for setting in settings:  # gspo trains on exactly grpo's tokens here: its ratio shows the noise
-        same_work = [r for r in rows if r["setting"] == setting and r["method"] == "gspo"]
-        if same_work and any(r["method"] == "grpo" for r in rows if r["setting"] == setting):
-            r = same_work[0]
+        methods_here = {r["method"]: r for r in rows if r["setting"] == setting}
+        if "gspo" in methods_here and "grpo" in methods_here:
             notes.append(
-                f"Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
-                f"({r['forward_tokens_vs_grpo']:.2f}x, {r['backprop_tokens_vs_grpo']:.2f}x), yet measures "
-                f"{r['step_vs_grpo']:.2f}x (wall) / {r['step_cpu_vs_grpo']:.2f}x (CPU) of its step time: "
-                "differences of that size between methods are noise."
+                "Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
+                "({forward_tokens_vs_grpo:.2f}x, {backprop_tokens_vs_grpo:.2f}x), yet measures "
+                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: "
+                "differences of that size between methods are noise.".format_map(methods_here["gspo"])
             )
-    markdown = "\n".join(tables)
     write_results(
         NAME,
         args,
         rows,
-        markdown,
+        "\n".join(tables),
         notes,
         title="End-to-end step per method",
         methods=methods,

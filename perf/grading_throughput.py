@@ -10,10 +10,9 @@ seeded; perf/README.md describes its rows.
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
-from _common import base_parser, fmt_seconds, markdown_table, write_results
+from _common import base_parser, fmt_seconds, markdown_table, parse_args, timed_once, write_results
 
 from d3s.rewards import ANSWER_POLICIES, Grader, make_accuracy_reward
 
@@ -102,9 +101,8 @@ def measure_mix(
     with Grader(num_workers=workers) as grader:
         grader.grade_many([r"\boxed{1}"] * workers, ["1"] * workers)  # start the workers
         for policy in ANSWER_POLICIES:
-            start = time.perf_counter()
-            results = grader.grade_many(completions, golds, policy)
-            seconds = time.perf_counter() - start
+            graded = timed_once(lambda policy=policy: grader.grade_many(completions, golds, policy))
+            results, seconds = graded["result"], graded["median_s"]
             slowest = max(results, key=lambda r: r.seconds)
             by_kind = {
                 kind: max(r.seconds for r, k in zip(results, kinds, strict=True) if k == kind)
@@ -131,9 +129,8 @@ def measure_step(prompts: int, generations: int, tokens: int) -> dict[str, Any]:
     completions, golds, _ = synthetic_mix(prompts * generations, seed=1, tokens=tokens)
     reward = make_accuracy_reward()  # the process's default grader, as training uses it
     reward([r"\boxed{1}"], ["1"])  # start its worker
-    start = time.perf_counter()
-    values = reward(completions, golds)
-    seconds = time.perf_counter() - start
+    graded = timed_once(lambda: reward(completions, golds))
+    values, seconds = graded["result"], graded["median_s"]
     return {
         "kind": "step",
         "policy": "math_verify",
@@ -153,9 +150,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per training step")
     parser.add_argument("--generations", type=int, default=32, help="completions per prompt")
     parser.add_argument("--tokens", type=int, default=STEP_TOKENS, help="completion length cap (tokens)")
-    args = parser.parse_args()
-    if args.quick:
-        args.mix, args.workers, args.prompts, args.generations = 40, [1, 2], 4, 8
+    args = parse_args(parser, pin_threads=False, mix=40, workers=[1, 2], prompts=4, generations=8)
     completions, golds, kinds = synthetic_mix(args.mix, tokens=args.tokens)
     rows: list[dict[str, Any]] = []
     for workers in args.workers:
@@ -164,24 +159,24 @@ def main() -> None:
     mix_table = markdown_table(
         [r for r in rows if r["kind"] == "mix"],
         {
-            "policy": lambda r: r["policy"],
-            "workers": lambda r: r["workers"],
-            "completions": lambda r: r["completions"],
+            "policy": "{policy}",
+            "workers": "{workers}",
+            "completions": "{completions}",
             "wall": lambda r: fmt_seconds(r["seconds"]),
-            "completions/s": lambda r: f"{r['completions_per_s']:.1f}",
+            "completions/s": "{completions_per_s:.1f}",
             "slowest answer": lambda r: fmt_seconds(r["slowest_s"]),
             "slowest looping": lambda r: fmt_seconds(r["slowest_by_kind_s"].get("looping")),
-            "timeouts": lambda r: r["timeouts"],
+            "timeouts": "{timeouts}",
         },
     )
     step_table = markdown_table(
         [r for r in rows if r["kind"] == "step"],
         {
-            "geometry": lambda r: r["geometry"],
-            "policy": lambda r: r["policy"],
-            "workers": lambda r: r["workers"],
+            "geometry": "{geometry}",
+            "policy": "{policy}",
+            "workers": "{workers}",
             "grading s/step": lambda r: fmt_seconds(r["seconds"]),
-            "completions/s": lambda r: f"{r['completions_per_s']:.1f}",
+            "completions/s": "{completions_per_s:.1f}",
         },
     )
     kinds_text = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))

@@ -8,10 +8,9 @@ Two grader workers grade adversarial answers under ``--limit`` seconds each (per
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from _common import base_parser, fmt_seconds, markdown_table, write_results
+from _common import base_parser, fmt_seconds, markdown_table, parse_args, timed_once, write_results
 
 from d3s.rewards import Grader
 
@@ -31,16 +30,12 @@ ADVERSARIAL = {
 def main() -> None:
     parser = base_parser(__doc__, tiny_model=False)
     parser.add_argument("--limit", type=float, default=1.5, help="seconds per answer (the tests' limit)")
-    args = parser.parse_args()
-    if args.quick:
-        args.limit = 0.5
+    args = parse_args(parser, pin_threads=False, limit=0.5)
     labels, completions = list(ADVERSARIAL), list(ADVERSARIAL.values())
     with Grader(num_workers=WORKERS, time_limit=args.limit) as grader:
         grader.grade_many([r"\boxed{1}"] * WORKERS, ["1"] * WORKERS)  # start the workers
-        start = time.perf_counter()
-        results = grader.grade_many(completions, ["5"] * len(completions))
-        batch_seconds = time.perf_counter() - start
-        restarts = grader.restarts
+        batch = timed_once(lambda: grader.grade_many(completions, ["5"] * len(completions)))
+        results, batch_seconds, restarts = batch["result"], batch["median_s"], grader.restarts
 
     rows: list[dict[str, Any]] = [
         {
@@ -69,9 +64,9 @@ def main() -> None:
     answer_table = markdown_table(
         rows[:-1],
         {
-            "answer": lambda r: r["answer"],
-            "timed out": lambda r: r["timed_out"],
-            "correct": lambda r: r["correct"],
+            "answer": "{answer}",
+            "timed out": "{timed_out}",
+            "correct": "{correct}",
             "seconds": lambda r: fmt_seconds(r["seconds"]),
             "past the limit": lambda r: fmt_seconds(r["past_limit_s"]),
         },
@@ -79,19 +74,17 @@ def main() -> None:
     batch_table = markdown_table(
         rows[-1:],
         {
-            "answers": lambda r: r["answers"],
-            "workers": lambda r: r["workers"],
-            "timeouts": lambda r: r["timeouts"],
-            "restarts": lambda r: r["restarts"],
+            "answers": "{answers}",
+            "workers": "{workers}",
+            "timeouts": "{timeouts}",
+            "restarts": "{restarts}",
             "batch wall": lambda r: fmt_seconds(r["seconds"]),
             "limit x answers / workers": lambda r: fmt_seconds(r["limit_times_answers_per_worker_s"]),
-            "ratio": lambda r: f"{r['seconds_over_that']:.2f}",
+            "ratio": "{seconds_over_that:.2f}",
         },
     )
-    markdown = f"{answer_table}\n\n{batch_table}"
-    write_results(
-        NAME, args, rows, markdown, title="Grading under the per-answer time limit", workers=WORKERS
-    )
+    title = "Grading under the per-answer time limit"
+    write_results(NAME, args, rows, f"{answer_table}\n\n{batch_table}", title=title, workers=WORKERS)
 
 
 if __name__ == "__main__":

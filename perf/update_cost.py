@@ -4,8 +4,7 @@
     .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
     .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
 
-Variants ``grpo``, ``d3s`` (kept-token LM head) and ``d3s (masked head)``; models, peak memory and the
-truncation table (``update_cost_truncation.*``) are described in perf/README.md.
+Variants, models, peak memory and the truncation table (``update_cost_truncation.*``): perf/README.md.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import functools
 import gc
 import math
 import multiprocessing
+import re
 import statistics
 import tempfile
 import time
@@ -31,6 +31,7 @@ from _common import (
     set_threads,
     write_results,
 )
+from transformers import AutoTokenizer
 
 G, KEEP, TOKEN_RATIO = 32, 8, 0.05
 PROMPT_TOKENS = 256
@@ -58,14 +59,18 @@ VARIANTS = {  # name -> (method, trainer overrides, rows it trains on)
     "d3s (masked head)": ("d3s", {"kept_token_logprobs": False}, "kept"),
 }
 D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}
-# Geometries (prompts x G rollouts, completion tokens) of the CUDA run: those of the H100 figures in
-# ../shared/docs/gpu-device-notes.md.
-CUDA_GEOMETRIES = [(1, 1024), (4, 1024), (8, 1024), (4, 3072)]
-CPU_GEOMETRIES = [(1, 64), (2, 64)]  # with 32-token prompts: the LM head (152k rows) costs seconds on a CPU
-CPU_PROMPT_TOKENS = 32
-
-
-# ---- one update as training runs it ----------------------------------------------------------------------
+# device -> (random model, label, prompt tokens, geometries: prompts x G rollouts, completion tokens). CUDA:
+# the H100 figures' geometries (../shared/docs/gpu-device-notes.md); CPU: short prompts, as the LM head
+# (152k rows) costs seconds on a CPU.
+RANDOM_MODELS = {
+    "cuda": (
+        QWEN_1_5B,
+        "Qwen2.5-Math-1.5B architecture",
+        PROMPT_TOKENS,
+        [(1, 1024), (4, 1024), (8, 1024), (4, 3072)],
+    ),
+    "cpu": (QWEN_SMALL, "small Qwen2, Qwen vocabulary", 32, [(1, 64), (2, 64)]),
+}
 
 
 def make_trainer(
@@ -101,22 +106,13 @@ def make_trainer(
     trainer = build_tiny_trainer(method, model, out / variant.replace(" ", "_"), 1, **settings, **overrides)
     if weights == "bf16":
         trainer.model.to(torch.bfloat16)
-    enable_checkpointing(trainer)
+    if checkpointing:  # as Trainer._inner_training_loop turns it on (no every_n_layers or offload here)
+        kwargs = trainer.args.gradient_checkpointing_kwargs
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs or {}) or None)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by train()
     trainer.create_optimizer()
     return trainer
-
-
-def enable_checkpointing(trainer: Any) -> None:
-    """Gradient checkpointing exactly as ``transformers.Trainer._inner_training_loop`` turns it on."""
-    if not trainer.args.gradient_checkpointing:
-        return
-    kwargs = dict(trainer.args.gradient_checkpointing_kwargs or {})
-    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
-    trainer.model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
-    )
 
 
 def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
@@ -158,9 +154,6 @@ def update(trainer: Any, batch: dict) -> None:
     trainer.optimizer.step()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-# ---- batches ---------------------------------------------------------------------------------------------
 
 
 def generated_batch(model_dir: Path, out: Path, prompts: int, max_tokens: int = 64) -> tuple[dict, Any]:
@@ -224,17 +217,13 @@ def qwen_model(dims: dict, tokenizer: Any, device: str, seed: int = 0) -> Any:
         return Qwen2ForCausalLM(config)
 
 
-# ---- timing and memory ----------------------------------------------------------------------------------
-
-
 def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str, dict]:
     """Update times per variant after one warm-up update; CUDA peak memory of the last timed update.
 
-    CPU: all variants at once, one update each per round, so drift on a shared CPU hits them alike. CUDA: one
-    variant after the other, freeing each before the next (a 1.5B model and its AdamW state three times over
-    would not fit one GPU).
+    CPU: the variants interleaved, one update each per round, so drift on a shared CPU hits them alike. CUDA:
+    one after the other, each freed before the next (three 1.5B models and their AdamW state would not fit).
     """
-    results: dict[str, dict] = {}
+    results: dict[str, dict] = {name: {"samples_s": []} for name in builders}
     for names in [[name] for name in builders] if cuda else [list(builders)]:
         trainers = {name: builders[name]() for name in names}
         for name, trainer in trainers.items():
@@ -247,13 +236,14 @@ def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str
                     torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
                 update(trainer, batches[name])
-                results.setdefault(name, {"samples_s": []})["samples_s"].append(time.perf_counter() - start)
+                results[name]["samples_s"].append(time.perf_counter() - start)
         for name, trainer in trainers.items():
-            results[name] |= {"trained_tokens": trainer.trained_tokens}
+            results[name]["trained_tokens"] = trainer.trained_tokens
             if cuda:
+                peak = torch.cuda.max_memory_allocated()
                 results[name] |= {
-                    "peak_above_state_mib": (torch.cuda.max_memory_allocated() - before) / 2**20,
-                    "peak_total_mib": torch.cuda.max_memory_allocated() / 2**20,
+                    "peak_above_state_mib": (peak - before) / 2**20,
+                    "peak_total_mib": peak / 2**20,
                 }
         del trainers, trainer
         gc.collect()
@@ -262,11 +252,8 @@ def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str
     return results
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.MULTILINE)[1])
 
 
 def memory_worker(
@@ -277,9 +264,9 @@ def memory_worker(
     trainer = make_trainer(variant, model_dir, out, micro_batch, rows, max_completion_length=width)
     update(trainer, batch)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
-    before = _rss_kib("VmRSS")
+    before = _status_kib("VmRSS")
     update(trainer, batch)
-    return (_rss_kib("VmHWM") - before) / 1024
+    return (_status_kib("VmHWM") - before) / 1024
 
 
 def cpu_memory(
@@ -295,13 +282,10 @@ def cpu_memory(
 
 def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: Any, device: str) -> list[dict]:
     """Time (and measure the memory of) every variant on one step's batch; one row per variant."""
-    micro_batch = args.micro_batch
-    cuda = device == "cuda"
-    rows = int(full["advantages"].shape[0])
+    micro_batch, cuda = args.micro_batch, device == "cuda"
+    rows, width = int(full["advantages"].shape[0]), int(full["completion_mask"].shape[1])
     batches = {"all": full, "kept": kept_rows(full)}
     per_variant = {name: batches[VARIANTS[name][2]] for name in VARIANTS}
-
-    width = int(full["completion_mask"].shape[1])
     setup = (model, work / label, micro_batch, rows, device, args.weights, True, width)
     builders = {name: functools.partial(make_trainer, name, *setup) for name in VARIANTS}
     results = measure(builders, per_variant, args.repeats, cuda)
@@ -318,15 +302,16 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
         batch, measured = per_variant[name], results[name]
         median = statistics.median(measured["samples_s"])
         memory = measured.get(memory_key)
-        kept = int(batch["advantages"].shape[0])
+        kept, micro_batches = int(batch["advantages"].shape[0]), rows // micro_batch
+        has_ratio = memory is not None and grpo_memory and not math.isnan(grpo_memory)
         out.append(
             {
                 "model": label,
                 "variant": name,
                 "device": device,
                 "rollouts": kept,
-                "micro_batches": rows // micro_batch,
-                "micro_batch_rows": kept // (rows // micro_batch),
+                "micro_batches": micro_batches,
+                "micro_batch_rows": kept // micro_batches,
                 "completion_width": int(batch["completion_mask"].shape[1]),
                 "completion_tokens": int(batch["completion_mask"].sum()),
                 "trained_tokens": measured["trained_tokens"],
@@ -337,15 +322,11 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
                 "memory_measure": memory_key if memory is not None else None,
                 "peak_memory_mib": memory,
                 "peak_total_mib": measured.get("peak_total_mib"),
-                "memory_ratio_vs_grpo": memory / grpo_memory
-                if memory is not None and grpo_memory and not math.isnan(grpo_memory)
-                else None,
+                "memory_ratio_vs_grpo": memory / grpo_memory if has_ratio else None,
             }
         )
     return out
 
-
-# ---- the exact saving left at the token level: stop each kept rollout at its last selected token ----------
 
 # Forward FLOPs of one token at position t in Qwen2.5-Math-1.5B: 2 x (non-embedding parameters + the LM head)
 # + 4 x layers x hidden x t (attention scores and weighted sum). The backward pass and checkpointing's
@@ -366,14 +347,9 @@ ENTROPY_MODELS = {
 }
 
 
-def modelled_rollouts(
-    scenario: str, prompts: int, max_tokens: int, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(entropies, completion_mask, advantages) of prompts x G rollouts under an ``ENTROPY_MODELS`` scenario.
-
-    Lengths: 30 % of completions hit ``max_tokens``, the rest end uniformly in [max_tokens / 5, max_tokens].
-    Rewards: per prompt a success rate p ~ U(0.1, 0.9), binary rewards, GRPO's group standardisation.
-    """
+def modelled_rollouts(scenario: str, prompts: int, max_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Entropies, completion mask, advantages and prompt lengths of prompts x G rollouts under a scenario of
+    ``ENTROPY_MODELS``, with the lengths and rewards perf/README.md describes."""
     gen = torch.Generator().manual_seed(seed)
     rows = prompts * G
     finished = torch.rand(rows, generator=gen) >= 0.3
@@ -399,7 +375,8 @@ def modelled_rollouts(
     p = 0.1 + 0.8 * torch.rand(prompts, 1, generator=gen)
     rewards = (torch.rand(prompts, G, generator=gen) < p).float()
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
-    return entropies * mask, mask, advantages
+    full = {"entropies": entropies * mask, "completion_mask": mask, "advantages": advantages}
+    return full | {"prompt_lengths": torch.full((rows,), PROMPT_TOKENS)}
 
 
 def tail_after_last_selected(
@@ -410,15 +387,8 @@ def tail_after_last_selected(
     token_keep_ratio: float,
     micro_batch_rows: int,
 ) -> dict[str, float]:
-    """What stopping every rollout at its last selected token would save, under D3S's token selection.
-
-    Rows are taken ``micro_batch_rows`` at a time (TRL's micro-batches); in each, ``d3s.selection`` keeps the
-    top ``token_keep_ratio`` of valid tokens by |A| x H. Returns the fraction of forward/backward tokens
-    (prompt + completion)
-    after each row's last selected token, the same weighted by the 1.5B model's per-position FLOPs, and the
-    fraction of a padded micro-batch's positions that cutting its columns at the latest last-selected token
-    removes (what a padded, non-packed batch can save).
-    """
+    """What stopping every rollout at its last selected token would save under D3S's token selection, per
+    micro-batch of ``micro_batch_rows`` rows: the fractions of tokens, of FLOPs and of padded columns."""
     from d3s.selection import token_keep_mask, token_scores
 
     saved = total = saved_flops = total_flops = saved_padded = total_padded = 0.0
@@ -432,13 +402,12 @@ def tail_after_last_selected(
         lengths = mask.sum(dim=1)
         saved += float((lengths - (last + 1)).sum())
         total += float((lengths + prompt).sum())
-        for row in range(mask.shape[0]):  # FLOPs of positions prompt + last + 1 .. prompt + length - 1
-            n_all, n_kept = int(prompt[row] + lengths[row]), int(prompt[row] + last[row] + 1)
-            total_flops += _FLOPS_PER_TOKEN * n_all + _FLOPS_PER_POSITION * n_all * (n_all - 1) / 2
-            tail = n_all - n_kept
-            saved_flops += _FLOPS_PER_TOKEN * tail + _FLOPS_PER_POSITION * (n_kept + n_all - 1) * tail / 2
-        width = int(prompt.max()) + mask.shape[1]
-        total_padded += mask.shape[0] * width
+        # FLOPs of positions prompt + last + 1 .. prompt + length - 1, against those of all positions
+        n_all, n_kept = (prompt + lengths).double(), (prompt + last + 1).double()
+        tail = n_all - n_kept
+        total_flops += float((_FLOPS_PER_TOKEN * n_all + _FLOPS_PER_POSITION * n_all * (n_all - 1) / 2).sum())
+        saved_flops += float((_FLOPS_PER_TOKEN + _FLOPS_PER_POSITION * (n_kept + n_all - 1) / 2) @ tail)
+        total_padded += mask.shape[0] * (int(prompt.max()) + mask.shape[1])
         saved_padded += mask.shape[0] * (mask.shape[1] - (int(last.max()) + 1))
     return {
         "token_fraction_after_last_selected": saved / total,
@@ -451,33 +420,14 @@ def tail_after_last_selected(
 SCHEDULE_POINTS = [(8, 0.05), (16, 0.10), (32, 0.20)]
 
 
-def truncation_rows(
-    source: str,
-    entropies: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    micro_batch: int,
-    rows_per_step: int,
-) -> list[dict]:
+def truncation_rows(source: str, full: dict, micro_batch: int, rows_per_step: int) -> list[dict]:
     """tail_after_last_selected at each schedule point, after D3S's sample selection and TRL's split."""
     out = []
     for keep, ratio in SCHEDULE_POINTS:
-        batch = kept_rows(
-            {
-                "entropies": entropies,
-                "completion_mask": mask,
-                "advantages": advantages,
-                "prompt_lengths": prompt_lengths,
-                "num_items_in_batch": mask.sum(),
-            },
-            keep,
-        )
+        batch = kept_rows(full, keep)
         micro_rows = batch["advantages"].shape[0] // (rows_per_step // micro_batch)
-        fractions = tail_after_last_selected(
-            batch["entropies"], batch["completion_mask"], batch["advantages"], batch["prompt_lengths"], ratio,
-            micro_rows,
-        )  # fmt: skip
+        parts = (batch[key] for key in ("entropies", "completion_mask", "advantages", "prompt_lengths"))
+        fractions = tail_after_last_selected(*parts, ratio, micro_rows)
         mean_tokens = float(batch["completion_mask"].sum(1).float().mean())
         out.append(
             {
@@ -512,12 +462,33 @@ def token_entropies(trainer: Any, full: dict) -> torch.Tensor:
     return entropies.float() * full["completion_mask"]
 
 
-# ---- main ------------------------------------------------------------------------------------------------
-
-
 def _geometries(text: str) -> list[tuple[int, int]]:
     """``PROMPTSxTOKENS,...`` (e.g. 1x1024,4x3072) as (prompts, tokens) pairs."""
     return [(int(p), int(t)) for p, t in (item.split("x") for item in text.split(","))]
+
+
+UPDATE_COLUMNS = {
+    "model": "{model}",
+    "update": "{variant}",
+    "rollouts (micro-batches x rows)": "{rollouts} ({micro_batches} x {micro_batch_rows})",
+    "tokens (trained)": "{completion_tokens} ({trained_tokens})",
+    "median time": lambda r: fmt_seconds(r["median_s"]),
+    "time / GRPO": "{time_ratio_vs_grpo:.3f}",
+    "peak memory": lambda r: "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB",
+    "memory / GRPO": lambda r: (
+        "n/a" if r["memory_ratio_vs_grpo"] is None else f"{r['memory_ratio_vs_grpo']:.3f}"
+    ),
+}
+TRUNCATION_COLUMNS = {
+    "token scores from": "{source}",
+    "N": "{keep_per_prompt}",
+    "K": "{token_keep_ratio:.0%}",
+    "micro-batch rows": "{micro_batch_rows}",
+    "mean completion tokens": "{mean_completion_tokens:.0f}",
+    "tokens after last selected": "{token_fraction_after_last_selected:.2%}",
+    "FLOPs after last selected (1.5B)": "{flop_fraction_after_last_selected:.2%}",
+    "padded micro-batch columns": "{padded_micro_batch_fraction:.2%}",
+}
 
 
 def main() -> None:
@@ -530,108 +501,72 @@ def main() -> None:
     parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         raise SystemExit(
             "--device cuda: no CUDA GPU is visible here; run on a GPU node or drop --device cuda"
         )
-    cuda = args.device == "cuda"
+    # options left unset take the defaults of the mode (quick, CPU or CUDA)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.sft_steps = 20 if args.quick else args.sft_steps
     prompts = args.prompts = args.prompts or (2 if args.quick else 8)
     micro_batch = args.micro_batch = args.micro_batch or (32 if cuda else 8)
-    geometries = args.geometries or ([] if args.quick else CUDA_GEOMETRIES if cuda else CPU_GEOMETRIES)
+    dims, dims_label, prompt_len, default_geometries = RANDOM_MODELS[args.device]
+    geometries = args.geometries or ([] if args.quick else default_geometries)
     set_threads(args.threads)
     rows: list[dict] = []
-    truncation: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tiny = prepare_tiny_model(work / "tiny", sft_steps=args.sft_steps)
         full, generator = generated_batch(tiny, work, prompts)
-        prompt_lengths = full["prompt_mask"].sum(1)
-        truncation += truncation_rows(
-            f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)",
-            token_entropies(generator, full), full["completion_mask"], full["advantages"], prompt_lengths,
-            micro_batch, full["advantages"].shape[0],
-        )  # fmt: skip
-        del generator
+        scored = full | {
+            "entropies": token_entropies(generator, full),
+            "prompt_lengths": full["prompt_mask"].sum(1),
+        }
+        source = f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)"
+        truncation = truncation_rows(source, scored, micro_batch, full["advantages"].shape[0])
+        del generator, scored
         rows += run_geometry("tiny (generated batch)", tiny, work, full, args, "cpu")
         print("tiny: done", flush=True)
-        if geometries:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tiny)
-            dims, dims_label = (
-                (QWEN_1_5B, "Qwen2.5-Math-1.5B architecture")
-                if cuda
-                else (QWEN_SMALL, "small Qwen2, Qwen vocabulary")
+        tokenizer = AutoTokenizer.from_pretrained(tiny)
+        for n_prompts, tokens in geometries:
+            model: Path | Any = qwen_model(dims, tokenizer, args.device)
+            if not cuda:  # the CPU memory worker loads it from disk (make_trainer casts bf16 weights)
+                model.save_pretrained(work / "qwen_small")
+                tokenizer.save_pretrained(work / "qwen_small")
+                model = work / "qwen_small"
+            batch = random_batch(n_prompts, tokens, dims["vocab_size"], args.device, prompt_len)
+            found = run_geometry(
+                f"{dims_label}, {n_prompts} x 32, {tokens} tokens", model, work, batch, args, args.device
             )
-            for n_prompts, tokens in geometries:
-                model: Path | Any = qwen_model(dims, tokenizer, args.device)
-                if not cuda:  # the CPU memory worker loads it from disk (make_trainer casts bf16 weights)
-                    model.save_pretrained(work / "qwen_small")
-                    tokenizer.save_pretrained(work / "qwen_small")
-                    model = work / "qwen_small"
-                prompt_len = PROMPT_TOKENS if cuda else CPU_PROMPT_TOKENS
-                batch = random_batch(n_prompts, tokens, dims["vocab_size"], args.device, prompt_len)
-                label = f"{dims_label}, {n_prompts} x 32, {tokens} tokens"
-                found = run_geometry(label, model, work, batch, args, args.device)
-                rows += [r | {"prompts": n_prompts, "tokens": tokens} for r in found]
-                print(f"{n_prompts} x 32, {tokens} tokens: done", flush=True)
-                del model
-    modelled_prompts = 2 if args.quick else 8
-    modelled_tokens = 600 if args.quick else 3000
+            rows += [r | {"prompts": n_prompts, "tokens": tokens} for r in found]
+            print(f"{n_prompts} x 32, {tokens} tokens: done", flush=True)
+            del model
+    modelled_prompts, modelled_tokens = (2, 600) if args.quick else (8, 3000)
     for scenario in ENTROPY_MODELS:
-        entropies, mask, advantages = modelled_rollouts(scenario, modelled_prompts, modelled_tokens)
-        truncation += truncation_rows(
-            f"MODEL '{scenario}' ({modelled_prompts} x 32, {modelled_tokens} tokens)",
-            entropies, mask, advantages,
-            torch.full((mask.shape[0],), PROMPT_TOKENS), 32, modelled_prompts * G,
-        )  # fmt: skip
+        modelled = modelled_rollouts(scenario, modelled_prompts, modelled_tokens)
+        source = f"MODEL '{scenario}' ({modelled_prompts} x 32, {modelled_tokens} tokens)"
+        truncation += truncation_rows(source, modelled, 32, modelled_prompts * G)
 
     device_text = "CUDA" if cuda else "CPU"
+    device_name = f": {torch.cuda.get_device_name()}." if cuda else " (no GPU): CPU figures, not GPU figures."
+    ratios = ", ".join(f"{r['time_ratio_vs_grpo']:.3f}" for r in rows if r["variant"] == "d3s")
     notes = [
-        f"Measured on the {device_text}"
-        + (" (no GPU): CPU figures, not GPU figures." if not cuda else f": {torch.cuda.get_device_name()}."),
+        f"Measured on the {device_text}{device_name}",
         "One update = the step's batch in micro-batches of per_device_train_batch_size rows for GRPO (D3S: "
-        "the "
-        "same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + "
-        "backward per "
-        "micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up update.",
+        "the same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + "
+        "backward per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a "
+        "warm-up update.",
         "Peak memory: "
         + (
             "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
             "optimizer state)."
             if cuda
             else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
-            "warm-up "
-            "update, in a fresh process per variant; allocator reuse makes small values coarse."
+            "warm-up update, in a fresh process per variant; allocator reuse makes small values coarse."
         ),
+        f"D3S / GRPO update time: {ratios} (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}).",
     ]
-    ratios = [r["time_ratio_vs_grpo"] for r in rows if r["variant"] == "d3s"]
-    notes.append(
-        "D3S / GRPO update time: "
-        + ", ".join(f"{x:.3f}" for x in ratios)
-        + f" (kept rollouts {KEEP}/{G} = {KEEP / G:.2f})."
-    )
-    markdown = markdown_table(
-        rows,
-        {
-            "model": lambda r: r["model"],
-            "update": lambda r: r["variant"],
-            "rollouts (micro-batches x rows)": lambda r: (
-                f"{r['rollouts']} ({r['micro_batches']} x {r['micro_batch_rows']})"
-            ),
-            "tokens (trained)": lambda r: f"{r['completion_tokens']} ({r['trained_tokens']})",
-            "median time": lambda r: fmt_seconds(r["median_s"]),
-            "time / GRPO": lambda r: f"{r['time_ratio_vs_grpo']:.3f}",
-            "peak memory": lambda r: (
-                "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB"
-            ),
-            "memory / GRPO": lambda r: (
-                "n/a" if r["memory_ratio_vs_grpo"] is None else f"{r['memory_ratio_vs_grpo']:.3f}"
-            ),
-        },
-    )
     settings = dict(
         num_generations=G,
         keep_per_prompt=KEEP,
@@ -640,38 +575,15 @@ def main() -> None:
         weights=args.weights if cuda else "fp32",
         gradient_checkpointing=True,
     )
+    title = f"Update cost: GRPO vs D3S ({device_text})"
     write_results(
-        "update_cost",
-        args,
-        rows,
-        markdown,
-        notes,
-        title=f"Update cost: GRPO vs D3S ({device_text})",
-        **settings,
+        "update_cost", args, rows, markdown_table(rows, UPDATE_COLUMNS), notes, title=title, **settings
     )
-    write_truncation(truncation, args, settings)
-
-
-def write_truncation(rows: list[dict], args: Any, settings: dict) -> None:
-    markdown = markdown_table(
-        rows,
-        {
-            "token scores from": lambda r: r["source"],
-            "N": lambda r: r["keep_per_prompt"],
-            "K": lambda r: f"{r['token_keep_ratio']:.0%}",
-            "micro-batch rows": lambda r: r["micro_batch_rows"],
-            "mean completion tokens": lambda r: f"{r['mean_completion_tokens']:.0f}",
-            "tokens after last selected": lambda r: f"{r['token_fraction_after_last_selected']:.2%}",
-            "FLOPs after last selected (1.5B)": lambda r: f"{r['flop_fraction_after_last_selected']:.2%}",
-            "padded micro-batch columns": lambda r: f"{r['padded_micro_batch_fraction']:.2%}",
-        },
+    modelled = [r for r in truncation if r["source"].startswith("MODEL")]
+    bound = max(
+        (max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"]) for r in modelled),
+        default=float("nan"),
     )
-    modelled = [
-        max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"])
-        for r in rows
-        if r["source"].startswith("MODEL")
-    ]
-    bound = max(modelled) if modelled else float("nan")
     decision = (
         "implement truncation: the saving is 10 % or more of the update"
         if bound >= 0.10
@@ -679,33 +591,29 @@ def write_truncation(rows: list[dict], args: Any, settings: dict) -> None:
     )
     notes = [
         "Saving bound = FLOPs of the forward/backward positions after each kept rollout's last selected "
-        "token, "
-        "over all forward/backward FLOPs (Qwen2.5-Math-1.5B per-token cost incl. causal attention), with "
-        "packed "
-        "rows. 'Padded micro-batch columns': the columns a padded micro-batch drops when cut at its latest "
-        "last-selected "
-        "token (this includes padding that trimming each micro-batch to its longest row would already "
-        "drop). The "
-        "optimizer step and fixed costs do not shrink, so the update-time saving is at most the larger of "
-        "the two.",
-        "Precondition: the selection must be known before the gradient pass (entropies from an earlier "
-        "pass, e.g. "
-        "vLLM's old-policy pass); computing them with an extra no-gradient forward costs about a quarter of "
-        "a "
-        "checkpointed forward + backward, more than any saving here.",
+        "token, over all forward/backward FLOPs (Qwen2.5-Math-1.5B per-token cost incl. causal attention), "
+        "with packed rows. 'Padded micro-batch columns': the columns a padded micro-batch drops when cut at "
+        "its latest last-selected token (this includes padding that trimming each micro-batch to its longest "
+        "row would already drop). The optimizer step and fixed costs do not shrink, so the update-time "
+        "saving is at most the larger of the two.",
+        "Precondition: the selection must be known before the gradient pass (entropies from an earlier pass, "
+        "e.g. vLLM's old-policy pass); computing them with an extra no-gradient forward costs about a "
+        "quarter of a checkpointed forward + backward, more than any saving here.",
         "Entropy MODEL scenarios (not measurements): "
         + "; ".join(f"{k}: {v}" for k, v in ENTROPY_MODELS.items()),
         f"Largest modelled saving at the paper geometry: {bound:.2%}. Decision: {decision}.",
     ]
+    title = "Token level: what stopping each kept rollout at its last selected token saves"
+    markdown = markdown_table(truncation, TRUNCATION_COLUMNS)
     write_results(
         "update_cost_truncation",
         args,
-        rows,
+        truncation,
         markdown,
         notes,
         schedule_points=SCHEDULE_POINTS,
         **settings,
-        title="Token level: what stopping each kept rollout at its last selected token saves",
+        title=title,
     )
 
 
