@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,10 @@ from _common import (
     base_parser,
     fmt_seconds,
     markdown_table,
+    parse_args,
     prepare_tiny_model,
-    set_threads,
     timed,
+    timed_once,
     write_results,
 )
 
@@ -56,20 +56,19 @@ def math500_answers(data_dir: Path, count: int) -> tuple[list[str], list[tuple[s
     return [p.reference_solution or "" for p in problems], [p.gold for p in problems]
 
 
-def grading_rows(answer_sets: dict[str, tuple[list[str], list[Any]]], warm_up: dict[str, int]) -> list[dict]:
-    """Per answer set and grader: a cold pass (fresh workers) over the first ``warm_up[label]`` answers,
-    then a warm pass over the rest (other problems, so the gold cache does not help)."""
+def grading_rows(answer_sets: dict[str, tuple[list[str], list[Any]]]) -> list[dict]:
+    """Per answer set and grader: a cold pass (fresh workers) over the first fifth of the answers, then a warm
+    pass over the rest (other problems, so the gold cache does not help)."""
     rows = []
     for label, (completions, golds) in answer_sets.items():
-        split = warm_up[label]
+        split = len(completions) // 5
         passes = {"cold": (completions[:split], golds[:split]), "warm": (completions[split:], golds[split:])}
         for mode, workers in (("subprocess", 1), ("subprocess", 2), ("in-process", 1)):
             with Grader(num_workers=workers, time_limit=None if mode == "in-process" else 10.0) as grader:
                 grader.grade_many(["\\boxed{1}"] * workers, ["1"] * workers)  # start the workers
                 for phase, (texts, answers) in passes.items():
-                    start = time.perf_counter()
-                    results = grader.grade_many(texts, answers)
-                    seconds = time.perf_counter() - start
+                    graded = timed_once(functools.partial(grader.grade_many, texts, answers))
+                    results, seconds = graded["result"], graded["median_s"]
                     if mode == "in-process" and phase == "cold":
                         continue  # this process has graded before: its parser caches are never cold again
                     rows.append(
@@ -87,11 +86,8 @@ def grading_rows(answer_sets: dict[str, tuple[list[str], list[Any]]], warm_up: d
                             "mean_chars": sum(map(len, texts)) / len(texts),
                         }
                     )
-                    print(
-                        f"grading {label} {mode} x{workers} {phase}: {rows[-1]['answers_per_s']:.0f} "
-                        "answers/s",
-                        flush=True,
-                    )
+                    rate = rows[-1]["answers_per_s"]
+                    print(f"grading {label} {mode} x{workers} {phase}: {rate:.0f} answers/s", flush=True)
     return rows
 
 
@@ -144,6 +140,37 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
     return rows
 
 
+GRADING_COLUMNS = {
+    "answer set": "{answers}",
+    "mean length (chars)": "{mean_chars:.0f}",
+    "grader": lambda r: (
+        f"{r['workers']} worker subprocess{'es' if r['workers'] > 1 else ''}"
+        if r["mode"] == "subprocess"
+        else "in-process, no time limit"
+    ),
+    "pass": lambda r: "cold (fresh workers)" if r["phase"] == "cold" else "warm",
+    "answers": "{count}",
+    "time": lambda r: fmt_seconds(r["seconds"]),
+    "answers/s": "{answers_per_s:.0f}",
+    "vs 1 warm worker": "{vs_1_warm_worker:.2f}x",
+    "correct": "{correct}",
+    "timeouts": "{timeouts}",
+}
+GENERATION_COLUMNS = {
+    "decoding": "{decoding}",
+    "prompts per generate call": "{prompts_per_call}",
+    "rows per call": "{rows_per_call}",
+    "samples": "{samples}",
+    "mean tokens": "{mean_tokens:.1f}",
+    "time": lambda r: fmt_seconds(r["seconds"]),
+    "CPU time": lambda r: fmt_seconds(r["cpu_seconds"]),
+    "tokens/s": "{tokens_per_s:.0f}",
+    "tokens per CPU s": "{tokens_per_cpu_s:.0f}",
+    "problems/s": "{problems_per_s:.1f}",
+    "samples/s": "{samples_per_s:.0f}",
+}
+
+
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data")
@@ -151,71 +178,30 @@ def main() -> None:
     parser.add_argument("--math500-answers", type=int, default=500, help="the first 100 are the cold pass")
     parser.add_argument("--problems", type=int, default=128, help="synthetic problems to generate for")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    if args.quick:
-        args.synthetic_answers, args.math500_answers, args.problems = 40, 15, 16
-        args.repeats, args.sft_steps = 1, 0
-    set_threads(args.threads)
+    quick = dict(synthetic_answers=40, math500_answers=15, problems=16, repeats=1, sft_steps=0)
+    args = parse_args(parser, **quick)
     notes: list[str] = []
 
-    answer_sets: dict[str, tuple[list[str], list[Any]]] = {
-        "synthetic": synthetic_answers(args.synthetic_answers)
-    }
+    answer_sets: dict[str, tuple[list, list]] = {"synthetic": synthetic_answers(args.synthetic_answers)}
     math500 = math500_answers(args.data_dir, args.math500_answers)
     if math500 is None:
         notes.append(f"MATH500 skipped: no {args.data_dir / 'math500' / 'test.jsonl'}.")
     else:
         answer_sets["math500 reference solutions"] = math500
-    warm_up = {label: len(completions) // 5 for label, (completions, _) in answer_sets.items()}
-    rows = grading_rows(answer_sets, warm_up)
+    rows = grading_rows(answer_sets)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
         rows += generation_rows(model_dir, args.problems, args.repeats)
 
     grading = [r for r in rows if r["kind"] == "grading"]
+    warm_single = {
+        r["answers"]: r for r in grading if (r["mode"], r["workers"], r["phase"]) == ("subprocess", 1, "warm")
+    }
     for r in grading:  # against one warm worker on the same answers
-        single = next(
-            g
-            for g in grading
-            if (g["answers"], g["mode"], g["workers"], g["phase"]) == (r["answers"], "subprocess", 1, "warm")
-        )
-        r["vs_1_warm_worker"] = r["answers_per_s"] / single["answers_per_s"]
-    grading_table = markdown_table(
-        grading,
-        {
-            "answer set": lambda r: r["answers"],
-            "mean length (chars)": lambda r: f"{r['mean_chars']:.0f}",
-            "grader": lambda r: (
-                f"{r['workers']} worker subprocess{'es' if r['workers'] > 1 else ''}"
-                if r["mode"] == "subprocess"
-                else "in-process, no time limit"
-            ),
-            "pass": lambda r: "cold (fresh workers)" if r["phase"] == "cold" else "warm",
-            "answers": lambda r: r["count"],
-            "time": lambda r: fmt_seconds(r["seconds"]),
-            "answers/s": lambda r: f"{r['answers_per_s']:.0f}",
-            "vs 1 warm worker": lambda r: f"{r['vs_1_warm_worker']:.2f}x",
-            "correct": lambda r: r["correct"],
-            "timeouts": lambda r: r["timeouts"],
-        },
-    )
-    generation_table = markdown_table(
-        [r for r in rows if r["kind"] == "generation"],
-        {
-            "decoding": lambda r: r["decoding"],
-            "prompts per generate call": lambda r: r["prompts_per_call"],
-            "rows per call": lambda r: r["rows_per_call"],
-            "samples": lambda r: r["samples"],
-            "mean tokens": lambda r: f"{r['mean_tokens']:.1f}",
-            "time": lambda r: fmt_seconds(r["seconds"]),
-            "CPU time": lambda r: fmt_seconds(r["cpu_seconds"]),
-            "tokens/s": lambda r: f"{r['tokens_per_s']:.0f}",
-            "tokens per CPU s": lambda r: f"{r['tokens_per_cpu_s']:.0f}",
-            "problems/s": lambda r: f"{r['problems_per_s']:.1f}",
-            "samples/s": lambda r: f"{r['samples_per_s']:.0f}",
-        },
-    )
+        r["vs_1_warm_worker"] = r["answers_per_s"] / warm_single[r["answers"]]["answers_per_s"]
+    grading_table = markdown_table(grading, GRADING_COLUMNS)
+    generation_table = markdown_table([r for r in rows if r["kind"] == "generation"], GENERATION_COLUMNS)
     notes += [
         "Grading: per answer set, a cold pass (the first fifth of the answers, on freshly started workers) "
         "then a warm pass (the rest: other problems, so every gold is parsed for the first time; the grader "
@@ -227,12 +213,8 @@ def main() -> None:
         "Shared 2-core machine: two grading workers compete with each other and with other jobs; compare "
         "ratios within this run.",
     ]
-    markdown = (
-        "## Grading (math-verify)\n\n"
-        + grading_table
-        + "\n\n## Generation (transformers backend)\n\n"
-        + generation_table
-    )
+    sections = {"Grading (math-verify)": grading_table, "Generation (transformers backend)": generation_table}
+    markdown = "\n\n".join(f"## {title}\n\n{table}" for title, table in sections.items())
     write_results(
         NAME,
         args,

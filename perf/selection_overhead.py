@@ -9,6 +9,7 @@ the vectorised pick's variance; ratios are of CPU times (perf/README.md).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import sys
@@ -163,7 +164,9 @@ SELECTION_COLUMNS = {
     ),
 }
 AT_STEP_COLUMNS = {
-    "selection at the tiny step's batch (64 rollouts, groups of 8, keep 2)": "select_samples, scope={scope}",
+    "selection at the tiny step's batch (64 rollouts, groups of 8, keep 2)": lambda r: (
+        f"select_samples, scope={r['scope'].split('@')[0]}"
+    ),
     "wall time": lambda r: fmt_seconds(r["seconds"]),
     "CPU time": lambda r: fmt_seconds(r["cpu_seconds"]),
     "% of tiny step (CPU)": "{percent_of_tiny_step:.3f} %",
@@ -188,140 +191,82 @@ def main() -> None:
     batch_keep = keep * num_groups
     rewards, advantages = grouped_rewards(num_groups, group_size)
     flat_a, flat_r = advantages.flatten(), rewards.flatten()
-    picks = max_variance_subset(advantages, keep)
-    batch_var = population_var(flat_a[select_samples(flat_a, flat_r, group_size, keep, scope="batch")])
-    scale = num_groups / loop_groups
-    sub = advantages[:loop_groups]
+    rows: list[dict[str, Any]] = []
+
+    def add(
+        scope: str, implementation: str, fn: Callable[[], Any], loop: tuple[float, str] | None = None
+    ) -> Any:
+        """A row timing ``fn`` (``timed``), or a loop timed once and scaled by ``loop``'s factor."""
+        timing = timed(fn, repeats=args.repeats) if loop is None else timed_once(fn)
+        factor, how = loop or (1, f"median of {timing['repeats']}")
+        wall, cpu = timing["median_s"] * factor, timing["cpu_median_s"] * factor
+        rows.append({"scope": scope, "implementation": implementation, "seconds": wall, "cpu_seconds": cpu})
+        rows[-1]["measured"] = how
+        print(scope, implementation, fmt_seconds(wall), f"(CPU {fmt_seconds(cpu)})", how, flush=True)
+        return timing["result"]
+
+    vectorised = "select_samples (vectorised)"
+    add("group", vectorised, lambda: select_samples(flat_a, flat_r, group_size, keep, scope="group"))
+    picks = add("group", "max_variance_subset (vectorised)", lambda: max_variance_subset(advantages, keep))
+    scale, sub = num_groups / loop_groups, advantages[:loop_groups]
+    groups = (scale, "full" if scale == 1 else f"{loop_groups} groups, x{scale:g} extrapolated")
+    torch_picks = add("group", "PODS loop, per-group torch ops", lambda: pods_loop_torch(sub, keep), groups)
+    rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, torch_picks)
     sub_lists = sub.double().tolist()
-    how = "full" if scale == 1 else f"{loop_groups} groups, x{scale:g} extrapolated"
+    python_picks = add("group", "PODS loop, plain Python", lambda: pods_loop_python(sub_lists, keep), groups)
+    rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, python_picks)
+
+    batch_pick = add(
+        "batch", vectorised, lambda: select_samples(flat_a, flat_r, group_size, keep, scope="batch")
+    )
+    batch_var = population_var(flat_a[batch_pick])
+    running_pick = add(
+        "batch",
+        "split loop, running sums (Python)",
+        lambda: cross_loop_running(flat_a, batch_keep),
+        (1, "full"),
+    )
+    gap = abs(population_var(flat_a[running_pick]) - batch_var)
+    rows[-1]["var_gap_over_tolerance"] = gap / tie_tolerance(flat_a, batch_keep)
     ordered = torch.sort(flat_a.double(), descending=True).values
     stride = max(1, (batch_keep + 1) // args.loop_splits)
     sample_splits = list(range(0, batch_keep + 1, stride))[: args.loop_splits]
     split_scale = (batch_keep + 1) / len(sample_splits)
-
-    def running_gap(pick: torch.Tensor) -> float:
-        return abs(population_var(flat_a[pick]) - batch_var) / tie_tolerance(flat_a, batch_keep)
-
-    def recompute_gap(_: Any) -> float:  # too slow to run in full at this size: checked on a small batch
-        small_r, small_a = grouped_rewards(64, group_size, seed=1)
-        small_flat, small_keep = small_a.flatten(), keep * 64
-        small_pick = select_samples(small_flat, small_r.flatten(), group_size, keep, scope="batch")
-        ordered_small = torch.sort(small_flat.double(), descending=True).values
-        small_var, _ = cross_loop_recompute(ordered_small, small_keep, range(small_keep + 1))
-        gap = abs(small_var - population_var(small_flat[small_pick]))
-        return gap / tie_tolerance(small_flat, small_keep)
-
-    # (scope, implementation, call, loops: (scale, how measured) or None, check of the pick or None)
-    cases: list[
-        tuple[str, str, Callable[[], Any], tuple[float, str] | None, Callable[[Any], float] | None]
-    ] = [
-        (
-            "group",
-            "select_samples (vectorised)",
-            lambda: select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="group"),
-            None,
-            None,
-        ),
-        (
-            "group",
-            "max_variance_subset (vectorised)",
-            lambda: max_variance_subset(advantages, keep),
-            None,
-            None,
-        ),
-        (
-            "group",
-            "PODS loop, per-group torch ops",
-            lambda: pods_loop_torch(sub, keep),
-            (scale, how),
-            lambda result: check_group_picks(advantages, picks, result),
-        ),
-        (
-            "group",
-            "PODS loop, plain Python",
-            lambda: pods_loop_python(sub_lists, keep),
-            (scale, how),
-            lambda result: check_group_picks(advantages, picks, result),
-        ),
-        (
-            "batch",
-            "select_samples (vectorised)",
-            lambda: select_samples(flat_a, flat_r, group_size, keep, rule="max_variance", scope="batch"),
-            None,
-            None,
-        ),
-        (
-            "batch",
-            "split loop, running sums (Python)",
-            lambda: cross_loop_running(flat_a, batch_keep),
-            (1, "full"),
-            running_gap,
-        ),
-        (
-            "batch",
-            "split loop, variance recomputed",
-            lambda: cross_loop_recompute(ordered, batch_keep, sample_splits),
-            (
-                split_scale,
-                f"{len(sample_splits)} of {batch_keep + 1} splits, x{split_scale:.0f} extrapolated",
-            ),
-            recompute_gap,
-        ),
-    ]
-    rows: list[dict[str, Any]] = []
-    for scope, implementation, fn, loop, check in cases:
-        timing = timed(fn, repeats=args.repeats) if loop is None else timed_once(fn)
-        factor, how_measured = loop or (1, f"median of {timing['repeats']}")
-        wall, cpu = timing["median_s"] * factor, timing["cpu_median_s"] * factor
-        rows.append({"scope": scope, "implementation": implementation, "seconds": wall, "cpu_seconds": cpu})
-        rows[-1]["measured"] = how_measured
-        print(scope, implementation, fmt_seconds(wall), f"(CPU {fmt_seconds(cpu)})", how_measured, flush=True)
-        if check is not None:
-            rows[-1]["var_gap_over_tolerance"] = check(timing["result"])
-    rows[-1]["checked_on"] = f"{64 * group_size} rollouts, every split"
+    how = f"{len(sample_splits)} of {batch_keep + 1} splits, x{split_scale:.0f} extrapolated"
+    recompute = functools.partial(cross_loop_recompute, ordered, batch_keep, sample_splits)
+    add("batch", "split loop, variance recomputed", recompute, (split_scale, how))
+    # The recomputing loop is too slow to run in full at this size: check it in full on a small batch.
+    small_r, small_a = grouped_rewards(64, group_size, seed=1)
+    small_flat, small_keep = small_a.flatten(), keep * 64
+    small_pick = select_samples(small_flat, small_r.flatten(), group_size, keep, scope="batch")
+    small_ordered = torch.sort(small_flat.double(), descending=True).values
+    small_var, _ = cross_loop_recompute(small_ordered, small_keep, range(small_keep + 1))
+    gap = abs(small_var - population_var(small_flat[small_pick]))
+    rows[-1]["var_gap_over_tolerance"] = gap / tie_tolerance(small_flat, small_keep)
+    rows[-1]["checked_on"] = f"{small_flat.numel()} rollouts, every split"
 
     step = tiny_step_seconds(args.train_steps, args.sft_steps)
     step_cpu = step["cpu_median_s"]
     cpu = {(r["scope"], r["implementation"]): r["cpu_seconds"] for r in rows}
-    vec_group, vec_batch = (
-        cpu["group", "select_samples (vectorised)"],
-        cpu["batch", "select_samples (vectorised)"],
-    )
+    vec_group, vec_batch = cpu["group", vectorised], cpu["batch", vectorised]
     for row in rows:  # ratios of CPU times (steady on a shared machine), wall times alongside
         row["vectorised_speedup"] = row["cpu_seconds"] / (vec_group if row["scope"] == "group" else vec_batch)
         row["percent_of_tiny_step"] = 100 * row["cpu_seconds"] / step_cpu
     table = markdown_table(rows, SELECTION_COLUMNS)
-    rows.append(
-        {
-            "scope": "tiny_step",
-            "implementation": "GRPO training step, tiny model",
-            "seconds": step["median_s"],
-        }
-        | {"cpu_seconds": step_cpu, **step}
-    )
-    tiny_a, tiny_r = flat_a[:64], flat_r[:64]
-    at_step = []
+    step_row = {"scope": "tiny_step", "implementation": "GRPO training step, tiny model"}
+    rows.append(step_row | {"seconds": step["median_s"], "cpu_seconds": step_cpu, **step})
     for scope in ("group", "batch"):
-        t = timed(
-            lambda scope=scope: select_samples(tiny_a, tiny_r, 8, 2, rule="max_variance", scope=scope),
-            repeats=args.repeats,
-            min_seconds=0.05,
-        )
-        at_step.append(
-            {
-                "scope": f"{scope}@tiny_step",
-                "implementation": "select_samples (vectorised)",
-                "seconds": t["median_s"],
-            }
-            | {"cpu_seconds": t["cpu_median_s"], "percent_of_tiny_step": 100 * t["cpu_median_s"] / step_cpu}
-        )
-    step_table = markdown_table([r | {"scope": r["scope"].split("@")[0]} for r in at_step], AT_STEP_COLUMNS)
-    rows += at_step
+        select = functools.partial(select_samples, flat_a[:64], flat_r[:64], 8, 2, scope=scope)
+        t = timed(select, repeats=args.repeats, min_seconds=0.05)
+        at_step = {"scope": f"{scope}@tiny_step", "implementation": vectorised, "seconds": t["median_s"]}
+        percent = 100 * t["cpu_median_s"] / step_cpu
+        rows.append(at_step | {"cpu_seconds": t["cpu_median_s"], "percent_of_tiny_step": percent})
+    step_table = markdown_table(rows[-2:], AT_STEP_COLUMNS)
+    step_pct = {r["scope"].split("@")[0]: r["percent_of_tiny_step"] for r in rows[-2:]}
     loop_torch = cpu["group", "PODS loop, per-group torch ops"]
     running = cpu["batch", "split loop, running sums (Python)"]
-    recompute = cpu["batch", "split loop, variance recomputed"]
+    recomputing = cpu["batch", "split loop, variance recomputed"]
     pods_ratio = loop_torch / vec_group
-    step_pct = {r["scope"].split("@")[0]: r["percent_of_tiny_step"] for r in at_step}
     notes = [
         f"{total:,} rollouts = {num_groups:,} groups of {group_size}; keep {keep} per group (cross-group: "
         f"{batch_keep:,} from the pooled batch). Vectorised times are medians; loops run once.",
@@ -336,7 +281,7 @@ def main() -> None:
         f"(the same per-group picks the loop returns): {'met' if pods_ratio >= 50 else 'NOT met'}.",
         f"Cross-group: the best loop (one sort, O(1) Python work per split) takes {running / vec_batch:.1f}x "
         "the vectorised time: the sort of the pooled batch dominates both; the loop that recomputes each "
-        f"candidate's variance (O(k^2)) takes {recompute / vec_batch:.0f}x.",
+        f"candidate's variance (O(k^2)) takes {recomputing / vec_batch:.0f}x.",
         f"Goal 'selection < 1 % of the tiny step': at the tiny step's own batch {step_pct['group']:.3f} % "
         f"(group) / {step_pct['batch']:.3f} % (batch): {'met' if max(step_pct.values()) < 1 else 'NOT met'}; "
         f"at {total:,} rollouts {100 * vec_group / step_cpu:.2g} % / {100 * vec_batch / step_cpu:.2g} % "
