@@ -324,8 +324,8 @@ def main() -> None:
             notes.append(
                 "Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
                 "({forward_tokens_vs_grpo:.2f}x, {backprop_tokens_vs_grpo:.2f}x), yet measures "
-                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: "
-                "differences of that size between methods are noise.".format_map(methods_here["gspo"])
+                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: differences of "
+                "that size between methods are noise.".format_map(methods_here["gspo"])
             )
     write_results(
         NAME,
