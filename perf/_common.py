@@ -82,17 +82,6 @@ def cpu_clock() -> float:
     return seconds
 
 
-class _WallAndCpuClock:
-    """The wall clock torch.utils.benchmark reads, noting the process's CPU clock at each read."""
-
-    def __init__(self) -> None:
-        self.cpu: list[float] = []
-
-    def __call__(self) -> float:
-        self.cpu.append(time.process_time())
-        return time.perf_counter()
-
-
 def timed(fn: Callable[[], Any], repeats: int = 5, min_seconds: float = 0.0) -> dict[str, Any]:
     """Median wall and CPU seconds per call of ``fn`` through torch.utils.benchmark's ``blocked_autorange``.
 
@@ -102,11 +91,16 @@ def timed(fn: Callable[[], Any], repeats: int = 5, min_seconds: float = 0.0) -> 
     start = time.perf_counter()
     result = fn()
     first_s = time.perf_counter() - start
-    clock = _WallAndCpuClock()
+    cpu_reads: list[float] = []
+
+    def clock() -> float:  # the wall clock blocked_autorange reads, noting the CPU clock at each read
+        cpu_reads.append(time.process_time())
+        return time.perf_counter()
+
     timer = benchmark.Timer("fn()", globals={"fn": fn}, timer=clock, num_threads=torch.get_num_threads())
     measurement = timer.blocked_autorange(min_run_time=max(repeats * first_s, min_seconds))
     blocks, per_block = len(measurement.raw_times), measurement.number_per_run
-    reads = clock.cpu[-2 * blocks :]  # two reads per measured block, the last blocks timed
+    reads = cpu_reads[-2 * blocks :]  # two reads per measured block, the last blocks timed
     cpu = [(end - begin) / per_block for begin, end in zip(reads[::2], reads[1::2], strict=True)]
     return {
         "median_s": measurement.median,
@@ -159,40 +153,24 @@ def write_results(
     """
     print(markdown, *notes, sep="\n", flush=True)
     settings = {key: value for key, value in vars(args).items() if key != "out"} | settings
-    out_dir: Path = args.out
-    info = machine()
-    versions = package_versions()
-    git = git_state()
-    record = {
-        "name": name,
-        "created": now(),
-        "machine": info,
-        "versions": versions,
-        "git": git,
-        "settings": settings,
-        "rows": rows,
-        "notes": list(notes),
-    }
-    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    info, versions, git = machine(), package_versions(), git_state()
+    record = {"name": name, "created": now(), "machine": info, "versions": versions, "git": git}
+    record |= {"settings": settings, "rows": rows, "notes": list(notes)}
+    json_path, md_path = args.out / f"{name}.json", args.out / f"{name}.md"
     atomic_write_text(json_path, json.dumps(record, indent=2, default=str) + "\n")
     gpus = ", ".join(info["gpus"]) or "none"
     version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None and k != "d3s")
     commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
     setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
-    parts = [
-        f"# {title or name}",
-        "",
+    header = (
         f"Machine: {info['cpu']}, {info['cpu_count']} CPUs, GPU: {gpus}; torch threads "
         f"{info['torch_threads']}; load average {info['load_average_1min']}. Python {info['python']}, "
-        f"{version_text}. Commit {commit}, {record['created']}.",
-        "",
-        f"Settings: {setting_text}.",
-        "",
-        markdown.strip(),
-    ]
+        f"{version_text}. Commit {commit}, {record['created']}."
+    )
+    parts = [f"# {title or name}", header, f"Settings: {setting_text}.", markdown.strip()]
     if notes:
-        parts += ["", *[f"- {note}" for note in notes]]
-    atomic_write_text(md_path, "\n".join(parts) + "\n")
+        parts.append("\n".join(f"- {note}" for note in notes))
+    atomic_write_text(md_path, "\n\n".join(parts) + "\n")
     return json_path, md_path
 
 
