@@ -62,13 +62,9 @@ D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "sche
 # device -> (random model, label, prompt tokens, geometries: prompts x G rollouts, completion tokens). CUDA:
 # the H100 figures' geometries (../shared/docs/gpu-device-notes.md); CPU: short prompts, as the LM head
 # (152k rows) costs seconds on a CPU.
+CUDA_GEOMETRIES = [(1, 1024), (4, 1024), (8, 1024), (4, 3072)]
 RANDOM_MODELS = {
-    "cuda": (
-        QWEN_1_5B,
-        "Qwen2.5-Math-1.5B architecture",
-        PROMPT_TOKENS,
-        [(1, 1024), (4, 1024), (8, 1024), (4, 3072)],
-    ),
+    "cuda": (QWEN_1_5B, "Qwen2.5-Math-1.5B architecture", PROMPT_TOKENS, CUDA_GEOMETRIES),
     "cpu": (QWEN_SMALL, "small Qwen2, Qwen vocabulary", 32, [(1, 64), (2, 64)]),
 }
 
@@ -120,16 +116,14 @@ def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
     step's batch, without its shuffle, which timing does not depend on) or in one pass."""
     from trl.trainer.utils import split_tensor_dict
 
-    model = trainer.model
-    model.train()
+    trainer.model.train()
     if "token_mask" not in batch and trainer.args.token_rule != "none":
-        # chosen once per generation batch before the update: the first (warm-up) call adds it to ``batch``,
-        # later (timed) calls reuse it
+        # chosen once per generation batch, before the update: the warm-up call adds it, timed calls reuse it
         batch["token_mask"] = token_mask(trainer, batch)
     tokens_before = trainer.update_tokens_total
     for part in split_tensor_dict(batch, trainer.args.steps_per_generation) if split else [batch]:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
-            loss = trainer.compute_loss(model, part)
+            loss = trainer.compute_loss(trainer.model, part)
         trainer.accelerator.backward(loss)
     trainer.trained_tokens = (
         trainer.update_tokens_total - tokens_before
@@ -158,15 +152,10 @@ def update(trainer: Any, batch: dict) -> None:
 
 def generated_batch(model_dir: Path, out: Path, prompts: int, max_tokens: int = 64) -> tuple[dict, Any]:
     """Generate, grade and score prompts x G rollouts once with the tiny model; also return the trainer."""
-    trainer = build_tiny_trainer(
-        "grpo",
-        model_dir,
-        out / "generate",
-        1,
-        num_generations=G,
-        per_device_train_batch_size=prompts * G,
-        max_completion_length=max_tokens,
+    geometry = dict(
+        num_generations=G, per_device_train_batch_size=prompts * G, max_completion_length=max_tokens
     )
+    trainer = build_tiny_trainer("grpo", model_dir, out / "generate", 1, **geometry)
     trainer.model.train()
     rows = [trainer.train_dataset[i] for i in range(prompts) for _ in range(G)]
     full = trainer._generate_and_score_completions(rows)
@@ -177,12 +166,10 @@ def kept_rows(full: dict, keep: int = KEEP) -> dict:
     """D3S's cross-group max-variance selection of ``keep`` rollouts per prompt (d3s.selection)."""
     from d3s.selection import select_samples
 
-    advantages = full["advantages"]
+    advantages, rows = full["advantages"], full["advantages"].shape[0]
     kept = select_samples(advantages.cpu(), advantages.cpu(), G, keep, "max_variance", "batch")
     kept = kept.to(advantages.device)
-    kept_batch = {
-        k: (v[kept] if v.dim() and v.shape[0] == advantages.shape[0] else v) for k, v in full.items()
-    }
+    kept_batch = {k: (v[kept] if v.dim() and v.shape[0] == rows else v) for k, v in full.items()}
     kept_batch["num_items_in_batch"] = kept_batch["completion_mask"].sum()
     return kept_batch
 
@@ -241,10 +228,8 @@ def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str
             results[name]["trained_tokens"] = trainer.trained_tokens
             if cuda:
                 peak = torch.cuda.max_memory_allocated()
-                results[name] |= {
-                    "peak_above_state_mib": (peak - before) / 2**20,
-                    "peak_total_mib": peak / 2**20,
-                }
+                results[name]["peak_above_state_mib"] = (peak - before) / 2**20
+                results[name]["peak_total_mib"] = peak / 2**20
         del trainers, trainer
         gc.collect()
         if cuda:
