@@ -59,9 +59,7 @@ def looping_completion(rng: random.Random, gold: int, tokens: int) -> str:
     prefix = _reasoning(rng, rng.randint(500, 2000))
     boxes = rng.randint(600, 1400)
     distinct = [f"\\frac{{{2 * gold}}}{{2}}", f"\\frac{{{gold + 1}}}{{3}}", f"\\sqrt{{{gold}}}", str(gold)]
-    contents = [
-        distinct[0] if index % 40 else distinct[(index // 40) % len(distinct)] for index in range(boxes)
-    ]
+    contents = [distinct[0] if i % 40 else distinct[(i // 40) % len(distinct)] for i in range(boxes)]
     if rng.random() < 0.5:
         body = "".join(f"The final answer is $\\boxed{{{content}}}$.\n" for content in contents)
     else:
@@ -94,9 +92,7 @@ def synthetic_mix(
     return completions, golds, kinds
 
 
-def measure_mix(
-    completions: list[str], golds: list[str], kinds: list[str], workers: int
-) -> list[dict[str, Any]]:
+def measure_mix(completions: list[str], golds: list[str], kinds: list[str], workers: int) -> list[dict]:
     rows = []
     with Grader(num_workers=workers) as grader:
         grader.grade_many([r"\boxed{1}"] * workers, ["1"] * workers)  # start the workers

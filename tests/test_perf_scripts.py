@@ -99,6 +99,44 @@ def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest
         assert len(gaps) == 4 and all(gap <= 1.0 for gap in gaps), gaps
 
 
+def test_common_harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quick replaces the listed options (not the others); a table cell is a format string or a function of
+    the row; write_results writes the JSON record and the Markdown file around the table."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
+    import _common
+
+    parser = _common.base_parser("doc", tiny_model=False)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--limit", type=float, default=1.5)
+    monkeypatch.setattr(sys, "argv", ["script", "--repeats", "7", "--out", str(tmp_path)])
+    assert vars(_common.parse_args(parser, pin_threads=False, repeats=1)) == {
+        "quick": False,
+        "out": tmp_path,
+        "threads": 1,
+        "repeats": 7,
+        "limit": 1.5,
+    }
+    monkeypatch.setattr(sys, "argv", ["script", "--quick", "--out", str(tmp_path)])
+    args = _common.parse_args(parser, pin_threads=False, repeats=1)
+    assert (args.quick, args.repeats, args.limit) == (True, 1, 1.5)
+    rows = [{"name": "a", "seconds": 0.0123}, {"name": "b", "seconds": 2.0}]
+    columns = {"name": "{name}", "s": "{seconds:.2f}", "time": lambda r: _common.fmt_seconds(r["seconds"])}
+    table = _common.markdown_table(rows, columns)
+    assert table.splitlines() == [
+        "| name | s | time |",
+        "|---|---|---|",
+        "| a | 0.01 | 12.3 ms |",
+        "| b | 2.00 | 2 s |",
+    ]
+    json_path, md_path = _common.write_results("t", args, rows, table, ["a note"], title="T", extra=1)
+    record = json.loads(json_path.read_text())
+    assert set(record) == COMMON_KEYS and record["rows"] == rows and record["notes"] == ["a note"]
+    assert record["settings"] == {"quick": True, "threads": 1, "repeats": 1, "limit": 1.5, "extra": 1}
+    title, machine, settings, body, notes = md_path.read_text().split("\n\n")
+    assert (title, body, notes) == ("# T", table, "- a note\n") and machine.startswith("Machine: ")
+    assert settings == "Settings: quick=True, threads=1, repeats=1, limit=1.5, extra=1."
+
+
 # ---- perf/update_cost.py: one update as training runs it -------------------------------------------
 
 
