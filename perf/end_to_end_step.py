@@ -118,11 +118,9 @@ def _count_forward(recorder: StepRecorder, model: torch.nn.Module, role: str) ->
         if labels is not None:
             scored = (labels != -100).sum().item()
             recorder.now[f"{prefix}.scored"] += scored
-            select = kwargs.get("select_tokens")
-            if grad and select is None:
-                recorder.now[f"{prefix}.head_grad"] += scored
-            elif grad:  # the trainer restricts the LM head's gradient to the positions of this mask
-                recorder.now[f"{prefix}.head_grad"] += select.sum().item()
+            select = kwargs.get("select_tokens")  # the trainer restricts the LM head's gradient to this mask
+            if grad:
+                recorder.now[f"{prefix}.head_grad"] += scored if select is None else select.sum().item()
         starts.append(time.perf_counter())
         return args, kwargs
 
@@ -233,13 +231,8 @@ def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path
     with instrument(trainer, recorder):
         trainer.train()
     skip = overrides["num_iterations"]  # the first generation cycle carries start-up costs
-    info = {
-        "trainer_options": {
-            name: getattr(trainer.args, name, None)
-            for name in ("defer_logprob_passes", "kept_token_logprobs")
-        },
-        "kept_token_head": getattr(trainer, "kept_token_head", None),
-    }
+    options = {name: getattr(trainer.args, name, None) for name in SAVINGS}
+    info = {"trainer_options": options, "kept_token_head": getattr(trainer, "kept_token_head", None)}
     return recorder.steps[skip:] or recorder.steps, info
 
 

@@ -99,9 +99,8 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prompts = [
-        p.question for p in load_benchmark("synthetic", synthetic={"count": problems, **TINY_EVAL_TASK})
-    ]
+    benchmark = load_benchmark("synthetic", synthetic={"count": problems, **TINY_EVAL_TASK})
+    prompts = [problem.question for problem in benchmark]
     seeds = list(range(len(prompts)))
     sampled = GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32)
     configs = [

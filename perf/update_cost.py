@@ -488,9 +488,7 @@ def main() -> None:
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda: no CUDA GPU is visible here; run on a GPU node or drop --device cuda"
-        )
+        raise SystemExit("--device cuda: no CUDA GPU is visible; run on a GPU node or drop --device cuda")
     # options left unset take the defaults of the mode (quick, CPU or CUDA)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.sft_steps = 20 if args.quick else args.sft_steps
@@ -504,13 +502,11 @@ def main() -> None:
         work = Path(tmp)
         tiny = prepare_tiny_model(work / "tiny", sft_steps=args.sft_steps)
         full, generator = generated_batch(tiny, work, prompts)
-        scored = full | {
-            "entropies": token_entropies(generator, full),
-            "prompt_lengths": full["prompt_mask"].sum(1),
-        }
+        entropies = token_entropies(generator, full)
+        scored = full | {"entropies": entropies, "prompt_lengths": full["prompt_mask"].sum(1)}
         source = f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)"
         truncation = truncation_rows(source, scored, micro_batch, full["advantages"].shape[0])
-        del generator, scored
+        del generator, scored, entropies
         rows += run_geometry("tiny (generated batch)", tiny, work, full, args, "cpu")
         print("tiny: done", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(tiny)
@@ -521,9 +517,8 @@ def main() -> None:
                 tokenizer.save_pretrained(work / "qwen_small")
                 model = work / "qwen_small"
             batch = random_batch(n_prompts, tokens, dims["vocab_size"], args.device, prompt_len)
-            found = run_geometry(
-                f"{dims_label}, {n_prompts} x 32, {tokens} tokens", model, work, batch, args, args.device
-            )
+            label = f"{dims_label}, {n_prompts} x 32, {tokens} tokens"
+            found = run_geometry(label, model, work, batch, args, args.device)
             rows += [r | {"prompts": n_prompts, "tokens": tokens} for r in found]
             print(f"{n_prompts} x 32, {tokens} tokens: done", flush=True)
             del model
