@@ -164,8 +164,9 @@ def _assert_same_gradients(left: dict, right: dict) -> None:
 
 
 def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cost, tmp_path: Path) -> None:
-    """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S (kept-token
-    head, checkpointed) has the gradient of the masked head without checkpointing on the same micro-batches."""
+    """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S
+    (kept-token head, checkpointed) has the gradient of the masked head without checkpointing on the same
+    micro-batches."""
     from helpers import save_tiny
     from trl.trainer.utils import split_tensor_dict
 
