@@ -70,11 +70,8 @@ def machine() -> dict[str, Any]:
 
 
 def cpu_clock() -> float:
-    """CPU seconds used so far by this process and its live children (the grading workers).
-
-    CPU time, unlike wall time, does not grow while other jobs hold the cores: the steadier measure of work
-    on a shared machine. Children's time has the kernel's 10 ms tick: meaningful summed over steps.
-    """
+    """CPU seconds used so far by this process and its live children (the grading workers): unlike wall time,
+    it does not grow while other jobs hold the cores (children's time has a 10 ms tick: sum it over steps)."""
     seconds = time.process_time()
     for child in psutil.Process().children(recursive=True):
         with suppress(psutil.Error):  # a child that just exited
@@ -83,11 +80,8 @@ def cpu_clock() -> float:
 
 
 def timed(fn: Callable[[], Any], repeats: int = 5, min_seconds: float = 0.0) -> dict[str, Any]:
-    """Median wall and CPU seconds per call of ``fn`` through torch.utils.benchmark's ``blocked_autorange``.
-
-    One untimed call first (its ``result`` is returned); then blocks of calls for at least ``repeats`` times
-    that call's length, and ``min_seconds``. ``repeats``: the calls timed.
-    """
+    """Median wall and CPU seconds per call of ``fn`` (torch.utils.benchmark's ``blocked_autorange``) after an
+    untimed call (its ``result``), over at least ``repeats`` times that call's length and ``min_seconds``."""
     start = time.perf_counter()
     result = fn()
     first_s = time.perf_counter() - start
@@ -146,11 +140,8 @@ def write_results(
     title: str | None = None,
     **settings: Any,
 ) -> tuple[Path, Path]:
-    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically; return both.
-
-    ``markdown`` is the body (one or more tables); machine, versions, git state and settings (the command
-    line's options but ``--out``, then ``settings``) are added around it so the Markdown file stands alone.
-    """
+    """Print ``markdown`` and ``notes``; write ``<args.out>/name.json`` and ``.md`` atomically, with machine,
+    versions, git state and settings (the options but ``--out``, then ``settings``); return both paths."""
     print(markdown, *notes, sep="\n", flush=True)
     settings = {key: value for key, value in vars(args).items() if key != "out"} | settings
     info, versions, git = machine(), package_versions(), git_state()
@@ -203,11 +194,8 @@ def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
 def build_tiny_trainer(
     method: str, model_dir: Path | Any, output_dir: Path, max_steps: int, **trainer_overrides: Any
 ) -> Any:
-    """A D3STrainer for ``method`` on the saved tiny model, configured through ``d3s.runs.run.resolve_config``
-    (so it gets the same CPU defaults as ``d3s train``), with math-verify accuracy rewards.
-
-    ``model_dir`` may also be a model object built in the process (its tokenizer: the tiny one).
-    """
+    """A D3STrainer for ``method`` on the saved tiny model (or a model object, with the tiny tokenizer),
+    configured by ``d3s.runs.run.resolve_config`` as ``d3s train`` is, with math-verify accuracy rewards."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 

@@ -80,11 +80,8 @@ def make_trainer(
     checkpointing: bool = True,
     max_completion_length: int = 64,
 ) -> Any:
-    """A D3STrainer for ``variant`` set up as ``Trainer.train`` does: checkpointing, optimizer, accumulation.
-
-    ``rows``: GRPO's rollouts per optimizer step; ``steps_per_generation`` = rows / ``micro_batch``, as when
-    ``per_device_train_batch_size`` = ``micro_batch`` and the step's prompts are accumulated.
-    """
+    """A D3STrainer for ``variant`` set up as ``Trainer.train`` does (checkpointing, optimizer), accumulating
+    ``rows`` (GRPO's rollouts per optimizer step) in micro-batches of ``micro_batch`` rows."""
     if rows % micro_batch:
         raise ValueError(f"rollouts per step ({rows}) must be a multiple of the micro-batch ({micro_batch})")
     method, overrides, _ = VARIANTS[variant]
@@ -205,11 +202,8 @@ def qwen_model(dims: dict, tokenizer: Any, device: str, seed: int = 0) -> Any:
 
 
 def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str, dict]:
-    """Update times per variant after one warm-up update; CUDA peak memory of the last timed update.
-
-    CPU: the variants interleaved, one update each per round, so drift on a shared CPU hits them alike. CUDA:
-    one after the other, each freed before the next (three 1.5B models and their AdamW state would not fit).
-    """
+    """Update times per variant after one warm-up update, interleaved on the CPU (drift hits them alike), one
+    after the other on CUDA (one 1.5B model at a time); CUDA peak memory of the last timed update."""
     results: dict[str, dict] = {name: {"samples_s": []} for name in builders}
     for names in [[name] for name in builders] if cuda else [list(builders)]:
         trainers = {name: builders[name]() for name in names}
@@ -432,17 +426,13 @@ def token_entropies(trainer: Any, full: dict) -> torch.Tensor:
 
     input_ids = torch.cat([full["prompt_ids"], full["completion_ids"]], dim=1)
     attention = torch.cat([full["prompt_mask"], full["completion_mask"]], dim=1)
-    with (
-        torch.no_grad(),
-        disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
-    ):
+    no_checkpointing = disable_gradient_checkpointing(
+        trainer.model, trainer.args.gradient_checkpointing_kwargs
+    )
+    width, batch_size = full["completion_ids"].shape[1], trainer.args.per_device_train_batch_size
+    with torch.no_grad(), no_checkpointing:
         _, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model,
-            input_ids,
-            attention,
-            full["completion_ids"].shape[1],
-            batch_size=trainer.args.per_device_train_batch_size,
-            compute_entropy=True,
+            trainer.model, input_ids, attention, width, batch_size=batch_size, compute_entropy=True
         )
     return entropies.float() * full["completion_mask"]
 
