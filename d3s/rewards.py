@@ -114,9 +114,7 @@ def _box_contents(text: str) -> list[str | None]:
     braces the token up to the next space or ``$`` (without trailing punctuation); None when the braces
     never close. Linear in the length of ``text`` whatever the number of boxes."""
     commands = list(_BOX_COMMAND.finditer(text))
-    if not commands:
-        return []
-    matches = _brace_matches(text) if "{" in text else {}
+    matches = _brace_matches(text) if commands and "{" in text else {}
     contents: list[str | None] = []
     for command in commands:
         i = command.end()
@@ -242,9 +240,7 @@ class _MathVerifyGrader:
         for gold in golds:
             # normalised as predictions are (18. -> 18, -3./2 -> -3/2) before the forms as written
             normalized = gold if "\\boxed" in gold else normalize_answer(gold)
-            forms = (
-                gold_candidates(normalized) + gold_candidates(gold) if normalized else gold_candidates(gold)
-            )
+            forms = (gold_candidates(normalized) if normalized else []) + gold_candidates(gold)
             for form in dict.fromkeys(forms):
                 parsed = self._parse(form, self._gold_config, parsing_timeout=None)
                 if parsed:
@@ -292,15 +288,8 @@ def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:
             return
 
 
-# Loads this file by path, so the worker imports neither d3s/__init__ nor anything heavy.
-_BOOTSTRAP = (
-    "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_d3s_grading_worker', sys.argv[1])\n"
-    "module = importlib.util.module_from_spec(spec)\n"
-    "sys.modules[spec.name] = module\n"
-    "spec.loader.exec_module(module)\n"
-    "module._worker_main(int(sys.argv[2]), sys.argv[3])\n"
-)
+# Runs this file by path, so the worker imports neither d3s/__init__ nor anything heavy.
+_BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv[1])['_worker_main'](int(sys.argv[2]), sys.argv[3])"
 
 
 class _WorkerProcess:
@@ -511,9 +500,7 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
     """The text of a TRL completion: a string, or a list of chat messages (the last one's content)."""
     if isinstance(completion, str):
         return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
+    content = completion[-1].get("content", "") if completion else ""
     if isinstance(content, list):  # multimodal-style content parts
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return str(content)
