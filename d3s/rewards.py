@@ -4,7 +4,6 @@ as it is scored. The rules (gold, extraction, answer policies, time limit): docs
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import os
 import re
@@ -389,8 +388,10 @@ class Grader:
         self.close()
 
     def __del__(self) -> None:  # best effort; workers also exit when their pipe closes
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 (contextlib may be torn down already at interpreter exit)
             self.close()
+        except Exception:
+            pass
 
     def _grade_inline(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
         self._inline = self._inline or _MathVerifyGrader(self.answer_extraction)
