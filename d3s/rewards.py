@@ -266,8 +266,8 @@ class _MathVerifyGrader:
                 correct = any(self._verify(gold, pred, timeout_seconds=None) for gold in parsed_golds)
                 out |= {"extracted": extracted, "correct": correct}
             return out
-        except (Exception, RecursionError) as exc:  # a parser bug must not kill training
-            return out | {"correct": False, "extracted": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        except Exception as exc:  # a parser bug (RecursionError included) must not kill training
+            return out | {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 # The worker: a plain subprocess (multiprocessing pool workers may not start multiprocessing children),
@@ -524,6 +524,7 @@ def make_accuracy_reward(
         return [float(r.correct) if r.gold_parsed else None for r in results]
 
     accuracy_reward.answer_policy = policy  # type: ignore[attr-defined]
+    accuracy_reward.__qualname__ = "accuracy_reward"  # the module-level one pickles by name
     return accuracy_reward
 
 
