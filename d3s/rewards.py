@@ -345,10 +345,7 @@ class Grader:
         return self.grade_many([completion], [gold], policy)[0]
 
     def grade_many(
-        self,
-        completions: Sequence[str],
-        golds: Sequence[Gold],
-        policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+        self, completions: Sequence[str], golds: Sequence[Gold], policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
     ) -> list[GradeResult]:
         """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spread over the workers."""
         return self.grade_many_by_policy(completions, golds, (policy,))[policy]
@@ -476,22 +473,14 @@ atexit.register(lambda: _default_grader and _default_grader.close())
 
 
 def grade_detailed(
-    completion: str,
-    gold: Gold,
-    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
-    *,
-    grader: Grader | None = None,
+    completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY, *, grader: Grader | None = None
 ) -> GradeResult:
     """Grade one completion; the full :class:`GradeResult` (extracted answer, timeout, gold status)."""
     return (grader or default_grader()).grade(completion, gold, policy)
 
 
 def grade(
-    completion: str,
-    gold: Gold,
-    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
-    *,
-    grader: Grader | None = None,
+    completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY, *, grader: Grader | None = None
 ) -> bool:
     """True when the completion's final answer equals the gold answer under the answer ``policy``."""
     return grade_detailed(completion, gold, policy, grader=grader).correct

@@ -98,10 +98,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             solution_field="solution",
             metadata_fields=("url",),
         ),
-        BenchmarkSpec(
-            "aime25",
-            HubSource("math-ai/aime25", split="test", renames={"problem": ["question"]}),
-        ),
+        BenchmarkSpec("aime25", HubSource("math-ai/aime25", split="test", renames={"problem": ["question"]})),
         BenchmarkSpec(
             "amc23",
             HubSource("math-ai/amc23", split="test", renames={"problem": ["question"]}),
