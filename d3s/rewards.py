@@ -42,24 +42,19 @@ class GradeResult:
     gold_as_text: bool = False  # gold parsed only as a string (no math): compared by exact string match
 
 
-# --------------------------------------------------------------------------------------------------
-# Pure grading logic. It runs inside the worker subprocess (or in-process when time_limit is None) and
-# only imports math_verify lazily, so the worker starts without importing d3s or torch.
-# --------------------------------------------------------------------------------------------------
+# Grading logic: runs in the worker subprocess (or in-process without a time limit); math_verify is
+# imported lazily, so the worker starts without importing d3s or torch.
 
 
 def normalize_gold(gold: Gold) -> tuple[str, ...]:
     """Gold answer(s) as a tuple of non-empty strings (numbers formatted without a trailing ``.0``)."""
-    items = list(gold) if isinstance(gold, (list, tuple)) else [gold]
-    out: list[str] = []
+    items = gold if isinstance(gold, (list, tuple)) else [gold]
     for item in items:
         if isinstance(item, bool):
             raise TypeError(f"gold answer must be a string or number, got {item!r}")
-        # AMC stores 27.0: "27" keeps the comparison exact instead of a float comparison.
-        text = str(int(item)) if isinstance(item, float) and item.is_integer() else str(item).strip()
-        if text:
-            out.append(text)
-    return tuple(out)
+    # AMC stores 27.0: "27" keeps the comparison exact instead of a float comparison.
+    texts = (str(int(i)) if isinstance(i, float) and i.is_integer() else str(i).strip() for i in items)
+    return tuple(text for text in texts if text)
 
 
 def gold_candidates(gold: str) -> list[str]:
@@ -79,8 +74,7 @@ def check_answer_policy(policy: str) -> AnswerPolicy:
     return policy  # type: ignore[return-value]
 
 
-_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_NO_BOX = object()  # sentinel: the completion has no box at all
+_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*")
 
 # Work per completion is bounded by what it holds: each distinct answer is parsed once, and answers no
 # benchmark has (longer than this, or more distinct boxes than this) are wrong without being parsed.
@@ -97,6 +91,8 @@ _UNIT_TEXT = re.compile(r"^(.*?[\d}])\s*\\(?:text|mbox|mathrm)\{\s*~?[A-Za-z][A-
 # A number (with sign, decimals, thousands separators or a fraction) followed by words: a sentence answer.
 _LEADING_NUMBER = re.compile(r"^(-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)\s+(?:[A-Za-z]{2,}|\()")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# A brace, or a backslash and the character after it (an escaped brace never opens or closes a group).
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
 def _brace_matches(text: str) -> dict[int, int]:
@@ -104,17 +100,11 @@ def _brace_matches(text: str) -> dict[int, int]:
     unclosed braces are absent."""
     matches: dict[int, int] = {}
     stack: list[int] = []
-    i, n = 0, len(text)
-    while i < n:
-        char = text[i]
-        if char == "\\":
-            i += 2  # an escaped brace (or any command's first letter) never opens or closes a group
-            continue
-        if char == "{":
-            stack.append(i)
-        elif char == "}" and stack:
-            matches[stack.pop()] = i
-        i += 1
+    for token in _BRACE_TOKEN.finditer(text):
+        if token.group() == "{":
+            stack.append(token.start())
+        elif token.group() == "}" and stack:
+            matches[stack.pop()] = token.start()
     return matches
 
 
@@ -123,14 +113,10 @@ def _box_contents(text: str) -> list[str | None]:
     braces the token up to the next space or ``$`` (without trailing punctuation); None when the braces
     never close. Linear in the length of ``text`` whatever the number of boxes."""
     commands = list(_BOX_COMMAND.finditer(text))
-    if not commands:
-        return []
-    matches = _brace_matches(text) if "{" in text else {}
+    matches = _brace_matches(text) if commands and "{" in text else {}
     contents: list[str | None] = []
     for command in commands:
         i = command.end()
-        while i < len(text) and text[i] in " \t":
-            i += 1
         if i < len(text) and text[i] == "{":
             close = matches.get(i)
             contents.append(None if close is None else text[i + 1 : close])
@@ -160,16 +146,14 @@ def normalize_answer(text: str) -> str:
     return text.strip()
 
 
-def _last_answer_tag(completion: str) -> str | None | object:
-    """The content of the last ``<answer>...</answer>``; None when it is empty or an ``<answer>`` opened
-    after it never closes (cut off); _NO_BOX when there is no ``<answer>`` at all."""
+def _last_answer_tag(completion: str) -> str | None:
+    """The content of the last ``<answer>...</answer>``; "" when it is empty or an ``<answer>`` opened
+    after it never closes (cut off); None when there is no ``<answer>`` at all."""
     opened = completion.rfind("<answer>")
     if opened < 0:
-        return _NO_BOX
-    tags = list(_ANSWER_TAG.finditer(completion))
-    if not tags or tags[-1].start() != opened:
         return None
-    return tags[-1].group(1).strip() or None
+    tags = list(_ANSWER_TAG.finditer(completion))
+    return tags[-1].group(1).strip() if tags and tags[-1].start() == opened else ""
 
 
 def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
@@ -177,10 +161,8 @@ def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True)
     rules, one example each: docs/evaluation.md. ``fallback=False``: ``answer_extraction="boxed_only"``."""
     if policy == "answer_tag":
         tag = _last_answer_tag(completion)
-        if tag is None:  # empty or cut-off answer tag
-            return None
-        if tag is not _NO_BOX:
-            return _read_boxes_or_text(tag, "last_boxed", fallback=False)  # type: ignore[arg-type]
+        if tag is not None:  # an empty or cut-off tag is no answer
+            return _read_boxes_or_text(tag, "last_boxed", fallback=False) if tag else None
         policy = "last_boxed"  # no tag at all: read as last_boxed reads it
     if not fallback and not _BOX_COMMAND.search(completion):
         return None
@@ -203,11 +185,9 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
             return None
         return " ".join(f"\\boxed{{{answer}}}" for answer in distinct)
     if fallback:
-        tag = _last_answer_tag(text)
-        if tag is None:  # an empty or cut-off answer tag: the model's answer is missing
-            return None
-        if isinstance(tag, str):  # a plain <answer>27</answer> wins over earlier LaTeX fragments
-            return _read_boxes_or_text(tag, policy, fallback=False)
+        tag = _last_answer_tag(text)  # a plain <answer>27</answer> wins over earlier LaTeX fragments
+        if tag is not None:  # an empty or cut-off tag: the model's answer is missing
+            return _read_boxes_or_text(tag, policy, fallback=False) if tag else None
     anchors = list(_ANCHOR.finditer(text))
     region = text[anchors[-1].end() :].split("\n", 1)[0] if anchors else text
     if anchors or not fallback:
@@ -223,15 +203,8 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
 def last_boxed_answer(completion: str) -> str | None:
     """The content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in ``completion``, or None when it has
     no box, or its last box is empty or never closes (use :func:`count_boxes` to tell these apart)."""
-    found = _last_box(completion)
-    return None if found is _NO_BOX else found  # type: ignore[return-value]
-
-
-def _last_box(completion: str) -> str | None | object:
     contents = _box_contents(completion)
-    if not contents:
-        return _NO_BOX
-    return (contents[-1] or "").strip() or None
+    return ((contents[-1] or "").strip() or None) if contents else None
 
 
 def count_boxes(completion: str) -> int:
@@ -266,9 +239,7 @@ class _MathVerifyGrader:
         for gold in golds:
             # normalised as predictions are (18. -> 18, -3./2 -> -3/2) before the forms as written
             normalized = gold if "\\boxed" in gold else normalize_answer(gold)
-            forms = (
-                gold_candidates(normalized) + gold_candidates(gold) if normalized else gold_candidates(gold)
-            )
+            forms = (gold_candidates(normalized) if normalized else []) + gold_candidates(gold)
             for form in dict.fromkeys(forms):
                 parsed = self._parse(form, self._gold_config, parsing_timeout=None)
                 if parsed:
@@ -295,13 +266,12 @@ class _MathVerifyGrader:
                 correct = any(self._verify(gold, pred, timeout_seconds=None) for gold in parsed_golds)
                 out |= {"extracted": extracted, "correct": correct}
             return out
-        except (Exception, RecursionError) as exc:  # a parser bug must not kill training
-            return out | {"correct": False, "extracted": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        except Exception as exc:  # a parser bug (RecursionError included) must not kill training
+            return out | {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-# --------------------------------------------------------------------------------------------------
-# Worker subprocess, spoken to over a multiprocessing.connection.Connection (pickled messages).
-# --------------------------------------------------------------------------------------------------
+# The worker: a plain subprocess (multiprocessing pool workers may not start multiprocessing children),
+# spoken to over a multiprocessing.connection.Connection (pickled messages).
 
 
 def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:
@@ -317,15 +287,8 @@ def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:
             return
 
 
-# Loads this file by path, so the worker imports neither d3s/__init__ nor anything heavy.
-_BOOTSTRAP = (
-    "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_d3s_grading_worker', sys.argv[1])\n"
-    "module = importlib.util.module_from_spec(spec)\n"
-    "sys.modules[spec.name] = module\n"
-    "spec.loader.exec_module(module)\n"
-    "module._worker_main(int(sys.argv[2]), sys.argv[3])\n"
-)
+# Runs this file by path, so the worker imports neither d3s/__init__ nor anything heavy.
+_BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv[1])['_worker_main'](int(sys.argv[2]), sys.argv[3])"
 
 
 class _WorkerProcess:
@@ -343,17 +306,6 @@ class _WorkerProcess:
         self.started_at = time.perf_counter()
         self.ready = False
         self.job: tuple[int, float] | None = None  # (job index, start time) of the answer being graded
-
-    def finish_start(self) -> None:
-        """Receive the worker's "ready" message (call when its connection is readable)."""
-        try:
-            message = self.conn.recv()
-        except (EOFError, OSError):
-            code = self.process.wait()
-            raise RuntimeError(f"grading worker exited during start-up (exit code {code})") from None
-        if message != "ready":
-            raise RuntimeError(f"grading worker sent {message!r} instead of 'ready'")
-        self.ready = True
 
     def kill(self) -> None:
         self.conn.close()
@@ -389,16 +341,11 @@ class Grader:
         self.timeouts = 0  # answers that overran the limit since construction
         self.restarts = 0  # workers killed and replaced
 
-    # -- public API -------------------------------------------------------------------------------
-
     def grade(self, completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY) -> GradeResult:
         return self.grade_many([completion], [gold], policy)[0]
 
     def grade_many(
-        self,
-        completions: Sequence[str],
-        golds: Sequence[Gold],
-        policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+        self, completions: Sequence[str], golds: Sequence[Gold], policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
     ) -> list[GradeResult]:
         """Grade ``completions[i]`` against ``golds[i]`` under ``policy``, spread over the workers."""
         return self.grade_many_by_policy(completions, golds, (policy,))[policy]
@@ -424,10 +371,12 @@ class Grader:
         return {policy: results[i * n : (i + 1) * n] for i, policy in enumerate(policies)}
 
     def close(self) -> None:
+        """Stop the workers (not from a forked child: they are the parent's)."""
         with self._lock:
-            for worker in self._workers:
-                worker.kill()
-            self._workers = []
+            if os.getpid() == self._owner_pid:
+                for worker in self._workers:
+                    worker.kill()
+                self._workers = []
 
     def __enter__(self) -> Grader:
         return self
@@ -436,18 +385,13 @@ class Grader:
         self.close()
 
     def __del__(self) -> None:  # best effort; workers also exit when their pipe closes
-        try:
-            if os.getpid() == self._owner_pid:
-                for worker in self._workers:
-                    worker.kill()
+        try:  # noqa: SIM105 (contextlib may be torn down already at interpreter exit)
+            self.close()
         except Exception:
             pass
 
-    # -- internals --------------------------------------------------------------------------------
-
     def _grade_inline(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
-        if self._inline is None:
-            self._inline = _MathVerifyGrader(self.answer_extraction)
+        self._inline = self._inline or _MathVerifyGrader(self.answer_extraction)
         results = []
         for job in jobs:
             start = time.perf_counter()
@@ -482,7 +426,11 @@ class Grader:
             now = time.perf_counter()
             for slot, worker in enumerate(self._workers):
                 if not worker.ready and worker.conn in readable:
-                    worker.finish_start()
+                    try:
+                        worker.ready = worker.conn.recv() == "ready"  # its only possible first message
+                    except (EOFError, OSError):
+                        code = worker.process.wait()
+                        raise RuntimeError(f"grading worker died starting (exit code {code})") from None
                 elif not worker.ready and now - worker.started_at >= WORKER_START_TIMEOUT_S:
                     worker.kill()
                     raise RuntimeError(f"grading worker did not start within {WORKER_START_TIMEOUT_S:.0f} s")
@@ -507,10 +455,7 @@ class Grader:
         self.restarts += 1
 
 
-# --------------------------------------------------------------------------------------------------
-# Module-level convenience API (one default grader per process).
-# --------------------------------------------------------------------------------------------------
-
+# Module-level API: one default grader per process.
 _default_grader: Grader | None = None
 _default_lock = threading.Lock()
 
@@ -524,29 +469,18 @@ def default_grader() -> Grader:
         return _default_grader
 
 
-@atexit.register
-def _close_default_grader() -> None:
-    if _default_grader is not None and _default_grader._owner_pid == os.getpid():
-        _default_grader.close()
+atexit.register(lambda: _default_grader and _default_grader.close())
 
 
 def grade_detailed(
-    completion: str,
-    gold: Gold,
-    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
-    *,
-    grader: Grader | None = None,
+    completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY, *, grader: Grader | None = None
 ) -> GradeResult:
     """Grade one completion; the full :class:`GradeResult` (extracted answer, timeout, gold status)."""
     return (grader or default_grader()).grade(completion, gold, policy)
 
 
 def grade(
-    completion: str,
-    gold: Gold,
-    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
-    *,
-    grader: Grader | None = None,
+    completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY, *, grader: Grader | None = None
 ) -> bool:
     """True when the completion's final answer equals the gold answer under the answer ``policy``."""
     return grade_detailed(completion, gold, policy, grader=grader).correct
@@ -556,30 +490,10 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
     """The text of a TRL completion: a string, or a list of chat messages (the last one's content)."""
     if isinstance(completion, str):
         return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
+    content = completion[-1].get("content", "") if completion else ""
     if isinstance(content, list):  # multimodal-style content parts
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return str(content)
-
-
-def accuracy_reward(
-    completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
-) -> list[float | None]:
-    """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None (TRL ignores the sample) when the gold
-    is unparsable; graded under ``math_verify`` (:func:`make_accuracy_reward` binds another policy)."""
-    return _rewards_from(default_grader(), completions, answer, DEFAULT_ANSWER_POLICY)
-
-
-def _rewards_from(
-    grader: Grader,
-    completions: Sequence[str | Sequence[dict[str, Any]]],
-    answer: Sequence[Gold],
-    policy: AnswerPolicy,
-) -> list[float | None]:
-    results = grader.grade_many([completion_text(c) for c in completions], list(answer), policy)
-    return [None if not r.gold_parsed else (1.0 if r.correct else 0.0) for r in results]
 
 
 def make_accuracy_reward(
@@ -592,11 +506,18 @@ def make_accuracy_reward(
     def accuracy_reward(
         completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
     ) -> list[float | None]:
-        return _rewards_from(grader or default_grader(), completions, answer, policy)
+        """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None (TRL ignores the sample) when the
+        gold is unparsable; graded under ``math_verify`` (:func:`make_accuracy_reward` binds another)."""
+        texts = [completion_text(c) for c in completions]
+        results = (grader or default_grader()).grade_many(texts, list(answer), policy)
+        return [float(r.correct) if r.gold_parsed else None for r in results]
 
-    accuracy_reward.__doc__ = globals()["accuracy_reward"].__doc__
     accuracy_reward.answer_policy = policy  # type: ignore[attr-defined]
+    accuracy_reward.__qualname__ = "accuracy_reward"  # the module-level one pickles by name
     return accuracy_reward
+
+
+accuracy_reward = make_accuracy_reward()
 
 
 def bind_answer_policy(reward_funcs: Any, policy: AnswerPolicy) -> Any:
@@ -614,10 +535,7 @@ def bind_answer_policy(reward_funcs: Any, policy: AnswerPolicy) -> Any:
     return bind(reward_funcs)
 
 
-# --------------------------------------------------------------------------------------------------
-# PODS's reward: correctness 1.0 plus a format term (max 0.2), for completions in its
-# <think>...</think><answer>...</answer> format.
-# --------------------------------------------------------------------------------------------------
+# PODS's reward: correctness 1.0 plus a format term (max 0.2) for its <think>...</answer> format.
 
 PODS_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 PODS_FORMAT_WEIGHT = 0.1  # times max(0, 1 - 0.01 * characters outside the format)

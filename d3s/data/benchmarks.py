@@ -68,7 +68,6 @@ class BenchmarkSpec:
     """How to read one benchmark."""
 
     name: str
-    description: str
     hub: HubSource | None = None
     local_file: str = "test.jsonl"  # in <data root>/<local_dir or name>/
     local_dir: str | None = None
@@ -95,25 +94,18 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
     for spec in [
         BenchmarkSpec(
             "aime24",
-            "AIME 2024 I+II (30); answers are zero-padded strings such as '025'",
             HubSource("HuggingFaceH4/aime_2024", split="train"),
             solution_field="solution",
             metadata_fields=("url",),
         ),
-        BenchmarkSpec(
-            "aime25",
-            "AIME 2025 I+II (30); answers are JSON integers",
-            HubSource("math-ai/aime25", split="test", renames={"problem": ["question"]}),
-        ),
+        BenchmarkSpec("aime25", HubSource("math-ai/aime25", split="test", renames={"problem": ["question"]})),
         BenchmarkSpec(
             "amc23",
-            "AMC 2023, 40-problem version; answers are JSON floats such as 27.0",
             HubSource("math-ai/amc23", split="test", renames={"problem": ["question"]}),
             metadata_fields=("url",),
         ),
         BenchmarkSpec(
             "math500",
-            "MATH500 (PRM800K test split, 500)",
             HubSource("HuggingFaceH4/MATH-500", split="test"),
             id_field="unique_id",
             solution_field="solution",
@@ -121,7 +113,6 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
         BenchmarkSpec(
             "gsm8k",
-            "GSM8K test (1,319); gold is the number after '####' in the rationale",
             HubSource("openai/gsm8k", name="main", split="test"),
             question_field="question",
             id_field=None,
@@ -130,7 +121,6 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
         BenchmarkSpec(
             "minerva_math",
-            "Minerva Math / OCW (272); gold is the last \\boxed{} of the solution",
             HubSource("math-ai/minervamath", split="test", renames={"problem": ["question"], "idx": ["id"]}),
             gold_fields=("answer", "solution"),  # hub copies carry a separate answer column
             id_field="idx",
@@ -139,7 +129,6 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
         BenchmarkSpec(
             "olympiadbench",
-            "OlympiadBench OE_TO_maths_en_COMP (675); gold is the final_answer list",
             HubSource("Hothan/OlympiadBench", name="OE_TO_maths_en_COMP", split="train"),
             question_field="question",
             gold_fields=("final_answer",),
@@ -148,7 +137,6 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
         BenchmarkSpec(
             "math_level3to5",
-            "MATH level 3-5 training set (SimpleRL/LIMR 'math.8k', 8,523); JSON array",
             HubSource(
                 "hkust-nlp/SimpleRL-Zoo-Data",
                 split="train",
@@ -161,7 +149,6 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
         BenchmarkSpec(
             "gsm8k_train",
-            "GSM8K train (7,473): PODS's training set; gold is the number after '####' in the rationale",
             HubSource("openai/gsm8k", name="main", split="train"),
             local_dir="gsm8k",
             local_file="train.jsonl",
@@ -173,7 +160,6 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
         BenchmarkSpec(
             "synthetic",
-            "chained integer arithmetic of the tiny default (d3s.data.synthetic, test split)",
             question_field="prompt",
             id_field=None,
             solution_field="solution",
@@ -324,17 +310,8 @@ def load_benchmark(
     synthetic: Mapping[str, Any] | None = None,
     on_malformed: str | None = None,
 ) -> list[Problem]:
-    """Load a benchmark's problems (the first ``limit`` of them, if given).
-
-    Looks for ``<data_dir or $D3S_DATA_DIR>/<benchmark>/test.jsonl`` and, when that is absent and
-    ``allow_hub``, the Hugging Face Hub (unless ``HF_HUB_OFFLINE`` is set). ``synthetic`` passes
-    count/seed/min_ops/max_ops/max_operand to the synthetic task.
-    Malformed rows (missing question, missing or empty gold, duplicate id) raise :class:`BenchmarkError`
-    listing their line numbers (``on_malformed="error"``, the default for evaluation benchmarks), or are
-    skipped with a :class:`MalformedRowsWarning` naming them (``"skip"``, the default for training sets:
-    math.8k has two rows with an empty answer). Invalid JSON is always an error. A problem is never
-    dropped silently.
-    """
+    """The first ``limit`` problems of benchmark ``name``: its local copy, else (``allow_hub``) the Hub;
+    ``synthetic`` holds the synthetic task's options. Malformed rows: docs/evaluation.md, "Benchmarks"."""
     spec = get_benchmark(name)
     on_malformed = on_malformed or ("skip" if spec.role == "train" else "error")
     if on_malformed not in ("error", "skip"):

@@ -56,11 +56,8 @@ def arithmetic_problems(
     max_operand: int = 99,
     bounded: bool = False,
 ) -> list[ArithmeticProblem]:
-    """``count`` problems of ``min_ops``..``max_ops`` operations on integers 0..``max_operand``.
-
-    ``split`` picks a side of a fixed hash split of the prompts (10 % test), so the held-out problems
-    never appear in training, whatever the seed or count. Problems may repeat within a split.
-    """
+    """``count`` problems of ``min_ops``..``max_ops`` operations on integers 0..``max_operand``, from the
+    ``split`` side of a fixed hash split (so held-out problems never appear in training); they may repeat."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"d3s-arithmetic-{split}-{seed}" + ("-bounded" if bounded else ""))
@@ -78,10 +75,8 @@ def arithmetic_problems(
 def demonstrations(
     problems: Sequence[ArithmeticProblem], box_error: Sequence[float] = (0.0, 0.0), seed: int = 0
 ) -> list[tuple[str, str]]:
-    """SFT (prompt, completion) pairs. A fraction of the demonstrations, rising linearly with the number of
-    operations from ``box_error[0]`` (the shortest chains) to ``box_error[1]`` (the longest), box the first
-    intermediate result instead of the answer: a habit the base model learns and only the reward can
-    correct, rarely on short chains and mostly on long ones, so prompts span difficulties."""
+    """SFT (prompt, completion) pairs; a fraction, from ``box_error[0]`` on the shortest chains rising
+    linearly to ``box_error[1]`` on the longest, box the first intermediate result (docs/workflow.md)."""
     rng = random.Random(f"d3s-demonstrations-{seed}")
     low, high = (min(p.num_ops for p in problems), max(p.num_ops for p in problems)) if problems else (0, 0)
     pairs = []

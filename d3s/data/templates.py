@@ -55,13 +55,9 @@ def build_prompt(
             "template 'qwen_math_cot' needs a tokenizer with a chat template; this model has none: "
             "use --template plain (or auto)"
         )
+    messages = chat_messages(question, instruction=instruction)
     try:
-        return tokenizer.apply_chat_template(
-            chat_messages(question, instruction=instruction), tokenize=False, add_generation_prompt=True
-        )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception:  # e.g. templates that reject a system role (Gemma, Mistral)
-        return tokenizer.apply_chat_template(
-            chat_messages(question, system_role=False, instruction=instruction),
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        messages = chat_messages(question, system_role=False, instruction=instruction)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
