@@ -254,60 +254,51 @@ def _check_keys(options: Any, fields: Any, what: str, fix: str, source: str | No
 
 
 def _section(
-    dataclass_type: type, options: Any, label: str, sources: Mapping[str, str], source: str | None
+    dataclass_type: type, options: Any, label: str, sources: Mapping[str, str], source: str | None, fix=""
 ) -> dict[str, Any]:
-    """``options`` typed field by field, then checked by ``dataclass_type``'s __post_init__ (ranges)."""
+    """``options`` typed field by field, then checked by ``dataclass_type``'s __post_init__ (ranges); not
+    D3SConfig's (``fix`` given): resolve_config builds it once the CPU defaults are added."""
     fields = _parser(dataclass_type)[1]
     prefix = f"{label}." if label else ""
     what = f"{label} option(s)" if label else "config keys"
-    _check_keys(options, fields, what, f"valid: {', '.join(fields)}", source)
+    _check_keys(options, fields, what, fix or f"valid: {', '.join(fields)}", source)
     typed = {
         key: _typed(dataclass_type, key, value, f"{prefix}{key}", sources.get(f"{prefix}{key}", source))
         for key, value in options.items()
     }
-    try:
-        dataclass_type(**typed)
-    except ConfigError as err:
-        raise ConfigError(f"{err}{_from(sources.get(err.key or '', source))}") from None
+    if not fix:
+        try:
+            dataclass_type(**typed)
+        except ConfigError as err:
+            raise ConfigError(f"{err}{_from(sources.get(err.key or '', source))}") from None
     return typed
 
 
-def _trainer_option(name: str, value: Any, source: str | None) -> Any:
-    """A trainer option typed (its ranges: D3SConfig.__post_init__, the trainer's one check, in resolve_config)."""
-    from d3s.trainer_config import D3SConfig
+def _check_trainer(options: Mapping[str, Any], sources: Mapping[str, str], source: str | None) -> None:
+    """What the trainer's fields do not say: method is top-level, a config file exists, report_to installed."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-    if name == "method":
-        raise ConfigError(
-            f"trainer.method{_from(source)}: set the top-level method (or --method), not trainer.method"
-        )
-    typed = _typed(D3SConfig, name, value, f"trainer.{name}", source)
-    if name in PATH_OR_MAPPING_FIELDS and isinstance(typed, str) and not Path(typed).expanduser().is_file():
-        raise ConfigError(
-            f"trainer.{name}: file {typed} not found{_from(source)}; give an existing JSON file or a mapping"
-        )
-    if name == "report_to":
-        _check_report_to(typed, source)
-    return typed
-
-
-def _check_report_to(value: Any, source: str | None) -> None:
-    from transformers.integrations.integration_utils import (
-        INTEGRATION_TO_CALLBACK,
-        get_available_reporting_integrations,
-    )
-
-    names = [value] if isinstance(value, str) else list(value or [])
-    for name in names:
-        if name in ("none", "all"):
-            continue
-        if name not in INTEGRATION_TO_CALLBACK:
+    for name, value in options.items():
+        where = _from(sources.get(f"trainer.{name}", source))
+        if name == "method":
             raise ConfigError(
-                f"trainer.report_to: unknown integration {name!r}{_from(source)}; use none, all or one of "
+                f"trainer.method{where}: set the top-level method (or --method), not trainer.method"
+            )
+        path = Path(value).expanduser() if name in PATH_OR_MAPPING_FIELDS and isinstance(value, str) else None
+        if path and not path.is_file():
+            raise ConfigError(
+                f"trainer.{name}: file {value} not found{where}; give an existing JSON file or a mapping"
+            )
+    report_to, where = options.get("report_to"), _from(sources.get("trainer.report_to", source))
+    for name in [report_to] if isinstance(report_to, str) else report_to or []:
+        if name not in ("none", "all", *INTEGRATION_TO_CALLBACK):
+            raise ConfigError(
+                f"trainer.report_to: unknown integration {name!r}{where}; use none, all or one of "
                 f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}"
             )
-        if name not in get_available_reporting_integrations():
+        if name not in ("none", "all", *get_available_reporting_integrations()):
             raise ConfigError(
-                f"trainer.report_to: {name} is not installed here{_from(source)}; install it or set report_to: none"
+                f"trainer.report_to: {name} is not installed here{where}; install it or set report_to: none"
             )
 
 
@@ -350,12 +341,9 @@ def coerce_run_config(
     if out.get("trainer") is not None:
         from d3s.trainer_config import D3SConfig
 
-        fields = _parser(D3SConfig)[1]
         fix = "every option must be a field of D3SConfig"
-        _check_keys(out["trainer"], fields, "trainer option(s)", fix, source)
-        out["trainer"] = {
-            k: _trainer_option(k, v, sources.get(f"trainer.{k}", source)) for k, v in out["trainer"].items()
-        }
+        out["trainer"] = _section(D3SConfig, out["trainer"], "trainer", sources, source, fix)
+        _check_trainer(out["trainer"], sources, source)
     return RunConfig(out)
 
 
