@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        help="per-GPU peak memory of a workflow config's training and evaluation jobs (traced, no GPU needed)",
+        help="per-GPU peak memory of a workflow config's training and evaluation jobs (traced, no GPU)",
     )
     plan.add_argument(
         "--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml"

@@ -229,10 +229,10 @@ class D3SConfig(GRPOConfig):
         for keep in self.selection_schedule.reachable_keep_values():
             if (keep * micro) % G:
                 raise ValueError(
-                    f"keep_per_prompt = {keep} (reached by the schedule) gives {keep} x {micro} / {G} kept rows per "
-                    f"micro-batch, not a whole number: TRL would drop rows. Make per_device_train_batch_size "
-                    f"({micro}) a multiple of num_generations ({G}), or choose keep values N with N x {micro} "
-                    f"divisible by {G}."
+                    f"keep_per_prompt = {keep} (reached by the schedule) gives {keep} x {micro} / {G} kept "
+                    "rows per micro-batch, not a whole number: TRL would drop rows. Make "
+                    f"per_device_train_batch_size ({micro}) a multiple of num_generations ({G}), or choose "
+                    f"keep values N with N x {micro} divisible by {G}."
                 )
 
     def _validate_token_loss(self) -> None:
@@ -252,8 +252,8 @@ class D3SConfig(GRPOConfig):
             )
         if self.kl_tokens == "all" and (sequence_level or self.token_norm == "selected"):
             raise ValueError(
-                "kl_tokens all needs token_norm all and token-level ratios (the kept tokens are the loss mask "
-                "otherwise): set kl_tokens: selected"
+                "kl_tokens all needs token_norm all and token-level ratios (the kept tokens are the loss "
+                "mask otherwise): set kl_tokens: selected"
             )
 
     @property

@@ -1,11 +1,8 @@
 """The `d3s train` boundary: a run config (YAML file and flags) parsed once into typed, checked values.
 
-YAML reads ``1e-4`` as a string and ``no`` as a boolean; ``--set KEY=VALUE`` gives text. Each value is
-converted by the argparse action transformers' ``HfArgumentParser`` builds for its dataclass field (type,
-true/false words, Literal, enum and ``choices``, list items); the run's dataclasses (:class:`RunKeys` and its
-sections) and ``D3SConfig`` then check ranges in their ``__post_init__``. The pre-pass here does only what
-that parser cannot, each marked ``pre-pass:`` below; every error is one :class:`ConfigError` line naming the
-key, the value, where it came from and what to write instead.
+Each value is converted by transformers' ``HfArgumentParser`` of its dataclass, after a pre-pass only where
+that parser falls short (``pre-pass:`` below; docs/workflow.md, "How a setting travels"). Every error is one
+:class:`ConfigError` line naming the key, the value, where it came from and what to write instead.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ class RunKeys:
     trainer: dict | None = None
     data_dir: str | None = None
     resume: str = dataclasses.field(default="auto", metadata={"choices": ("auto", "never")})
-    # the reward functions by name (d3s.rewards.REWARD_SETS): accuracy, or pods (accuracy + PODS's format term)
+    # the reward functions (d3s.rewards.REWARD_SETS): accuracy, or pods (accuracy + PODS's format term)
     reward: str = dataclasses.field(default="accuracy", metadata={"choices": tuple(REWARD_SETS)})
 
     def __post_init__(self) -> None:
@@ -175,8 +172,8 @@ def _is_enum(kind: Any) -> bool:
 
 
 def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str | None) -> Any:
-    """``value`` of field ``name`` converted by the argparse action HfArgumentParser builds for it; ConfigError
-    naming ``label`` and ``source`` otherwise. Each ``pre-pass:`` is a case that parser cannot take."""
+    """``value`` of field ``name`` converted by the argparse action HfArgumentParser builds for it;
+    ConfigError naming ``label`` and ``source`` otherwise. Each ``pre-pass:`` is a case it cannot take."""
     parser, actions, kinds = _parser(dataclass_type)
     action, kind = actions[name], kinds[name]
 
@@ -275,7 +272,7 @@ def _section(
 
 
 def _check_trainer(options: Mapping[str, Any], sources: Mapping[str, str], source: str | None) -> None:
-    """What the trainer's fields do not say: method is top-level, a config file exists, report_to installed."""
+    """What the trainer's fields cannot say: method is top-level, files exist, report_to is installed."""
     from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
     for name, value in options.items():
@@ -309,7 +306,7 @@ def coerce_run_config(
 
     ``sources`` says where a key's value came from (``trainer.max_steps``: "from --max-steps 0"), ``source``
     where the others did. Needs no model or data (d3s.runs.run checks paths). Only the keys given are
-    returned, no defaults: the config is compared with a checkpoint's on resume. A RunConfig is returned as is.
+    returned, no defaults: the config is compared with a checkpoint's on resume. A RunConfig comes back as is.
     """
     from d3s.methods import METHODS
 
@@ -348,11 +345,8 @@ def coerce_run_config(
 
 
 def check_model_dir(model: str, what: str) -> bool:
-    """A local model path must be a directory with a readable config.json (checked before any weights load).
-
-    ``what`` names the setting in the message ("model", "--model"). Hub ids pass (they are resolved online).
-    Returns whether ``model`` is a local path (False: a hub id).
-    """
+    """Whether ``model`` is a local path (False: a hub id); a local one must hold a readable config.json
+    (checked before any weights load). ``what`` names the setting in the message ("model", "--model")."""
     path = Path(model).expanduser()
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1 or path.exists()
     if not looks_local:
@@ -379,9 +373,7 @@ def one_line(message: object) -> str:
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The YAML run config at ``path``; a missing, empty or malformed file raises ConfigError (one line).
-
-    Light on purpose (no torch or TRL import): a mistyped path costs a second, not the trainer's imports.
-    """
+    No torch or TRL import: a mistyped path costs a second, not the trainer's imports."""
     fix = "give the path of a YAML run config such as examples/tiny.yaml"
     try:
         config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
@@ -398,6 +390,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is empty; {fix} (a mapping of method, model, trainer, ...)")
     if not isinstance(config, dict):
         raise ConfigError(
-            f"config file {path}: expected a mapping of config keys at the top level, got {type(config).__name__}"
+            f"config file {path}: expected a mapping of config keys at the top level, got "
+            f"{type(config).__name__}"
         )
     return config

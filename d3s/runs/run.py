@@ -10,7 +10,7 @@
     reward: accuracy              # accuracy | pods (d3s.rewards.REWARD_SETS: pods adds PODS's format term;
                                   # grade its answers with trainer: {answer_policy: answer_tag})
     tiny: {sft_steps: 150}        # only for model: tiny
-    resume: auto                  # auto: continue from the newest complete checkpoint made by this same config;
+    resume: auto                  # auto: continue from the newest complete checkpoint of this same config;
                                   # never: start over (the old run's checkpoints and logs are moved aside to
                                   # output_dir/superseded-<UTC time>-resume-never/, never deleted)
     trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
@@ -144,8 +144,8 @@ def _model_init_kwargs(args) -> dict[str, Any]:
 
 
 def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str, Any] | None = None):
-    """(model, tokenizer) of a run: loaded from its path, or ``tiny`` built and warm-started by SFT (its losses
-    written to ``output_dir``/sft_losses.json)."""
+    """(model, tokenizer) of a run: loaded from its path, or ``tiny`` built and warm-started by SFT (its
+    losses written to ``output_dir``/sft_losses.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_name = config.get("model", "tiny")
@@ -343,8 +343,8 @@ def training_finished(checkpoint: str | os.PathLike[str]) -> bool:
 def _finish_from_checkpoint(
     output_dir: Path, checkpoint: Path, manifest: dict[str, Any], *, threads: int, is_main: bool
 ) -> None:
-    """final/ and train_summary.json from a checkpoint at the last step: its weight, config and tokenizer files
-    are what the final save writes (Trainer.save_model at that step); what is kept only to resume is left out."""
+    """final/ and train_summary.json from a checkpoint at the last step: its weight, config and tokenizer
+    files are what the final save writes (Trainer.save_model); what is kept only to resume is left out."""
     if is_main:
         step = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))["global_step"]
         if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
