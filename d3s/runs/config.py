@@ -186,7 +186,7 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
             item = "no"  # pre-pass: YAML 1.1 reads `save_strategy: no` as False
         bool_field = _expected(action).startswith("true or false")
         if not isinstance(item, (str, int, float)) or (isinstance(item, bool) and not bool_field):
-            refuse(_expected(action))
+            refuse(_expected(action))  # pre-pass: the parser would take True as the word "True"
         word = item if isinstance(item, str) and action.type is str else str(item).strip()
         try:
             parsed = getattr(parser.parse_known_args([f"--{name}={word}"])[0], name)
@@ -195,7 +195,7 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
             parsed = number if number is not None else refuse(_expected(action))
         parsed = parsed[0] if action.nargs == "+" else parsed
         if isinstance(parsed, float) and not math.isfinite(parsed):
-            refuse("a finite number such as 1e-6")
+            refuse("a finite number such as 1e-6")  # pre-pass: float() takes nan and inf
         if int in kind and isinstance(parsed, str) and parsed.strip().lstrip("-").isdigit():
             parsed = int(parsed)  # pre-pass: `int | str` keeps a number (the parser types it str)
         return getattr(parsed, "value", parsed)  # an enum member as its value (YAML-safe)
@@ -205,7 +205,7 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
         return None  # pre-pass: argv has no null
     literals = [v for m in kind if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
     if isinstance(value, bool) and value in literals:
-        return value
+        return value  # pre-pass: the parser types `str | Literal[False]` as str
     if any(isinstance(c, bool) for c in action.choices or ()):  # pre-pass: str | bool, typed as bool
         word = BOOL_WORDS.get(str(value).strip().lower(), value)
         return word if word in action.choices and not isinstance(word, float) else refuse(_expected(action))
@@ -226,6 +226,7 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
                 refuse(f"a list whose items are each {_expected(action)}")
         return value if text else refuse("a list such as [a, b]")  # `str | list`: a word is the str
     if isinstance(action.type, type) and action.type not in EXPECTED and not _is_enum(action.type):
+        # pre-pass: the parser would call the class on the text (ParallelismConfig("x"))
         refuse(f"{_expected(action)} (set it from Python, not from a config file)")
     return scalar(value)
 
