@@ -174,6 +174,8 @@ def _is_enum(kind: Any) -> bool:
 def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str | None) -> Any:
     """``value`` of field ``name`` converted by the argparse action HfArgumentParser builds for it;
     ConfigError naming ``label`` and ``source`` otherwise. Each ``pre-pass:`` is a case it cannot take."""
+    from transformers.hf_argparser import string_to_bool
+
     parser, actions, kinds = _parser(dataclass_type)
     action, kind = actions[name], kinds[name]
 
@@ -184,7 +186,7 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
     def scalar(item: Any) -> Any:
         if item is False and action.choices and "no" in action.choices:
             item = "no"  # pre-pass: YAML 1.1 reads `save_strategy: no` as False
-        bool_field = _expected(action).startswith("true or false")
+        bool_field = action.type is string_to_bool
         if not isinstance(item, (str, int, float)) or (isinstance(item, bool) and not bool_field):
             refuse(_expected(action))  # pre-pass: the parser would take True as the word "True"
         word = item if isinstance(item, str) and action.type is str else str(item).strip()
@@ -207,13 +209,11 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
     if isinstance(value, bool) and value in literals:
         return value  # pre-pass: the parser types `str | Literal[False]` as str
     if any(isinstance(c, bool) for c in action.choices or ()):  # pre-pass: str | bool, typed as bool
-        word = BOOL_WORDS.get(str(value).strip().lower(), value)
-        return word if word in action.choices and not isinstance(word, float) else refuse(_expected(action))
+        word = BOOL_WORDS.get(str(value).strip().lower(), value if text else None)
+        return word if word in action.choices else refuse(_expected(action))
     if any(m is dict or typing.get_origin(m) is dict for m in kind):  # pre-pass: a mapping, or its text
         path_ok = name in PATH_OR_MAPPING_FIELDS
-        mapping = (
-            _parse_text(value) if text and not (path_ok and not value.lstrip().startswith("{")) else value
-        )
+        mapping = _parse_text(value) if text and (not path_ok or value.lstrip().startswith("{")) else value
         if isinstance(mapping, Mapping) or (path_ok and isinstance(mapping, str) and mapping):
             return dict(mapping) if isinstance(mapping, Mapping) else mapping
         refuse("a mapping such as {key: value} (YAML or JSON)" + (" or a JSON file" if path_ok else ""))
@@ -224,7 +224,9 @@ def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str 
                 return [scalar(item) for item in (items if isinstance(items, (list, tuple)) else [value])]
             except ConfigError:
                 refuse(f"a list whose items are each {_expected(action)}")
-        return value if text else refuse("a list such as [a, b]")  # `str | list`: a word is the str
+        if str not in kind:
+            refuse("a list such as [a, b]")
+        return value if text else scalar(value)  # `str | list`: a word is the str
     if isinstance(action.type, type) and action.type not in EXPECTED and not _is_enum(action.type):
         # pre-pass: the parser would call the class on the text (ParallelismConfig("x"))
         refuse(f"{_expected(action)} (set it from Python, not from a config file)")

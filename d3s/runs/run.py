@@ -65,14 +65,10 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
 
     config = coerce_run_config(config)  # once: a parsed RunConfig is returned as is
     method = config.get("method", "grpo")
-    trainer = dict(config.get("trainer") or {})
     use_cpu = not torch.cuda.is_available()
     settings = {**CPU_DEFAULTS, "use_cpu": use_cpu} if use_cpu else {"report_to": "none"}
-    settings |= {
-        "seed": int(config.get("seed", 0)),
-        "output_dir": str(config.get("output_dir", f"runs/{method}")),
-    }
-    settings |= trainer
+    output_dir = str(config.get("output_dir", f"runs/{method}"))
+    settings |= {"seed": int(config.get("seed", 0)), "output_dir": output_dir} | (config.get("trainer") or {})
     if check_hardware:
         _check_hardware(settings)
     if check_inputs:
