@@ -1,8 +1,7 @@
 """The `d3s` command: one entry point, a subcommand per stage.
 
-Bad input ends in one line on stderr that names the setting and the fix, exit status 2, before any model
-loads: argparse errors (without the usage block), config files that are missing, empty or not YAML, unknown
-keys, values of the wrong type (``--set learning_rate=abc``) and values out of range.
+Bad input (argparse errors, config files, unknown keys, wrong types, values out of range) ends in one line
+on stderr that names the setting and the fix, exit status 2, before any model loads.
 """
 
 from __future__ import annotations
@@ -22,10 +21,8 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def build_train_config(args: argparse.Namespace) -> dict:
-    """The run config of ``d3s train``: the --config file, then the flags, parsed once (d3s.runs.config).
-
-    Raises ConfigError (a ValueError) naming the key, where the value came from and the fix.
-    """
+    """The run config of ``d3s train``: the --config file, then the flags, parsed once (d3s.runs.config);
+    ConfigError (a ValueError) names the key, where the value came from and the fix."""
     from d3s.runs.config import ConfigError, coerce_run_config, read_config_file
 
     config = read_config_file(args.config) if args.config else {}
@@ -127,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        help="per-GPU peak memory of a workflow config's training and evaluation jobs (traced, no GPU needed)",
+        help="per-GPU peak memory of a workflow config's training and evaluation jobs (traced, no GPU)",
     )
     plan.add_argument(
         "--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml"

@@ -62,10 +62,16 @@ def _trl_choices(name: str, *choices: Any) -> Any:
     return field(default=trl_field.default, metadata={**trl_field.metadata, "choices": list(choices)})
 
 
+def _option(default: Any, help_text: str, choices: Sequence[Any] | None = None) -> Any:
+    """A field of D3SConfig; ``choices`` are what HfArgumentParser and D3SConfig._validate accept."""
+    return field(
+        default=default, metadata={"help": help_text} | ({"choices": list(choices)} if choices else {})
+    )
+
+
 def _from_method(help_text: str, choices: Sequence[str] | None = None) -> Any:
     """A selection field: unset (None) means the method's value (d3s/methods.py)."""
-    metadata = {"help": f"{help_text} Default: from the method registry (d3s/methods.py)."}
-    return field(default=None, metadata=metadata | ({"choices": list(choices)} if choices else {}))
+    return _option(None, f"{help_text} Default: from the method registry (d3s/methods.py).", choices)
 
 
 @dataclass
@@ -73,7 +79,8 @@ class D3SConfig(GRPOConfig):
     """GRPOConfig plus the selection options. Unset selection fields (None) come from ``method``.
 
     Build with ``D3SConfig.for_method(name, **overrides)`` to also get the TRL settings a method needs
-    (GSPO's sequence-level ratio); every field here can still be overridden.
+    (GSPO's sequence-level ratio); every field here can still be overridden. docs/fidelity.md explains the
+    options ("The trainer options D3SConfig adds").
     """
 
     vllm_mode: str = _trl_choices("vllm_mode", "colocate", "server")
@@ -92,120 +99,33 @@ class D3SConfig(GRPOConfig):
     include_num_input_tokens_seen: str | bool = _trl_choices(
         "include_num_input_tokens_seen", "no", "all", "non_padding", True, False
     )
-    method: str = field(
-        default="grpo",
-        metadata={
-            "help": "Method name from d3s.methods.METHODS (grpo, pods, d1s, d1s_cross, d2s, d3s, d3s_i, ...)."
-        },
-    )
+    method: str = _option("grpo", "Method name from d3s.methods.METHODS (grpo, pods, d1s, d3s, ...).")
     sample_rule: str | None = _from_method("Rollout selection rule.", SAMPLE_RULES)
     sample_scope: str | None = _from_method(
-        "'group': keep exactly keep_per_prompt rollouts of every prompt; 'batch': keep keep_per_prompt x prompts "
-        "from the pooled batch (cross-group).",
-        SAMPLE_SCOPES,
+        "Rollouts kept per prompt (group) or pooled (batch).", SAMPLE_SCOPES
     )
-    renormalize: bool | None = _from_method(
-        "Re-normalise advantages over the kept rollouts of each group (PODS); False keeps the advantages computed "
-        "over all G rollouts (D-family)."
-    )
-    keep_per_prompt: int | None = _from_method(
-        "Rollouts kept per prompt, N (the initial value under a linear schedule)."
-    )
+    renormalize: bool | None = _from_method("Re-normalise advantages over the kept rollouts (PODS).")
+    keep_per_prompt: int | None = _from_method("Rollouts kept per prompt, N (initial value under linear).")
     keep_per_prompt_final: int | None = _from_method("N at the end of training under a linear schedule.")
     token_rule: str | None = _from_method(
-        "Token score: 'adv_entropy' = |A| x entropy, 'entropy' = the 80/20 rule, 'none'.", TOKEN_RULES
+        "Token score: adv_entropy (|A| x H) or entropy (80/20).", TOKEN_RULES
     )
-    token_scope: str | None = _from_method(
-        "'batch': top-K% over the valid tokens of the kept rollouts of the whole generation batch, all ranks, "
-        "chosen once after sample selection (the paper's T); 'micro_batch': over each micro-batch as TRL's "
-        "entropy mask does (depends on the micro-batch size, for comparison); 'sequence': top-K% within each "
-        "completion.",
-        TOKEN_SCOPES,
-    )
-    token_keep_ratio: float | None = _from_method(
-        "K in (0, 1], the fraction of tokens kept (initial value under linear)."
-    )
+    token_scope: str | None = _from_method("Where the top-K% of tokens is ranked.", TOKEN_SCOPES)
+    token_keep_ratio: float | None = _from_method("K in (0, 1], the fraction of tokens kept (initial value).")
     token_keep_ratio_final: float | None = _from_method("K at the end of training under a linear schedule.")
-    schedule: str | None = _from_method(
-        "linear moves N and K from their initial to final values in p = step / max_steps.", SCHEDULES
-    )
-    minibatches_per_generation: int | None = _from_method(
-        "Optimizer steps per generation batch (GSPO: 4); steps_per_generation becomes this x "
-        "gradient_accumulation_steps, so each update after the first is off-policy and the ratio clip acts."
-    )
-    token_norm: str = field(
-        default="all",
-        metadata={
-            "choices": ["all", "selected"],
-            "help": "Loss denominators under token selection: 'all' counts every completion token, as without "
-            "selection (TRL's and the 80/20 paper's convention); 'selected' counts the kept tokens only.",
-        },
-    )
-    kl_tokens: str = field(
-        default="selected",
-        metadata={
-            "choices": ["selected", "all"],
-            "help": "With beta != 0 and token selection: 'selected' puts the KL term on the kept tokens only (the "
-            "D3S paper: only selected tokens contribute to the gradient); 'all': on every token (TRL's order).",
-        },
-    )
-    metrics_log: str | None = field(
-        default="metrics.jsonl",
-        metadata={"help": "One JSON object per logging step, relative to output_dir (None: off)."},
-    )
-    anatomy_every: int = field(
-        default=0,
-        metadata={
-            "help": "Every this many steps, append what selection did (per-group rewards, advantages and kept "
-            "rollouts; scored tokens of a few kept completions) to output_dir/anatomy.jsonl. 0: off."
-        },
-    )
-    anatomy_examples: int = field(
-        default=4,
-        metadata={
-            "help": "Completions per anatomy record whose tokens, entropies, scores and mask are written."
-        },
-    )
-    defer_logprob_passes: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute saving, opt-in: run the old-policy, reference and vLLM importance-sampling log-prob "
-            "passes after rollout selection, on the kept rollouts only, so a dropped rollout costs only its "
-            "generation and reward. False: TRL's order (every rollout); the losses are the same "
-            "(d3s/savings/deferred.py)."
-        },
-    )
-    kept_token_logprobs: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute saving, opt-in: with token_keep_ratio < 1, back-propagate through the LM head only at the kept tokens "
-            "(entropies come from a no-gradient pass). False: TRL's head at every position, for comparison; "
-            "the losses and gradients are the same (d3s/savings/kept_head.py)."
-        },
-    )
-    answer_policy: str = field(
-        default="math_verify",
-        metadata={
-            "choices": list(ANSWER_POLICIES),
-            "help": "Which boxed answer the accuracy reward grades (d3s.rewards.accuracy_reward, replaced by the "
-            "trainer): 'math_verify' reads every \\boxed{} of a completion as one set answer (math-verify's "
-            "behaviour, the default), 'last_boxed' only the last box (the Qwen2.5-Math evaluation toolkit's "
-            "convention). Evaluation reports both.",
-        },
-    )
-    logging_steps: float = field(
-        default=1,
-        metadata={"help": "Log every step (TRL's default is 10); the analysis reads per-step metrics."},
-    )
-    full_state_checkpoints: str = field(
-        default="all",
-        metadata={
-            "choices": list(FULL_STATE_CHECKPOINTS),
-            "help": "'all': every checkpoint keeps the optimizer, scheduler, RNG and DeepSpeed state (Trainer's "
-            "way). 'latest': only the newest one does; an older one is cut to its weights, tokenizer, trainer "
-            "state and logs (what learning curves need) once a newer one is completely written, so a run "
-            "resumes exactly for the disk of one full state. Needs save_only_model false.",
-        },
+    schedule: str | None = _from_method("linear: N and K move with step / max_steps.", SCHEDULES)
+    minibatches_per_generation: int | None = _from_method("Optimizer steps per generation batch (GSPO: 4).")
+    token_norm: str = _option("all", "Loss denominators under token selection.", ["all", "selected"])
+    kl_tokens: str = _option("selected", "Tokens of the KL term under token selection.", ["selected", "all"])
+    metrics_log: str | None = _option("metrics.jsonl", "Per-step JSON log in output_dir (None: off).")
+    anatomy_every: int = _option(0, "Steps between records of what selection did (anatomy.jsonl; 0: off).")
+    anatomy_examples: int = _option(4, "Completions per anatomy record whose tokens are written.")
+    defer_logprob_passes: bool = _option(False, "Compute saving: log-prob passes on the kept rollouts only.")
+    kept_token_logprobs: bool = _option(False, "Compute saving: LM head gradient at the kept tokens only.")
+    answer_policy: str = _option("math_verify", "Which boxed answer the reward grades.", ANSWER_POLICIES)
+    logging_steps: float = _option(1, "Log every step (TRL: 10); the analysis reads per-step metrics.")
+    full_state_checkpoints: str = _option(
+        "all", "Checkpoints keeping the training state: all, or the newest.", FULL_STATE_CHECKPOINTS
     )
 
     @classmethod
@@ -309,10 +229,10 @@ class D3SConfig(GRPOConfig):
         for keep in self.selection_schedule.reachable_keep_values():
             if (keep * micro) % G:
                 raise ValueError(
-                    f"keep_per_prompt = {keep} (reached by the schedule) gives {keep} x {micro} / {G} kept rows per "
-                    f"micro-batch, not a whole number: TRL would drop rows. Make per_device_train_batch_size "
-                    f"({micro}) a multiple of num_generations ({G}), or choose keep values N with N x {micro} "
-                    f"divisible by {G}."
+                    f"keep_per_prompt = {keep} (reached by the schedule) gives {keep} x {micro} / {G} kept "
+                    "rows per micro-batch, not a whole number: TRL would drop rows. Make "
+                    f"per_device_train_batch_size ({micro}) a multiple of num_generations ({G}), or choose "
+                    f"keep values N with N x {micro} divisible by {G}."
                 )
 
     def _validate_token_loss(self) -> None:
@@ -332,8 +252,8 @@ class D3SConfig(GRPOConfig):
             )
         if self.kl_tokens == "all" and (sequence_level or self.token_norm == "selected"):
             raise ValueError(
-                "kl_tokens all needs token_norm all and token-level ratios (the kept tokens are the loss mask "
-                "otherwise): set kl_tokens: selected"
+                "kl_tokens all needs token_norm all and token-level ratios (the kept tokens are the loss "
+                "mask otherwise): set kl_tokens: selected"
             )
 
     @property

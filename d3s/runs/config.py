@@ -1,15 +1,14 @@
 """The `d3s train` boundary: a run config (YAML file and flags) parsed once into typed, checked values.
 
-YAML reads ``1e-4`` as a string and ``no`` as a boolean; ``--set KEY=VALUE`` gives text. Each value is
-converted by the argparse action transformers' ``HfArgumentParser`` builds for its dataclass field (type,
-true/false words, Literal, enum and ``choices``, list items); the run's dataclasses (:class:`RunKeys` and its
-sections) and ``D3SConfig`` then check ranges in their ``__post_init__``. The pre-pass here does only what
-that parser cannot, each marked ``pre-pass:`` below; every error is one :class:`ConfigError` line naming the
-key, the value, where it came from and what to write instead.
+Each value is converted by transformers' ``HfArgumentParser`` of its dataclass, after a pre-pass only where
+that parser falls short (``pre-pass:`` below; docs/workflow.md, "How a setting travels"). Every error is one
+:class:`ConfigError` line naming the key, the value, where it came from and what to write instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -67,7 +66,7 @@ class RunKeys:
     trainer: dict | None = None
     data_dir: str | None = None
     resume: str = dataclasses.field(default="auto", metadata={"choices": ("auto", "never")})
-    # the reward functions by name (d3s.rewards.REWARD_SETS): accuracy, or pods (accuracy + PODS's format term)
+    # the reward functions (d3s.rewards.REWARD_SETS): accuracy, or pods (accuracy + PODS's format term)
     reward: str = dataclasses.field(default="accuracy", metadata={"choices": tuple(REWARD_SETS)})
 
     def __post_init__(self) -> None:
@@ -126,256 +125,181 @@ class TinyOptions:
 TOP_LEVEL_KEYS = frozenset(f.name for f in dataclasses.fields(RunKeys))
 NULL_WORDS = ("null", "Null", "NULL", "~")
 BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
-
-# pre-pass: annotations that understate what TRL accepts (it maps True/False to "group"/"none" itself).
-TYPE_OVERRIDES: dict[str, Any] = {"scale_rewards": str | bool}
-
-# pre-pass: dict | str fields whose string form is a path to a JSON file (TrainingArguments reads it).
+# dict | str fields whose string form is a path to a JSON file (TrainingArguments reads it)
 PATH_OR_MAPPING_FIELDS = ("deepspeed", "fsdp_config", "accelerator_config")
-
 EXPECTED = {int: "an integer", float: "a number such as 1e-6", str: "a string"}
-MAPPING = "a mapping such as {key: value} (YAML or JSON)"
-
-
-class _Refused(Exception):
-    """Internal: the value does not fit the field; ``expected`` says what would."""
-
-    def __init__(self, expected: str) -> None:
-        super().__init__(expected)
-        self.expected = expected
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    """A field's annotation (its union members) and the argparse action HfArgumentParser builds for it."""
-
-    name: str
-    members: tuple[Any, ...]
-    action: Any
 
 
 @functools.cache
-def _fields(dataclass_type: type) -> dict[str, _Field]:
+def _parser(dataclass_type: type) -> tuple[Any, dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """HfArgumentParser of ``dataclass_type`` (errors raised, not exits), its actions and annotations."""
     from transformers import HfArgumentParser
 
     hints = typing.get_type_hints(dataclass_type)  # before the parser narrows the fields' types
-    actions = {
-        a.dest: a for a in HfArgumentParser(dataclass_type)._actions if f"--{a.dest}" in a.option_strings
+    parser = HfArgumentParser(dataclass_type, exit_on_error=False, allow_abbrev=False)
+    actions = {a.dest: a for a in parser._actions if a.dest in hints and f"--{a.dest}" in a.option_strings}
+    union = (typing.Union, types.UnionType)
+    kinds = {
+        name: typing.get_args(hint) if typing.get_origin(hint) in union else (hint,)
+        for name, hint in hints.items()
+        if name in actions
     }
-    out = {}
-    for field in dataclasses.fields(dataclass_type):
-        hint = TYPE_OVERRIDES.get(field.name, hints[field.name])
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        out[field.name] = _Field(field.name, typing.get_args(hint) if union else (hint,), actions[field.name])
-    return out
-
-
-def _trainer_fields() -> dict[str, _Field]:
-    from d3s.trainer_config import D3SConfig
-
-    return _fields(D3SConfig)
+    return parser, actions, kinds
 
 
 def _parse_text(value: str) -> Any:
-    """A string that may hold a JSON or YAML list or mapping (``--set reward_weights=[1, 0.5]``).
-
-    JSON first: YAML 1.1 reads the 1e-6 of ``{"min_lr": 1e-6}`` as a string.
-    """
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        pass
-    try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError:
-        return value
+    """JSON, else YAML (which reads the 1e-6 of ``{"min_lr": 1e-6}`` as a string), else the text."""
+    for load, error in ((json.loads, json.JSONDecodeError), (yaml.safe_load, yaml.YAMLError)):
+        with contextlib.suppress(error):
+            return load(value)
+    return value
 
 
-def _choices_text(choices: Any) -> str:
-    return "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
-
-
-def _convert(field: _Field, value: Any) -> Any:
-    """``value`` as ``field``'s type, or _Refused. pre-pass: null words, mappings and lists written in YAML or
-    JSON, which HfArgumentParser reads only as argv words; scalars go to its action (_scalar)."""
-    members, action = field.members, field.action
-    if type(None) in members and (value is None or value in NULL_WORDS):
-        return None
-    literals = [v for m in members if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
-    if isinstance(value, (bool, int)) and (type(value) in members or value in literals):
-        return value
-    if any(m is dict or typing.get_origin(m) is dict for m in members):
-        path_ok = field.name in PATH_OR_MAPPING_FIELDS
-        if isinstance(value, str) and not (path_ok and not value.lstrip().startswith("{")):
-            value = _parse_text(value)
-        if isinstance(value, Mapping) or (path_ok and isinstance(value, str) and value):
-            return dict(value) if isinstance(value, Mapping) else value
-        raise _Refused(MAPPING + (" or a JSON file" if path_ok else ""))
-    lists = [m for m in members if m is list or typing.get_origin(m) is list]
-    text = isinstance(value, str)
-    if lists and (
-        isinstance(value, (list, tuple)) or text and (value.lstrip().startswith("[") or str not in members)
-    ):
-        items = _parse_text(value) if text else value
-        items = items if isinstance(items, (list, tuple)) else [value]
-        item = (
-            field if action.nargs == "+" else _Field(field.name, typing.get_args(lists[0]) or (str,), action)
-        )
-        try:
-            return [_scalar(item, v) for v in items]
-        except _Refused as refused:
-            raise _Refused(f"a list whose items are each {refused.expected}") from None
-    if lists and str not in members:
-        raise _Refused("a list such as [a, b]")
-    return _scalar(field, value)
-
-
-def _scalar(field: _Field, value: Any) -> Any:
-    """One value converted from its text by the argparse type of the field, as HfArgumentParser does."""
+def _expected(action: Any) -> str:
+    """What ``action`` accepts, for the error message."""
     from transformers.hf_argparser import string_to_bool
 
-    action, members = field.action, field.members
-    # HfArgumentParser types a `str | bool` field as bool: such a field takes words, typed at the end
-    kind = (
-        str if str in members and (action.choices is None or action.type is string_to_bool) else action.type
-    )
-    if value is False and action.choices and "no" in action.choices:
-        value = "no"  # YAML 1.1 reads `save_strategy: no` as False
-    if kind is string_to_bool:
-        if isinstance(value, bool) or value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
-            return BOOL_WORDS[value.strip().lower()]
-        raise _Refused("true or false (also yes/no, 1/0)")
-    expected = _choices_text(action.choices) if action.choices else EXPECTED.get(kind, "")
-    if isinstance(kind, type) and kind not in EXPECTED and not issubclass(kind, enum.Enum):
-        raise _Refused(f"a {kind.__name__} object (set it from Python, not from a config file)")
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    choices = action.choices or ([e.value for e in action.type] if _is_enum(action.type) else None)
+    if choices:
+        return "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+    if action.type is string_to_bool:
+        return "true or false (also yes/no, 1/0)"
+    return EXPECTED.get(action.type, f"a {getattr(action.type, '__name__', action.type)} object")
+
+
+def _is_enum(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, enum.Enum)
+
+
+def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str | None) -> Any:
+    """``value`` of field ``name`` converted by the argparse action HfArgumentParser builds for it;
+    ConfigError naming ``label`` and ``source`` otherwise. Each ``pre-pass:`` is a case it cannot take."""
+    from transformers.hf_argparser import string_to_bool
+
+    parser, actions, kinds = _parser(dataclass_type)
+    action, kind = actions[name], kinds[name]
+
+    def refuse(expected: str) -> typing.NoReturn:
         hint = "; YAML reads yes/no/on/off as booleans, so quote the word" if isinstance(value, bool) else ""
-        raise _Refused(expected + hint)
-    text = value if isinstance(value, str) and kind is str else str(value).strip()
-    try:
-        converted = kind(text)
-    except (ValueError, TypeError, OverflowError):
-        converted = _whole_number(text) if kind is int else None
-        if converted is None:
-            raise _Refused(expected) from None
-    if isinstance(converted, float) and not math.isfinite(converted):
-        raise _Refused("a finite number such as 1e-6")
-    if (
-        isinstance(converted, str) and kind is str
-    ):  # pre-pass: `int | str`, `str | bool` keep a number or a word
-        word = converted.strip().lower()
-        if bool in members and word in BOOL_WORDS:
-            converted = BOOL_WORDS[word]
-        elif int in members and word.lstrip("-").isdigit():
-            converted = int(word)
-    if action.choices and converted not in action.choices:
-        raise _Refused(expected)
-    return getattr(converted, "value", converted)  # an enum member as its value (YAML-safe)
+        raise ConfigError(f"{label}: expected {expected}{hint}, got {value!r}{_from(source)}")
+
+    def scalar(item: Any) -> Any:
+        if item is False and action.choices and "no" in action.choices:
+            item = "no"  # pre-pass: YAML 1.1 reads `save_strategy: no` as False
+        bool_field = action.type is string_to_bool
+        if not isinstance(item, (str, int, float)) or (isinstance(item, bool) and not bool_field):
+            refuse(_expected(action))  # pre-pass: the parser would take True as the word "True"
+        word = item if isinstance(item, str) and action.type is str else str(item).strip()
+        try:
+            parsed = getattr(parser.parse_known_args([f"--{name}={word}"])[0], name)
+        except argparse.ArgumentError:
+            number = _whole_number(word) if action.type is int else None  # pre-pass: 1e3 or 8.0
+            parsed = number if number is not None else refuse(_expected(action))
+        parsed = parsed[0] if action.nargs == "+" else parsed
+        if isinstance(parsed, float) and not math.isfinite(parsed):
+            refuse("a finite number such as 1e-6")  # pre-pass: float() takes nan and inf
+        if int in kind and isinstance(parsed, str) and parsed.strip().lstrip("-").isdigit():
+            parsed = int(parsed)  # pre-pass: `int | str` keeps a number (the parser types it str)
+        return getattr(parsed, "value", parsed)  # an enum member as its value (YAML-safe)
+
+    text = isinstance(value, str)
+    if type(None) in kind and (value is None or value in NULL_WORDS):
+        return None  # pre-pass: argv has no null
+    literals = [v for m in kind if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
+    if isinstance(value, bool) and value in literals:
+        return value  # pre-pass: the parser types `str | Literal[False]` as str
+    if any(isinstance(c, bool) for c in action.choices or ()):  # pre-pass: str | bool, typed as bool
+        word = BOOL_WORDS.get(str(value).strip().lower(), value if text else None)
+        return word if word in action.choices else refuse(_expected(action))
+    if any(m is dict or typing.get_origin(m) is dict for m in kind):  # pre-pass: a mapping, or its text
+        path_ok = name in PATH_OR_MAPPING_FIELDS
+        mapping = _parse_text(value) if text and (not path_ok or value.lstrip().startswith("{")) else value
+        if isinstance(mapping, Mapping) or (path_ok and isinstance(mapping, str) and mapping):
+            return dict(mapping) if isinstance(mapping, Mapping) else mapping
+        refuse("a mapping such as {key: value} (YAML or JSON)" + (" or a JSON file" if path_ok else ""))
+    if any(m is list or typing.get_origin(m) is list for m in kind):  # pre-pass: a list, or its text
+        items = _parse_text(value) if text and value.lstrip().startswith("[") else value
+        if isinstance(items, (list, tuple)) or (text and str not in kind):
+            try:
+                return [scalar(item) for item in (items if isinstance(items, (list, tuple)) else [value])]
+            except ConfigError:
+                refuse(f"a list whose items are each {_expected(action)}")
+        if str not in kind:
+            refuse("a list such as [a, b]")
+        return value if text else scalar(value)  # `str | list`: a word is the str
+    if isinstance(action.type, type) and action.type not in EXPECTED and not _is_enum(action.type):
+        # pre-pass: the parser would call the class on the text (ParallelismConfig("x"))
+        refuse(f"{_expected(action)} (set it from Python, not from a config file)")
+    return scalar(value)
 
 
 def _whole_number(text: str) -> int | None:
-    """pre-pass: 1e3 or 8.0, an integer written as a float."""
-    try:
+    with contextlib.suppress(ValueError):
         number = float(text)
-    except ValueError:
-        return None
-    return int(number) if math.isfinite(number) and number.is_integer() else None
-
-
-def _did_you_mean(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(name, valid, n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+        return int(number) if math.isfinite(number) and number.is_integer() else None
+    return None
 
 
 def _from(source: str | None) -> str:
     return f" ({source})" if source else ""
 
 
-def _check_keys(options: Any, fields: Mapping[str, _Field], what: str, fix: str, source: str | None) -> None:
-    """pre-pass: unknown keys refused all together, with close matches (the parser names only the first)."""
+def _check_keys(options: Any, fields: Any, what: str, fix: str, source: str | None) -> None:
+    """pre-pass: unknown keys refused all together, with close matches (the parser passes them over)."""
     unknown = sorted(str(key) for key in options if key not in fields)
     if unknown:
-        hints = "".join(_did_you_mean(name, list(fields)) for name in unknown)
+        close = [difflib.get_close_matches(name, list(fields), n=1) for name in unknown]
+        hints = "".join(f" (did you mean {match[0]}?)" for match in close if match)
         raise ConfigError(f"unknown {what} {unknown}{hints}{_from(source)}; {fix}")
 
 
-def _typed(field: _Field, value: Any, label: str, source: str | None) -> Any:
-    """``value`` converted (see _convert); ConfigError naming ``label`` and ``source`` otherwise."""
-    try:
-        return _convert(field, value)
-    except _Refused as refused:
-        raise ConfigError(f"{label}: expected {refused.expected}, got {value!r}{_from(source)}") from None
-
-
-def _checked(
-    dataclass_type: type, values: Mapping[str, Any], sources: Mapping[str, str], source: str | None
-) -> None:
-    """Run ``dataclass_type``'s range checks on ``values``; an error says where the value came from."""
-    try:
-        dataclass_type(**values)
-    except ConfigError as err:
-        raise ConfigError(f"{err}{_from(sources.get(err.key or '', source))}") from None
-
-
-def coerce_trainer_option(name: str, value: Any, *, source: str | None = None) -> Any:
-    """``value`` of trainer option ``name`` as its field's type (its choices included); ConfigError naming the
-    key and fix otherwise. Ranges are D3SConfig.__post_init__'s, the trainer's one check."""
-    fields = _trainer_fields()
-    _check_keys(
-        {name: value}, fields, "trainer option(s)", "every option must be a field of D3SConfig", source
-    )
-    if name == "method":
-        raise ConfigError(
-            f"trainer.method{_from(source)}: set the top-level method (or --method), not trainer.method"
-        )
-    coerced = _typed(fields[name], value, f"trainer.{name}", source)
-    if (
-        name in PATH_OR_MAPPING_FIELDS
-        and isinstance(coerced, str)
-        and not Path(coerced).expanduser().is_file()
-    ):
-        raise ConfigError(
-            f"trainer.{name}: file {coerced} not found{_from(source)}; give an existing JSON file or a mapping"
-        )
-    if name == "report_to":
-        _check_report_to(coerced, source)
-    return coerced
-
-
-def _check_report_to(value: Any, source: str | None) -> None:
-    from transformers.integrations.integration_utils import (
-        INTEGRATION_TO_CALLBACK,
-        get_available_reporting_integrations,
-    )
-
-    names = [value] if isinstance(value, str) else list(value or [])
-    for name in names:
-        if name in ("none", "all"):
-            continue
-        if name not in INTEGRATION_TO_CALLBACK:
-            raise ConfigError(
-                f"trainer.report_to: unknown integration {name!r}{_from(source)}; use none, all or one of "
-                f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}"
-            )
-        if name not in get_available_reporting_integrations():
-            raise ConfigError(
-                f"trainer.report_to: {name} is not installed here{_from(source)}; install it or set report_to: none"
-            )
-
-
-def _coerce_section(
-    options: Any, dataclass_type: type, section: str, sources: Mapping[str, str], source: str | None
+def _section(
+    dataclass_type: type, options: Any, label: str, sources: Mapping[str, str], source: str | None, fix=""
 ) -> dict[str, Any]:
-    fields = _fields(dataclass_type)
-    _check_keys(options, fields, f"{section} option(s)", f"valid: {', '.join(fields)}", source)
+    """``options`` typed field by field, then checked by ``dataclass_type``'s __post_init__ (ranges); not
+    D3SConfig's (``fix`` given): resolve_config builds it once the CPU defaults are added."""
+    fields = _parser(dataclass_type)[1]
+    prefix = f"{label}." if label else ""
+    what = f"{label} option(s)" if label else "config keys"
+    _check_keys(options, fields, what, fix or f"valid: {', '.join(fields)}", source)
     typed = {
-        key: _typed(fields[key], value, f"{section}.{key}", sources.get(f"{section}.{key}", source))
+        key: _typed(dataclass_type, key, value, f"{prefix}{key}", sources.get(f"{prefix}{key}", source))
         for key, value in options.items()
     }
-    _checked(dataclass_type, typed, sources, source)
+    if not fix:
+        try:
+            dataclass_type(**typed)
+        except ConfigError as err:
+            raise ConfigError(f"{err}{_from(sources.get(err.key or '', source))}") from None
     return typed
+
+
+def _check_trainer(options: Mapping[str, Any], sources: Mapping[str, str], source: str | None) -> None:
+    """What the trainer's fields cannot say: method is top-level, files exist, report_to is installed."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    for name, value in options.items():
+        where = _from(sources.get(f"trainer.{name}", source))
+        if name == "method":
+            raise ConfigError(
+                f"trainer.method{where}: set the top-level method (or --method), not trainer.method"
+            )
+        path = Path(value).expanduser() if name in PATH_OR_MAPPING_FIELDS and isinstance(value, str) else None
+        if path and not path.is_file():
+            raise ConfigError(
+                f"trainer.{name}: file {value} not found{where}; give an existing JSON file or a mapping"
+            )
+    report_to, where = options.get("report_to"), _from(sources.get("trainer.report_to", source))
+    for name in [report_to] if isinstance(report_to, str) else report_to or []:
+        if name not in ("none", "all", *INTEGRATION_TO_CALLBACK):
+            raise ConfigError(
+                f"trainer.report_to: unknown integration {name!r}{where}; use none, all or one of "
+                f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}"
+            )
+        if name not in ("none", "all", *get_available_reporting_integrations()):
+            raise ConfigError(
+                f"trainer.report_to: {name} is not installed here{where}; install it or set report_to: none"
+            )
 
 
 def coerce_run_config(
@@ -383,11 +307,9 @@ def coerce_run_config(
 ) -> RunConfig:
     """A ``d3s train`` config with every value typed and checked, once; ConfigError (one line) otherwise.
 
-    Checks the top-level keys (RunKeys), the dataset and tiny sections and every trainer option's type (its
-    ranges: D3SConfig). ``sources`` says where a key's value came from (``trainer.max_steps``: "from
-    --max-steps 0"), ``source`` where the others did. Needs no model and no data: paths are checked by
-    d3s.runs.run. Only the keys given are returned (no defaults added): the config is compared with a
-    checkpoint's on resume. A RunConfig is returned as is.
+    ``sources`` says where a key's value came from (``trainer.max_steps``: "from --max-steps 0"), ``source``
+    where the others did. Needs no model or data (d3s.runs.run checks paths). Only the keys given are
+    returned, no defaults: the config is compared with a checkpoint's on resume. A RunConfig comes back as is.
     """
     from d3s.methods import METHODS
 
@@ -398,9 +320,7 @@ def coerce_run_config(
         raise ConfigError(
             f"expected a mapping of config keys at the top level, got {config!r}{_from(source)}"
         )
-    fields = _fields(RunKeys)
-    _check_keys(config, fields, "config keys", f"valid keys: {sorted(fields)}", source)
-    out = {key: _typed(fields[key], value, key, sources.get(key, source)) for key, value in config.items()}
+    out = _section(RunKeys, config, "", sources, source)
     for key, value in out.items():
         if value == "":
             raise ConfigError(f"{key}: expected a non-empty string, got ''{_from(sources.get(key, source))}")
@@ -409,35 +329,27 @@ def coerce_run_config(
             f"unknown method {out['method']!r}{_from(sources.get('method', source))}; valid methods: "
             f"{', '.join(sorted(METHODS))}"
         )
-    _checked(RunKeys, out, sources, source)
     if out.get("dataset"):
-        kind = (
-            SyntheticDataset if out["dataset"].get("name", "synthetic") == "synthetic" else BenchmarkDataset
-        )
-        out["dataset"] = _coerce_section(out["dataset"], kind, "dataset", sources, source)
+        synthetic = out["dataset"].get("name", "synthetic") == "synthetic"
+        kind = SyntheticDataset if synthetic else BenchmarkDataset
+        out["dataset"] = _section(kind, out["dataset"], "dataset", sources, source)
     if out.get("tiny"):
-        out["tiny"] = _coerce_section(out["tiny"], TinyOptions, "tiny", sources, source)
+        out["tiny"] = _section(TinyOptions, out["tiny"], "tiny", sources, source)
     output_dir = Path(out.get("output_dir") or ".").expanduser()
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"output_dir: {out['output_dir']} is a file; give a directory path")
     if out.get("trainer") is not None:
-        fields = _trainer_fields()
-        _check_keys(
-            out["trainer"], fields, "trainer option(s)", "every option must be a field of D3SConfig", source
-        )
-        out["trainer"] = {
-            k: coerce_trainer_option(k, v, source=sources.get(f"trainer.{k}", source))
-            for k, v in out["trainer"].items()
-        }
+        from d3s.trainer_config import D3SConfig
+
+        fix = "every option must be a field of D3SConfig"
+        out["trainer"] = _section(D3SConfig, out["trainer"], "trainer", sources, source, fix)
+        _check_trainer(out["trainer"], sources, source)
     return RunConfig(out)
 
 
 def check_model_dir(model: str, what: str) -> bool:
-    """A local model path must be a directory with a readable config.json (checked before any weights load).
-
-    ``what`` names the setting in the message ("model", "--model"). Hub ids pass (they are resolved online).
-    Returns whether ``model`` is a local path (False: a hub id).
-    """
+    """Whether ``model`` is a local path (False: a hub id); a local one must hold a readable config.json
+    (checked before any weights load). ``what`` names the setting in the message ("model", "--model")."""
     path = Path(model).expanduser()
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1 or path.exists()
     if not looks_local:
@@ -464,9 +376,7 @@ def one_line(message: object) -> str:
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The YAML run config at ``path``; a missing, empty or malformed file raises ConfigError (one line).
-
-    Light on purpose (no torch or TRL import): a mistyped path costs a second, not the trainer's imports.
-    """
+    No torch or TRL import: a mistyped path costs a second, not the trainer's imports."""
     fix = "give the path of a YAML run config such as examples/tiny.yaml"
     try:
         config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
@@ -483,6 +393,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is empty; {fix} (a mapping of method, model, trainer, ...)")
     if not isinstance(config, dict):
         raise ConfigError(
-            f"config file {path}: expected a mapping of config keys at the top level, got {type(config).__name__}"
+            f"config file {path}: expected a mapping of config keys at the top level, got "
+            f"{type(config).__name__}"
         )
     return config

@@ -10,7 +10,7 @@
     reward: accuracy              # accuracy | pods (d3s.rewards.REWARD_SETS: pods adds PODS's format term;
                                   # grade its answers with trainer: {answer_policy: answer_tag})
     tiny: {sft_steps: 150}        # only for model: tiny
-    resume: auto                  # auto: continue from the newest complete checkpoint made by this same config;
+    resume: auto                  # auto: continue from the newest complete checkpoint of this same config;
                                   # never: start over (the old run's checkpoints and logs are moved aside to
                                   # output_dir/superseded-<UTC time>-resume-never/, never deleted)
     trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
@@ -58,23 +58,17 @@ CPU_DEFAULTS: dict[str, Any] = {
 def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check_inputs: bool = True):
     """Check the config and build the D3SConfig; raises ValueError naming the field to change.
 
-    ``check_hardware=False`` validates a GPU config on a machine without GPUs (the workflow's parse-time
-    check, the paper-config tests): GPU-only settings pass, everything else is checked.
-    ``check_inputs=False`` skips the model path and training data (the workflow's input check before its
-    jobs, which checks them on its own: workflow/scripts/check_inputs.py).
+    ``check_hardware=False`` lets GPU-only settings pass on a machine without GPUs (the workflow's checks);
+    ``check_inputs=False`` skips the model path and training data (workflow/scripts/check_inputs.py has them).
     """
     from d3s.trainer import D3SConfig
 
     config = coerce_run_config(config)  # once: a parsed RunConfig is returned as is
     method = config.get("method", "grpo")
-    trainer = dict(config.get("trainer") or {})
     use_cpu = not torch.cuda.is_available()
     settings = {**CPU_DEFAULTS, "use_cpu": use_cpu} if use_cpu else {"report_to": "none"}
-    settings |= {
-        "seed": int(config.get("seed", 0)),
-        "output_dir": str(config.get("output_dir", f"runs/{method}")),
-    }
-    settings |= trainer
+    output_dir = str(config.get("output_dir", f"runs/{method}"))
+    settings |= {"seed": int(config.get("seed", 0)), "output_dir": output_dir} | (config.get("trainer") or {})
     if check_hardware:
         _check_hardware(settings)
     if check_inputs:
@@ -137,11 +131,8 @@ def _training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
 
 
 def _model_init_kwargs(args) -> dict[str, Any]:
-    """The trainer's model_init_kwargs, which TRL applies only to a model it loads itself (dtype as torch's).
-
-    e.g. ``{dtype: float32}`` keeps fp32 master weights under bf16 autocast: transformers loads in the
-    checkpoint's dtype by default, and an optimizer on bf16 weights loses updates as small as lr 1e-6.
-    """
+    """The trainer's model_init_kwargs (TRL applies them only to a model it loads), dtype as torch's: e.g.
+    ``{dtype: float32}`` keeps fp32 master weights, where bf16 weights lose updates as small as lr 1e-6."""
     kwargs = dict(args.model_init_kwargs or {})  # a mapping: the parser reads JSON or YAML text
     if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
@@ -149,8 +140,8 @@ def _model_init_kwargs(args) -> dict[str, Any]:
 
 
 def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[str, Any] | None = None):
-    """(model, tokenizer) of a run: loaded from its path, or ``tiny`` built and warm-started by SFT (its losses
-    written to ``output_dir``/sft_losses.json)."""
+    """(model, tokenizer) of a run: loaded from its path, or ``tiny`` built and warm-started by SFT (its
+    losses written to ``output_dir``/sft_losses.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_name = config.get("model", "tiny")
@@ -180,10 +171,8 @@ _RUN_DESCRIPTION = ("resolved_config.yaml", "manifest.json")
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest checkpoint a run can resume from: written completely (Trainer's state and ours both present,
-    ours written after every rank finished) and holding the training state (optimizer, or DeepSpeed's
-    global_step* folder). Checkpoints cut to their weights (full_state_checkpoints: latest) are never picked.
-    """
+    """The newest checkpoint a run can resume from: complete (Trainer's state and ours, written after every
+    rank finished), holding the training state, not cut to its weights (docs/gpu.md, "Resume")."""
     resumable = [
         path
         for path in Path(output_dir).glob("checkpoint-*")
@@ -200,10 +189,7 @@ def config_differences(
     output_dir: str | os.PathLike[str], config: dict[str, Any]
 ) -> dict[str, tuple[Any, Any]]:
     """``{key: (previous, current)}`` for every setting that differs from the run that wrote ``output_dir``
-    (its resolved_config.yaml), by the one rule (d3s.provenance.config_change: per-attempt values left out).
-
-    Both sides are `d3s train` configs as run, so ``threads`` is the per-process count on both.
-    """
+    (its resolved_config.yaml; per-attempt values left out: d3s.provenance.config_change)."""
     path = Path(output_dir) / "resolved_config.yaml"
     if not path.is_file():
         return {}
@@ -218,11 +204,9 @@ def config_differences(
 def supersede_run(
     output_dir: str | os.PathLike[str], reason: str, *, label: str, metrics_log: str | None = "metrics.jsonl"
 ) -> Path | None:
-    """Move a previous run's checkpoints, logs, resolved config, manifest and final model out of the way, into
+    """Move a previous run's checkpoints, logs, resolved config, manifest and final model into
     ``output_dir/superseded-<UTC time>-<label>/`` with a README.txt giving ``reason``; nothing is deleted.
-
-    Returns the new folder, or None when there was no previous work to keep (no checkpoint, log or final model).
-    """
+    Returns the new folder, or None when there was no previous work (checkpoint, log or final model)."""
     output_dir = Path(output_dir)
     checkpoints = sorted(path for path in output_dir.glob("checkpoint-*") if path.is_dir())
     work = checkpoints + [output_dir / name for name in (metrics_log, *_RUN_WORK) if name]
@@ -267,12 +251,8 @@ def _cut_logs(output_dir: Path, metrics_log: str, last_step: int) -> None:
 
 
 def train(config: dict[str, Any]) -> Path:
-    """Run one training job; returns the run directory.
-
-    The run directory gets manifest.json (provenance), resolved_config.yaml, metrics.jsonl, checkpoints
-    (if the trainer saves them), train_summary.json and final/. A re-run of an interrupted job resumes
-    from its newest complete checkpoint (``resume: auto``).
-    """
+    """Run one training job (resumed from its newest complete checkpoint under ``resume: auto``); returns the
+    run directory, which gets manifest.json, resolved_config.yaml, metrics.jsonl, checkpoints and final/."""
     config = coerce_run_config(config)
     args = resolve_config(config)
     # Under `accelerate launch` every process runs this; only the main one writes the run's files.
@@ -343,18 +323,8 @@ def train(config: dict[str, Any]) -> Path:
     trainer.save_model(str(partial))  # on every process: DeepSpeed ZeRO-3 gathers the weights from all
     if is_main:
         tokenizer.save_pretrained(str(partial))
-        shutil.rmtree(output_dir / "final", ignore_errors=True)
-        os.replace(partial, output_dir / "final")  # a crash never leaves a half-written final model
-        summary = {
-            "train_seconds": elapsed,
-            "steps": trainer.state.global_step,
-            "threads": threads,
-            "update_tokens_total": trainer.update_tokens_total,
-            "resumed_from": manifest["resumed_from"],
-        }
-        atomic_write_text(output_dir / "train_summary.json", json.dumps(summary, indent=2))
-        manifest["finished"] = now()
-        write_manifest(output_dir / "manifest.json", manifest)
+        steps, tokens = trainer.state.global_step, trainer.update_tokens_total
+        _publish(output_dir, manifest, elapsed, steps, threads, tokens, manifest["resumed_from"])
     trainer.accelerator.wait_for_everyone()
     return output_dir
 
@@ -369,12 +339,8 @@ def training_finished(checkpoint: str | os.PathLike[str]) -> bool:
 def _finish_from_checkpoint(
     output_dir: Path, checkpoint: Path, manifest: dict[str, Any], *, threads: int, is_main: bool
 ) -> None:
-    """Write final/ and train_summary.json from a checkpoint at the last step, as the uninterrupted run does.
-
-    The checkpoint's weight, config and tokenizer files are what Trainer.save_model wrote at that step (ZeRO-3
-    gathered into 16-bit weights), the same files the final save writes; everything kept only to resume is
-    left out.
-    """
+    """final/ and train_summary.json from a checkpoint at the last step: its weight, config and tokenizer
+    files are what the final save writes (Trainer.save_model); what is kept only to resume is left out."""
     if is_main:
         step = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))["global_step"]
         if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
@@ -391,23 +357,26 @@ def _finish_from_checkpoint(
             resume_state = any(path.match(pattern) for pattern in RESUME_STATE_PATTERNS)
             if path.is_file() and path.name not in skipped and not resume_state:
                 shutil.copy2(path, partial / path.name)
-        shutil.rmtree(output_dir / "final", ignore_errors=True)
-        os.replace(partial, output_dir / "final")
         counters = json.loads((checkpoint / D3S_STATE_FILE).read_text(encoding="utf-8"))
-        summary = {
-            "train_seconds": 0.0,  # this attempt trained nothing; the steps' time is in the earlier attempts
-            "steps": step,
-            "threads": threads,
-            "update_tokens_total": counters["update_tokens_total"],
-            "resumed_from": str(checkpoint),
-        }
-        atomic_write_text(output_dir / "train_summary.json", json.dumps(summary, indent=2))
-        manifest["finished"] = now()
-        write_manifest(output_dir / "manifest.json", manifest)
+        # train_seconds 0: this attempt trained nothing; the steps' time is in the earlier attempts
+        tokens = counters["update_tokens_total"]
+        _publish(output_dir, manifest, 0.0, step, threads, tokens, str(checkpoint))
         print(f"{checkpoint.name} is the last step (max_steps): final model written from it", flush=True)
     from accelerate import PartialState
 
     PartialState().wait_for_everyone()  # every process returns once the final model exists
+
+
+def _publish(output_dir: Path, manifest: dict[str, Any], *summary: Any) -> None:
+    """final.partial/ becomes final/ (a crash never leaves a half-written model), then train_summary.json
+    (``summary``: seconds, steps, threads, update tokens, resumed from) and the manifest's end time."""
+    shutil.rmtree(output_dir / "final", ignore_errors=True)
+    os.replace(output_dir / "final.partial", output_dir / "final")
+    keys = ("train_seconds", "steps", "threads", "update_tokens_total", "resumed_from")
+    summary_json = json.dumps(dict(zip(keys, summary, strict=True)), indent=2)
+    atomic_write_text(output_dir / "train_summary.json", summary_json)
+    manifest["finished"] = now()
+    write_manifest(output_dir / "manifest.json", manifest)
 
 
 def _input_files(config: dict[str, Any]) -> dict[str, Path]:
