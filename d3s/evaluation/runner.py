@@ -1,23 +1,5 @@
-"""Evaluate a model on benchmarks: generate, grade, write per-sample JSONL and a summary, resumably.
-
-Layout of an evaluation directory (one per model)::
-
-    <out>/summary.json                      all benchmarks, Pass@k, their average
-    <out>/manifest.json                     provenance of the whole evaluation (merged from the benchmarks')
-    <out>/<benchmark>/run.json              settings the samples were generated with (resume check)
-    <out>/<benchmark>/samples.jsonl         one line per sample, appended one whole problem at a time
-    <out>/<benchmark>/summary.json          Pass@k with bootstrap CI, counts, settings, provenance
-    <out>/<benchmark>/manifest.json         settings, versions, git, hardware, threads, start/end, checksums
-
-The JSONL is appended per completed problem (all its samples in one write, flushed and fsynced). On
-restart, complete problems are kept and skipped; a truncated last line or a partially written problem
-is discarded and generated again, so no problem is duplicated or lost.
-
-Every sample is graded under both answer policies (``d3s.rewards.ANSWER_POLICIES``: which boxed answer
-counts); ``ScoringOptions.answer_policy`` only chooses the primary one (``correct``, ``pass_at_k``). The
-policy is therefore not part of the resume identity: resuming with another primary policy relabels the
-kept samples (and grades samples written before both policies were recorded) without generating again.
-"""
+"""Evaluate a model on benchmarks: generate, grade under every answer policy, write per-sample JSONL (one
+whole problem per append, so a killed run resumes) and summaries (docs/evaluation.md, "Outputs")."""
 
 from __future__ import annotations
 
@@ -35,25 +17,14 @@ from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
+from d3s.provenance import manifest as provenance
 from d3s.provenance.config_change import config_changes, describe
-from d3s.provenance.manifest import (
-    atomic_write_text,
-    build_manifest,
-    git_state,
-    hardware,
-    model_files,
-    now,
-    package_versions,
-    sha256_file,
-    write_manifest,
-)
 from d3s.rewards import (
     ANSWER_POLICIES,
     BOXED_POLICIES,
     DEFAULT_ANSWER_POLICY,
     AnswerPolicy,
     Grader,
-    GradeResult,
     check_answer_policy,
     count_boxes,
 )
@@ -93,9 +64,11 @@ class BenchmarkRun:
     extra_provenance: dict[str, Any] = field(default_factory=dict)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file in the same folder and ``os.replace`` it: readers never see half a file."""
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+_write_json = provenance.write_manifest  # (atomic)
+
+
+def _jsonl(records: Any) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
@@ -131,7 +104,7 @@ def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str,
             "their problems are generated again",
             stacklevel=2,
         )
-        atomic_write_text(path, "".join(kept_lines))
+        provenance.atomic_write_text(path, "".join(kept_lines))
     return completed
 
 
@@ -155,7 +128,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
             f"{out_dir / SAMPLES_FILE} exists without {RUN_FILE}, so its settings are unknown. "
             "Use a new --out directory or --overwrite."
         )
-    atomic_write_json(run_file, identity)
+    _write_json(run_file, identity)
 
 
 def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
@@ -164,22 +137,20 @@ def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
     record.update(record["by_policy"][policy])
 
 
-def _grade_record(
-    record: dict[str, Any], grades: dict[AnswerPolicy, GradeResult], primary: AnswerPolicy
+def _grade_records(
+    records: Sequence[dict[str, Any]], golds: Sequence[Any], grader: Grader, primary: AnswerPolicy
 ) -> None:
-    """Add a sample record's verdict under every answer policy (``by_policy``), the primary one on top."""
-    record["by_policy"] = {
-        policy: {
-            "correct": g.correct,
-            "extracted": g.extracted,
-            "timed_out": g.timed_out,
-            "grading_error": g.error,
-        }
-        for policy, g in grades.items()
-    }
-    record["gold_parsed"] = grades[primary].gold_parsed
-    record["num_boxes"] = count_boxes(record["completion"])
-    _set_primary(record, primary)
+    """Add each sample record's verdict under every answer policy (``by_policy``), the primary one on top."""
+    grades = grader.grade_many_by_policy([r["completion"] for r in records], golds)
+    for index, record in enumerate(records):
+        record["by_policy"] = {}
+        for policy in ANSWER_POLICIES:
+            g = grades[policy][index]
+            verdict = {"correct": g.correct, "extracted": g.extracted, "timed_out": g.timed_out}
+            record["by_policy"][policy] = verdict | {"grading_error": g.error}
+        record["gold_parsed"] = grades[primary][index].gold_parsed
+        record["num_boxes"] = count_boxes(record["completion"])
+        _set_primary(record, primary)
 
 
 def regrade_records(
@@ -194,11 +165,7 @@ def regrade_records(
     records = [record for records in completed.values() for record in records]
     stale = [r for r in records if set(r.get("by_policy") or {}) != set(ANSWER_POLICIES)]
     if stale:  # (starting no grading worker when nothing is stale)
-        grades = grader.grade_many_by_policy(
-            [r["completion"] for r in stale], [gold_of[str(r["problem_id"])] for r in stale]
-        )
-        for index, record in enumerate(stale):
-            _grade_record(record, {policy: grades[policy][index] for policy in ANSWER_POLICIES}, primary)
+        _grade_records(stale, [gold_of[str(r["problem_id"])] for r in stale], grader, primary)
     relabel = [r for r in records if r.get("answer_policy") != primary]
     for record in relabel:
         _set_primary(record, primary)
@@ -231,16 +198,17 @@ def evaluate_benchmark(
     known = {p.problem_id for p in run.problems}
     kept = {pid: records for pid, records in completed.items() if pid in known}
     if regrade_records(kept, run.problems, grader, primary):  # grading is cheap; generation is not
-        lines = [json.dumps(r, ensure_ascii=False) + "\n" for records in completed.values() for r in records]
-        atomic_write_text(samples_path, "".join(lines))
+        provenance.atomic_write_text(
+            samples_path, _jsonl(r for records in completed.values() for r in records)
+        )
     todo = [p for p in run.problems if p.problem_id not in completed]
-    manifest = {"kind": "evaluation"} | build_manifest(
+    manifest = {"kind": "evaluation"} | provenance.build_manifest(
         config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
     )
     manifest["model_run"] = _model_run(manifest["inputs"])
     manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
     manifest["problems_generated"] = len(todo)
-    write_manifest(run.out_dir / MANIFEST_FILE, manifest)
+    _write_json(run.out_dir / MANIFEST_FILE, manifest)
     started = time.perf_counter()
     with (
         samples_path.open("a", encoding="utf-8") as handle,
@@ -257,30 +225,25 @@ def evaluate_benchmark(
             prompts = [build_prompt(p.question, resolved_template, backend.tokenizer) for p in batch]
             seeds = [problem_seed(run.settings.seed, run.benchmark, p.problem_id) for p in batch]
             generated = backend.generate(prompts, run.settings, seeds, add_special_tokens)
-            completions = [s.text for samples in generated for s in samples]
-            golds = [p.gold for p, samples in zip(batch, generated, strict=True) for _ in samples]
-            grades = grader.grade_many_by_policy(completions, golds)
-            offset = 0
-            for problem, samples in zip(batch, generated, strict=True):
-                if len(samples) != run.settings.samples:
+            per_problem = [
+                [
+                    {"problem_id": problem.problem_id, "sample_index": index, "completion": sample.text}
+                    | {"num_tokens": sample.num_tokens, "finish_reason": sample.finish_reason}
+                    | {"gold": list(problem.gold)}
+                    for index, sample in enumerate(samples)
+                ]
+                for problem, samples in zip(batch, generated, strict=True)
+            ]
+            flat = [record for records in per_problem for record in records]
+            _grade_records(flat, [r["gold"] for r in flat], grader, primary)
+            for problem, records in zip(batch, per_problem, strict=True):
+                if len(records) != run.settings.samples:
                     raise RuntimeError(
-                        f"backend returned {len(samples)} samples for problem {problem.problem_id}, "
+                        f"backend returned {len(records)} samples for problem {problem.problem_id}, "
                         f"expected {run.settings.samples}"
                     )
-                records = []
-                for index, sample in enumerate(samples):
-                    record = {
-                        "problem_id": problem.problem_id,
-                        "sample_index": index,
-                        "completion": sample.text,
-                    }
-                    record |= {"num_tokens": sample.num_tokens, "finish_reason": sample.finish_reason}
-                    record["gold"] = list(problem.gold)
-                    _grade_record(record, {p: grades[p][offset + index] for p in ANSWER_POLICIES}, primary)
-                    records.append(record)
-                offset += len(samples)
                 # One write per problem, flushed and fsynced: a crash loses at most this problem.
-                handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                handle.write(_jsonl(records))
                 handle.flush()
                 os.fsync(handle.fileno())
                 completed[problem.problem_id] = records
@@ -289,9 +252,9 @@ def evaluate_benchmark(
                     on_problem_done(problem)
     summary = summarize_benchmark(run, completed, resolved_template, grader, backend.name)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
-    atomic_write_json(run.out_dir / SUMMARY_FILE, summary)
-    manifest["finished"] = now()
-    write_manifest(run.out_dir / MANIFEST_FILE, manifest)
+    _write_json(run.out_dir / SUMMARY_FILE, summary)
+    manifest["finished"] = provenance.now()
+    _write_json(run.out_dir / MANIFEST_FILE, manifest)
     return summary
 
 
@@ -305,7 +268,7 @@ def problems_sha256(problems: Sequence[Problem]) -> str:
 def _eval_inputs(run: BenchmarkRun) -> dict[str, Path]:
     """Checksummed inputs: the model's files, the benchmark file, and the manifest of the training run
     the model came from (``<run>/final`` or ``<run>/checkpoint-N``), which names its method settings."""
-    inputs: dict[str, Path] = dict(model_files(run.model_path))
+    inputs: dict[str, Path] = dict(provenance.model_files(run.model_path))
     if run.data_source and Path(run.data_source).is_file():
         inputs[f"benchmark/{run.benchmark}"] = Path(run.data_source)
     run_manifest = Path(run.model_path).expanduser().parent / MANIFEST_FILE
@@ -375,29 +338,23 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
         "problems_resumed": {name: part.get("problems_resumed") for name, part in parts.items()},
         "parts": {name: f"{name}/{MANIFEST_FILE}" for name in names},
     }
-    write_manifest(out_dir / MANIFEST_FILE, manifest)
+    _write_json(out_dir / MANIFEST_FILE, manifest)
     return manifest
 
 
-def _policy_scores(
-    counts: Sequence[tuple[int, int]], correct_samples: int, total_samples: int, scoring: ScoringOptions
-) -> dict[str, Any]:
+def _policy_scores(counts: Sequence[tuple[int, int]], scoring: ScoringOptions) -> dict[str, Any]:
     """Pass@k with its CI and the mean accuracy for one policy's (samples, correct) counts per problem."""
+    options = {"confidence": scoring.confidence, "seed": scoring.bootstrap_seed}
     table = (
-        pass_at_k_table(
-            counts,
-            scoring.ks,
-            resamples=scoring.bootstrap_resamples,
-            confidence=scoring.confidence,
-            seed=scoring.bootstrap_seed,
-        )
+        pass_at_k_table(counts, scoring.ks, resamples=scoring.bootstrap_resamples, **options)
         if counts
         else {}
     )
+    samples = sum(n for n, _ in counts)
     return {
         "pass_at_k": {k: v["value"] for k, v in table.items()},
         "ci": {k: v["ci"] for k, v in table.items()},
-        "mean_accuracy": correct_samples / total_samples if total_samples else None,
+        "mean_accuracy": sum(c for _, c in counts) / samples if samples else None,
     }
 
 
@@ -415,10 +372,9 @@ def summarize_benchmark(
     timeouts = {p: sum(bool(r[p]["timed_out"]) for r in every) for p in ANSWER_POLICIES}
     grading_errors = {p: sum(r[p]["grading_error"] is not None for r in every) for p in ANSWER_POLICIES}
     counts: dict[str, list[tuple[int, int]]] = {policy: [] for policy in ANSWER_POLICIES}
-    correct_samples = dict.fromkeys(ANSWER_POLICIES, 0)
     unparsable: list[str] = []
     verdicts: list[tuple[bool, bool]] = []
-    multi_box = truncated = total_samples = 0
+    multi_box = truncated = 0
     for problem in run.problems:
         records = completed[problem.problem_id]
         truncated += sum(r.get("finish_reason") == "length" for r in records)
@@ -426,15 +382,14 @@ def summarize_benchmark(
             unparsable.append(problem.problem_id)  # reported, never scored as wrong
             continue
         for policy in ANSWER_POLICIES:
-            correct = sum(bool(r["by_policy"][policy]["correct"]) for r in records)
-            counts[policy].append((len(records), correct))
-            correct_samples[policy] += correct
+            counts[policy].append(
+                (len(records), sum(bool(r["by_policy"][policy]["correct"]) for r in records))
+            )
         verdicts += [tuple(bool(r["by_policy"][p]["correct"]) for p in BOXED_POLICIES) for r in records]
         multi_box += sum(r.get("num_boxes", 0) >= 2 for r in records)
-        total_samples += len(records)
     scoring = run.scoring
     by_policy = {
-        policy: _policy_scores(counts[policy], correct_samples[policy], total_samples, scoring)
+        policy: _policy_scores(counts[policy], scoring)
         | {"timeouts": timeouts[policy], "grading_errors": grading_errors[policy]}
         for policy in ANSWER_POLICIES
     }
@@ -467,10 +422,12 @@ def summarize_benchmark(
         "answer_extraction": grader.answer_extraction,
         "grading_time_limit_s": grader.time_limit,
         "data_source": run.data_source,
-        "versions": package_versions(),
-        "git": git_state(),
-        "hardware": hardware(),
-        "data_sha256": sha256_file(run.data_source) if Path(str(run.data_source)).is_file() else None,
+        "versions": provenance.package_versions(),
+        "git": provenance.git_state(),
+        "hardware": provenance.hardware(),
+        "data_sha256": provenance.sha256_file(run.data_source)
+        if Path(str(run.data_source)).is_file()
+        else None,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **run.extra_provenance,
     }
@@ -513,8 +470,12 @@ def write_overall_summary(
         "manifest": MANIFEST_FILE,
     }
     write_overall_manifest(out_dir, list(summaries))
-    atomic_write_json(out_dir / SUMMARY_FILE, overall)
+    _write_json(out_dir / SUMMARY_FILE, overall)
     return overall
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"
 
 
 def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
@@ -534,19 +495,13 @@ def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]
         cells = []
         for k in ks:
             value, ci = s["pass_at_k"].get(str(k)), s["ci"].get(str(k))
-            cells.append(
-                "n/a" if value is None else f"{100 * value:.1f} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-            )
-        for policy in others:
-            value = s["by_policy"][policy]["pass_at_k"].get(first_k)
-            cells.append("n/a" if value is None else f"{100 * value:.1f}")
+            cells.append(_pct(value) + ("" if value is None else f" [{_pct(ci[0])}, {_pct(ci[1])}]"))
+        cells += [_pct(s["by_policy"][policy]["pass_at_k"].get(first_k)) for policy in others]
         rate = s["policy_disagreement"]["rate"]
         cells.append("n/a" if rate is None else f"{100 * rate:.1f}% of {s['policy_disagreement']['samples']}")
         lines.append(f"| {name} | {s['n_problems']} | " + " | ".join(cells) + f" | {s['timeouts']} |")
-    average = averages[primary]
-    if len(summaries) > 1 and average:
-        cells = [f"{100 * average[str(k)]:.1f}" if str(k) in average else "n/a" for k in ks]
-        for policy in others:
-            cells.append(f"{100 * averages[policy][first_k]:.1f}" if first_k in averages[policy] else "n/a")
+    if len(summaries) > 1 and averages[primary]:
+        cells = [_pct(averages[primary].get(str(k))) for k in ks]
+        cells += [_pct(averages[policy].get(first_k)) for policy in others]
         lines.append("| average | | " + " | ".join(cells) + " | | |")
     return "\n".join(lines)
