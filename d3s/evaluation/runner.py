@@ -72,11 +72,8 @@ def _jsonl(records: Any) -> str:
 
 
 def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
-    """Records of every problem whose ``samples`` samples are all in ``path``, keyed by problem id.
-
-    Anything else (a truncated or invalid line, a problem with missing or duplicated samples) is
-    discarded and the file rewritten atomically without it, so appending can continue safely.
-    """
+    """Records of every problem whose ``samples`` samples are all in ``path``, by problem id; anything else (a
+    cut or invalid line, a problem with missing or duplicated samples) is dropped from the file, atomically."""
     if not path.exists():
         return {}
     *complete_lines, tail = path.read_bytes().split(b"\n")  # tail: bytes after the last newline (cut off)
@@ -202,24 +199,18 @@ def evaluate_benchmark(
             samples_path, _jsonl(r for records in completed.values() for r in records)
         )
     todo = [p for p in run.problems if p.problem_id not in completed]
+    resumed = len(run.problems) - len(todo)  # kept from an interrupted run
     manifest = {"kind": "evaluation"} | provenance.build_manifest(
         config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
     )
     manifest["model_run"] = _model_run(manifest["inputs"])
-    manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
-    manifest["problems_generated"] = len(todo)
+    manifest |= {"problems_resumed": resumed, "problems_generated": len(todo)}
     _write_json(run.out_dir / MANIFEST_FILE, manifest)
     started = time.perf_counter()
-    with (
-        samples_path.open("a", encoding="utf-8") as handle,
-        tqdm(
-            total=len(run.problems),
-            initial=len(run.problems) - len(todo),
-            desc=run.benchmark,
-            unit="problem",
-            disable=not progress,
-        ) as bar,
-    ):
+    bar = tqdm(
+        total=len(run.problems), initial=resumed, desc=run.benchmark, unit="problem", disable=not progress
+    )
+    with samples_path.open("a", encoding="utf-8") as handle, bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             prompts = [build_prompt(p.question, resolved_template, backend.tokenizer) for p in batch]
@@ -250,7 +241,7 @@ def evaluate_benchmark(
                 bar.update(1)
                 if on_problem_done is not None:
                     on_problem_done(problem)
-    summary = summarize_benchmark(run, completed, resolved_template, grader, backend.name)
+    summary = summarize_benchmark(run, completed, config)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
     _write_json(run.out_dir / SUMMARY_FILE, summary)
     manifest["finished"] = provenance.now()
@@ -359,11 +350,7 @@ def _policy_scores(counts: Sequence[tuple[int, int]], scoring: ScoringOptions) -
 
 
 def summarize_benchmark(
-    run: BenchmarkRun,
-    completed: dict[str, list[dict[str, Any]]],
-    resolved_template: str,
-    grader: Grader,
-    backend_name: str,
+    run: BenchmarkRun, completed: dict[str, list[dict[str, Any]]], config: dict[str, Any]
 ) -> dict[str, Any]:
     """Pass@k under every answer policy over the problems of ``run`` (the primary policy's at the top
     level), and how often the policies disagree; problems with unparsable gold are excluded and counted."""
@@ -416,12 +403,9 @@ def summarize_benchmark(
         "timeouts": timeouts[primary],
         "grading_errors": grading_errors[primary],
         "truncated_samples": truncated,
-        "generation": asdict(run.settings),
-        "backend": backend_name,
-        "template": resolved_template,
-        "answer_extraction": grader.answer_extraction,
-        "grading_time_limit_s": grader.time_limit,
-        "data_source": run.data_source,
+        # the settings, as the manifest records them (_eval_config)
+        **{k: config[k] for k in ("generation", "backend", "template", "answer_extraction")},
+        **{k: config[k] for k in ("grading_time_limit_s", "data_source")},
         "versions": provenance.package_versions(),
         "git": provenance.git_state(),
         "hardware": provenance.hardware(),

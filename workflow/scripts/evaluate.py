@@ -42,20 +42,11 @@ class EvalJob:
 def eval_options(job: EvalJob) -> dict[str, str]:
     """The `d3s eval` options of the job; those not in EVALUATION_PER_ATTEMPT are its resume key."""
     ks = [k for k in job.ks if k <= job.samples] or [1]
-    options = {
-        "--model": job.model,
-        "--samples": str(job.samples),
-        "--max-tokens": str(ev.get("max_tokens", 4096)),
-        "--temperature": str(ev.get("temperature", 0.6)),
-        "--top-p": str(ev.get("top_p", 0.95)),
-        "--template": ev.get("template", "auto"),
-        "--backend": ev.get("backend", "auto"),
-        # each benchmark resumes on its own (d3s eval's run.json): adding one keeps the others
-        "--benchmarks": ",".join(ev["benchmarks"]),
-        "--k": ",".join(map(str, ks)),
-        "--out": str(job.out),
-        "--grading-workers": "1",
-    }
+    sampling = ("max_tokens", "temperature", "top_p", "template", "backend")  # defaults: config/schema.yaml
+    options = {"--model": job.model, "--samples": str(job.samples)} | {_flag(k): str(ev[k]) for k in sampling}
+    # each benchmark resumes on its own (d3s eval's run.json): adding one keeps the others
+    options["--benchmarks"] = ",".join(ev["benchmarks"])
+    options |= {"--k": ",".join(map(str, ks)), "--out": str(job.out), "--grading-workers": "1"}
     if "synthetic" in ev["benchmarks"]:
         synthetic = task | dict(ev.get("synthetic") or {})
         options["--synthetic"] = ",".join(
@@ -63,15 +54,15 @@ def eval_options(job: EvalJob) -> dict[str, str]:
         )
     if job.limit:
         options["--limit"] = str(job.limit)
-    for key in ("max_model_len", "dtype"):
-        if ev.get(key) is not None:
-            options[f"--{key.replace('_', '-')}"] = str(ev[key])
+    options |= {_flag(key): str(ev[key]) for key in ("max_model_len", "dtype") if ev.get(key) is not None}
     if job.gpu_ids:
         options["--tensor-parallel-size"] = str(ev.get("tensor_parallel_size", len(job.gpu_ids)))
-    for key in ("answer_policy", "batch_size", "data_dir", "gpu_memory_utilization"):
-        if ev.get(key):
-            options[f"--{key.replace('_', '-')}"] = str(ev[key])
-    return options
+    per_attempt = ("answer_policy", "batch_size", "data_dir", "gpu_memory_utilization")
+    return options | {_flag(key): str(ev[key]) for key in per_attempt if ev.get(key)}
+
+
+def _flag(key: str) -> str:
+    return f"--{key.replace('_', '-')}"
 
 
 def generate_and_grade(job: EvalJob) -> None:
@@ -99,23 +90,16 @@ def measure_kl(job: EvalJob) -> None:
         return
     train_config = yaml.safe_load(Path(smk.input.train_config).read_text(encoding="utf-8"))
     labels = {"method": smk.wildcards.method, "seed": int(smk.wildcards.seed), "point": job.out.name}
+    device = "cuda" if job.gpu_ids else "cpu"
     record = measure_checkpoint_kl(
-        job.model,
-        str(smk.params.reference),
-        train_config,
-        path,
-        settings,
-        labels=labels,
-        device="cuda" if job.gpu_ids else "cpu",
+        job.model, str(smk.params.reference), train_config, path, settings, labels=labels, device=device
     )
     summary = {key: record[key] for key in ("k1", "k3", "k1_per_sequence", "tokens", "seconds")}
     print(f"KL to the initial policy ({path}): {json.dumps(summary)}", flush=True)
 
 
 # The job's steps, in order. Each takes the EvalJob, writes under job.out and resumes on its own.
-STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [
-    ("generate and grade (d3s eval)", generate_and_grade),
-]
+STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [("generate and grade (d3s eval)", generate_and_grade)]
 if ev.get("kl") and smk.rule in ("evaluate_checkpoint", "evaluate_final"):  # the base model has KL 0
     # Before generation, so summary.json (the rule's output, written by d3s eval) still comes last.
     STEPS.insert(0, ("KL to the initial policy (eval.kl)", measure_kl))
