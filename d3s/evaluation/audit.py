@@ -105,14 +105,11 @@ class DisagreementRow:
     with_box: int
     with_2plus_boxes: int
     disagree: int
-    disagree_pct: str = field(init=False)
+    disagree_pct: str
     math_verify_only_correct: int
     last_boxed_only_correct: int
     timeouts: int
     examples: list[str] = field(default_factory=list)  # "id: verdicts, last box, gold"
-
-    def __post_init__(self) -> None:
-        self.disagree_pct = f"{100.0 * self.disagree / self.completions:.2f}" if self.completions else ""
 
     def details(self) -> list[str]:
         """The samples on which the policies disagree."""
@@ -140,13 +137,15 @@ def policy_disagreement_row(
     counted = policy_disagreement(
         [(grades[first][i].correct, grades[second][i].correct) for i in scored], names=(first, second)
     )
+    completions = len(items) - (len(boxed) - len(scored))
     row = DisagreementRow(
         source=source,
         benchmark=benchmark,
-        completions=len(items) - (len(boxed) - len(scored)),
+        completions=completions,
         with_box=len(scored),
         with_2plus_boxes=sum(count_boxes(boxed[i][1]) >= 2 for i in scored),
         disagree=counted["disagree"],
+        disagree_pct=f"{100.0 * counted['disagree'] / completions:.2f}" if completions else "",
         math_verify_only_correct=counted[f"{first}_only_correct"],
         last_boxed_only_correct=counted[f"{second}_only_correct"],
         timeouts=sum(r.timed_out for policy in BOXED_POLICIES for r in grades[policy]),
@@ -158,20 +157,6 @@ def policy_disagreement_row(
                 f"(last box {last_boxed_answer(completion)!r}), gold {list(gold)!r}"
             )
     return row
-
-
-def reference_disagreement(
-    data_dir: str | os.PathLike[str] | None, benchmarks: Sequence[str], grader: Grader
-) -> list[DisagreementRow]:
-    """Both policies on each benchmark's full reference solutions (human-written, sometimes with several
-    boxes), for the benchmarks that have them."""
-    rows = []
-    for name in benchmarks:
-        problems = load_benchmark(name, data_dir, allow_hub=False)
-        items = [(p.problem_id, p.reference_solution, p.gold) for p in problems if p.reference_solution]
-        if items:
-            rows.append(policy_disagreement_row("reference solutions", name, items, grader))
-    return rows
 
 
 def samples_files(path: Path) -> list[Path]:
@@ -241,7 +226,12 @@ def audit_report(
     ``benchmarks`` None: every benchmark with a local copy, synthetic included."""
     names = benchmarks or [n for n in BENCHMARKS if n == "synthetic" or local_copy(n, data_dir)]
     rows = [audit_benchmark(name, data_dir, grader) for name in names]
-    policy_rows = reference_disagreement(data_dir, [row.benchmark for row in rows], grader)
+    policy_rows = []
+    for name in names:  # both policies on the reference solutions (human-written, some with several boxes)
+        problems = load_benchmark(name, data_dir, allow_hub=False)
+        items = [(p.problem_id, p.reference_solution, p.gold) for p in problems if p.reference_solution]
+        if items:
+            policy_rows.append(policy_disagreement_row("reference solutions", name, items, grader))
     policy_rows += samples_disagreement(samples, grader)
     policies = "answer policies (math_verify: every box as one set answer; last_boxed: the last box only):"
     tables = [
