@@ -9,14 +9,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 from d3s.data.benchmarks import (
     BENCHMARKS,
     DATA_DIR_ENV,
     EVAL_BENCHMARKS,
     BenchmarkError,
-    Problem,
     benchmark_source,
     check_synthetic_options,
     get_benchmark,
@@ -212,38 +210,43 @@ def run_eval(args: argparse.Namespace) -> int:
     """Run ``d3s eval`` with parsed ``args``; returns the process exit code (2 = bad arguments or data)."""
     try:
         names, settings, backend_name = validate_eval_args(args)
+        grading = {"num_workers": args.grading_workers, "time_limit": args.grading_time_limit}
         if args.audit:
             chosen = names if args.benchmarks != DEFAULT_BENCHMARKS else None
-            with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
+            with Grader(**grading) as grader:
                 print(audit.audit_report(args.data_dir, chosen, args.audit_samples, grader, args.out))
             return 0
+        batch_size = args.batch_size or (64 if backend_name == "vllm" else 8)
+        scoring = runner.ScoringOptions(
+            ks=tuple(args.k),
+            bootstrap_resamples=args.bootstrap,
+            bootstrap_seed=args.seed,
+            answer_policy=args.answer_policy,
+        )
         # every benchmark up front: missing or malformed data fails before the model loads
-        problems = {
-            name: load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic)
+        runs = [
+            runner.BenchmarkRun(
+                benchmark=name,
+                problems=load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic),
+                out_dir=args.out / name,
+                settings=settings,
+                template=args.template,
+                model_path=args.model,
+                scoring=scoring,
+                data_source=benchmark_source(name, args.data_dir),
+                extra_provenance={"limit": args.limit, "batch_size": batch_size},
+            )
             for name in names
-        }
+        ]
         tokenizer = backends._load_tokenizer(args.model)
         for name in names:  # a chat-template prompt needs a chat template: checked before the weights load
             build_prompt("", args.template, tokenizer, get_benchmark(name).default_template)
     except ValueError as exc:
         print(f"d3s eval: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    return _evaluate(args, names, settings, backend_name, problems, tokenizer)
-
-
-def _evaluate(
-    args: argparse.Namespace,
-    names: list[str],
-    settings: GenerationSettings,
-    backend_name: str,
-    problems: dict[str, list[Problem]],
-    tokenizer: Any,
-) -> int:
-    out: Path = args.out
     if args.overwrite:
-        for name in names:
-            shutil.rmtree(out / name, ignore_errors=True)
-    batch_size = args.batch_size or (64 if backend_name == "vllm" else 8)
+        for run in runs:
+            shutil.rmtree(run.out_dir, ignore_errors=True)
     if backend_name == "vllm":
         vllm_keys = ("seed", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
         vllm_options = {key: getattr(args, key) for key in vllm_keys}
@@ -252,38 +255,17 @@ def _evaluate(
         backend = backends.TransformersBackend(
             args.model, dtype=args.dtype, batch_size=batch_size, tokenizer=tokenizer
         )
-    scoring = runner.ScoringOptions(
-        ks=tuple(args.k),
-        bootstrap_resamples=args.bootstrap,
-        bootstrap_seed=args.seed,
-        answer_policy=args.answer_policy,
-    )
     summaries = {}
-    with Grader(
-        num_workers=args.grading_workers,
-        time_limit=args.grading_time_limit,
-        answer_extraction=args.answer_extraction,
-    ) as grader:
-        for name in names:
-            run = runner.BenchmarkRun(
-                benchmark=name,
-                problems=problems[name],
-                out_dir=out / name,
-                settings=settings,
-                template=args.template,
-                model_path=args.model,
-                scoring=scoring,
-                data_source=benchmark_source(name, args.data_dir),
-                extra_provenance={"limit": args.limit, "batch_size": batch_size},
-            )
+    with Grader(**grading, answer_extraction=args.answer_extraction) as grader:
+        for run in runs:
             try:
-                summaries[name] = runner.evaluate_benchmark(
+                summaries[run.benchmark] = runner.evaluate_benchmark(
                     backend, grader, run, batch_size=batch_size, progress=not args.no_progress
                 )
             except runner.ResumeMismatchError as exc:
                 print(f"d3s eval: error: {exc}", file=sys.stderr)
                 return 2
-    runner.write_overall_summary(out, args.model, summaries)
+    runner.write_overall_summary(args.out, args.model, summaries)
     print(runner.format_results_table(summaries, args.k))
-    print(f"results in {out}")
+    print(f"results in {args.out}")
     return 0
