@@ -354,40 +354,34 @@ def summarize_benchmark(
 ) -> dict[str, Any]:
     """Pass@k under every answer policy over the problems of ``run`` (the primary policy's at the top
     level), and how often the policies disagree; problems with unparsable gold are excluded and counted."""
-    primary = run.scoring.answer_policy
-    every = [r["by_policy"] for problem in run.problems for r in completed[problem.problem_id]]
-    timeouts = {p: sum(bool(r[p]["timed_out"]) for r in every) for p in ANSWER_POLICIES}
-    grading_errors = {p: sum(r[p]["grading_error"] is not None for r in every) for p in ANSWER_POLICIES}
-    counts: dict[str, list[tuple[int, int]]] = {policy: [] for policy in ANSWER_POLICIES}
-    unparsable: list[str] = []
-    verdicts: list[tuple[bool, bool]] = []
-    multi_box = truncated = 0
-    for problem in run.problems:
-        records = completed[problem.problem_id]
-        truncated += sum(r.get("finish_reason") == "length" for r in records)
-        if not all(r["gold_parsed"] for r in records):
-            unparsable.append(problem.problem_id)  # reported, never scored as wrong
-            continue
-        for policy in ANSWER_POLICIES:
-            counts[policy].append(
-                (len(records), sum(bool(r["by_policy"][policy]["correct"]) for r in records))
-            )
-        verdicts += [tuple(bool(r["by_policy"][p]["correct"]) for p in BOXED_POLICIES) for r in records]
-        multi_box += sum(r.get("num_boxes", 0) >= 2 for r in records)
-    scoring = run.scoring
+    primary, scoring = run.scoring.answer_policy, run.scoring
+    records_of = [completed[p.problem_id] for p in run.problems]
+    every = [r for records in records_of for r in records]
+    gold_ok = [all(r["gold_parsed"] for r in records) for records in records_of]
+    # a problem with an unparsable gold is reported, never scored as wrong
+    unparsable = [p.problem_id for p, ok in zip(run.problems, gold_ok, strict=True) if not ok]
+    scored = [records for records, ok in zip(records_of, gold_ok, strict=True) if ok]
+
+    def count(policy: AnswerPolicy, key: str, records: Sequence[dict[str, Any]]) -> int:
+        return sum(bool(r["by_policy"][policy][key]) for r in records)
+
     by_policy = {
-        policy: _policy_scores(counts[policy], scoring)
-        | {"timeouts": timeouts[policy], "grading_errors": grading_errors[policy]}
+        policy: _policy_scores([(len(rs), count(policy, "correct", rs)) for rs in scored], scoring)
+        | {
+            "timeouts": count(policy, "timed_out", every),
+            "grading_errors": sum(r["by_policy"][policy]["grading_error"] is not None for r in every),
+        }
         for policy in ANSWER_POLICIES
     }
-    disagreement = policy_disagreement(verdicts, names=BOXED_POLICIES) | {
-        "samples_with_2plus_boxes": multi_box
-    }
+    scored_samples = [r for records in scored for r in records]
+    verdicts = [tuple(bool(r["by_policy"][p]["correct"]) for p in BOXED_POLICIES) for r in scored_samples]
+    disagreement = policy_disagreement(verdicts, names=BOXED_POLICIES)
+    disagreement["samples_with_2plus_boxes"] = sum(r.get("num_boxes", 0) >= 2 for r in scored_samples)
     return {
         "benchmark": run.benchmark,
         "model_path": run.model_path,
         "n_problems": len(run.problems),
-        "n_problems_scored": len(counts[primary]),
+        "n_problems_scored": len(scored),
         "samples_per_problem": run.settings.samples,
         "n_samples": len(run.problems) * run.settings.samples,
         "answer_policy": primary,
@@ -400,9 +394,9 @@ def summarize_benchmark(
         "policy_disagreement": disagreement,
         "unparsable_gold": len(unparsable),
         "unparsable_gold_ids": unparsable,
-        "timeouts": timeouts[primary],
-        "grading_errors": grading_errors[primary],
-        "truncated_samples": truncated,
+        "timeouts": by_policy[primary]["timeouts"],
+        "grading_errors": by_policy[primary]["grading_errors"],
+        "truncated_samples": sum(r.get("finish_reason") == "length" for r in every),
         # the settings, as the manifest records them (_eval_config)
         **{k: config[k] for k in ("generation", "backend", "template", "answer_extraction")},
         **{k: config[k] for k in ("grading_time_limit_s", "data_source")},
