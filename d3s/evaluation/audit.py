@@ -94,9 +94,6 @@ def audit_benchmark(
     return row
 
 
-# ------------------------------------------------------------------------- answer-policy disagreement
-
-
 @dataclass
 class DisagreementRow:
     source: str  # "reference solutions" or the samples file's evaluation
@@ -190,9 +187,6 @@ def samples_disagreement(paths: Iterable[str | os.PathLike[str]], grader: Grader
                     raise ValueError(f"{file}:{number}: not a samples.jsonl record ({exc})") from None
             rows.append(policy_disagreement_row(str(file.parent.parent), file.parent.name, items, grader))
     return rows
-
-
-# ------------------------------------------------------------------------------------------ report
 
 
 def _columns(row_type: type) -> list[str]:

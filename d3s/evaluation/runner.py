@@ -182,12 +182,13 @@ def evaluate_benchmark(
     import torch
     from tqdm.auto import tqdm
 
-    spec = get_benchmark(run.benchmark)
-    resolved_template = resolve_template(run.template, backend.tokenizer, spec.default_template)
+    template = resolve_template(
+        run.template, backend.tokenizer, get_benchmark(run.benchmark).default_template
+    )
     # Chat templates already hold any BOS token; plain prompts get the tokenizer's special tokens.
-    add_special_tokens = resolved_template != "qwen_math_cot"
+    add_special_tokens = template != "qwen_math_cot"
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    config = _eval_config(run, resolved_template, grader, backend.name)
+    config = _eval_config(run, template, grader, backend.name)
     _check_resume(run.out_dir, {key: config[key] for key in RUN_IDENTITY})
     samples_path = run.out_dir / SAMPLES_FILE
     completed = load_completed_samples(samples_path, run.settings.samples)
@@ -213,7 +214,7 @@ def evaluate_benchmark(
     with samples_path.open("a", encoding="utf-8") as handle, bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            prompts = [build_prompt(p.question, resolved_template, backend.tokenizer) for p in batch]
+            prompts = [build_prompt(p.question, template, backend.tokenizer) for p in batch]
             seeds = [problem_seed(run.settings.seed, run.benchmark, p.problem_id) for p in batch]
             generated = backend.generate(prompts, run.settings, seeds, add_special_tokens)
             per_problem = [
@@ -306,6 +307,8 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
     parts = {name: json.loads((out_dir / name / MANIFEST_FILE).read_text(encoding="utf-8")) for name in names}
     first = next(iter(parts.values()))
     per_run = ("benchmark", "model_path")
+    shared = ("seed", "torch_threads", "torch_interop_threads", "versions", "git", "hardware")
+    finished = [part["finished"] for part in parts.values()]
     manifest = {
         "kind": "evaluation",
         "config": {
@@ -316,15 +319,10 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
                 for name, part in parts.items()
             },
         },
-        **{
-            key: first[key]
-            for key in ("seed", "torch_threads", "torch_interop_threads", "versions", "git", "hardware")
-        },
+        **{key: first[key] for key in shared},
         "inputs": {name: entry for part in parts.values() for name, entry in part["inputs"].items()},
         "started": min(part["started"] for part in parts.values()),
-        "finished": None
-        if any(part["finished"] is None for part in parts.values())
-        else max(part["finished"] for part in parts.values()),
+        "finished": None if None in finished else max(finished),
         "model_run": first.get("model_run"),
         "problems_resumed": {name: part.get("problems_resumed") for name, part in parts.items()},
         "parts": {name: f"{name}/{MANIFEST_FILE}" for name in names},
