@@ -239,25 +239,14 @@ class VLLMBackend:
             {"prompt_token_ids": self.tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]}
             for p in prompts
         ]
-        params = [
-            self._vllm.SamplingParams(
-                n=settings.samples,
-                temperature=settings.temperature,
-                top_p=settings.top_p if settings.temperature > 0 else 1.0,
-                max_tokens=settings.max_new_tokens,
-                seed=seed,
-            )
-            for seed in seeds
-        ]
+        top_p = settings.top_p if settings.temperature > 0 else 1.0
+        sampling = {"n": settings.samples, "temperature": settings.temperature, "top_p": top_p}
+        sampling["max_tokens"] = settings.max_new_tokens
+        params = [self._vllm.SamplingParams(**sampling, seed=seed) for seed in seeds]
+
+        def sample(choice: Any) -> Sample:
+            reason = "length" if choice.finish_reason == "length" else "stop"
+            return Sample(choice.text, num_tokens=len(choice.token_ids), finish_reason=reason)
+
         outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
-        return [
-            [
-                Sample(
-                    text=choice.text,
-                    num_tokens=len(choice.token_ids),
-                    finish_reason="length" if choice.finish_reason == "length" else "stop",
-                )
-                for choice in request.outputs
-            ]
-            for request in outputs
-        ]
+        return [[sample(choice) for choice in request.outputs] for request in outputs]

@@ -91,7 +91,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--benchmarks": (
             str,
             DEFAULT_BENCHMARKS,
-            f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); valid: {', '.join(BENCHMARKS)}",
+            f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); "
+            f"valid: {', '.join(BENCHMARKS)}",
         ),
         "--samples": (_positive_int, 32, "samples per problem (default 32)"),
         "--k": (_k_list, [1, 8], "Pass@k values to report, e.g. 1,8 (default)"),
@@ -113,9 +114,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--answer-policy": (
             ANSWER_POLICIES,
             DEFAULT_ANSWER_POLICY,
-            "which answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set answer "
-            "(default), last_boxed only the last one (Qwen2.5-Math toolkit), answer_tag the last <answer> tag "
-            "(PODS); all are always reported",
+            "which answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set "
+            "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit), answer_tag the last "
+            "<answer> tag (PODS); all are always reported",
         ),
         "--grading-workers": (
             _positive_int,
@@ -142,7 +143,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--synthetic": (
             _synthetic_options,
             {},
-            "options of the synthetic task (count, seed, min_ops, max_ops, max_operand), e.g. max_ops=1,max_operand=9",
+            "options of the synthetic task (count, seed, min_ops, max_ops, max_operand), "
+            "e.g. max_ops=1,max_operand=9",
             {"metavar": "KEY=VALUE,..."},
         ),
     }
@@ -152,7 +154,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     switches = {
         "--overwrite": "discard existing samples in --out",
         "--no-progress": "hide progress bars",
-        "--audit": "audit the grader on the benchmarks' gold answers and reference solutions instead of evaluating",
+        "--audit": "audit the grader on the benchmarks' gold answers and reference solutions instead of "
+        "evaluating",
     }
     for flag, text in switches.items():
         parser.add_argument(flag, action="store_true", help=text)
@@ -181,8 +184,8 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     bad_k = [k for k in args.k if k > args.samples]
     if bad_k:
         raise ValueError(
-            f"--k {','.join(map(str, bad_k))} exceeds --samples {args.samples}: Pass@k needs at least k samples "
-            f"per problem; raise --samples to {max(bad_k)} or more, or lower --k"
+            f"--k {','.join(map(str, bad_k))} exceeds --samples {args.samples}: Pass@k needs at least k "
+            f"samples per problem; raise --samples to {max(bad_k)} or more, or lower --k"
         )
     if args.grading_time_limit <= 0:
         raise ValueError(f"--grading-time-limit must be positive seconds, got {args.grading_time_limit}")

@@ -72,8 +72,8 @@ def _jsonl(records: Any) -> str:
 
 
 def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
-    """Records of every problem whose ``samples`` samples are all in ``path``, by problem id; anything else (a
-    cut or invalid line, a problem with missing or duplicated samples) is dropped from the file, atomically."""
+    """Records of every problem whose ``samples`` samples are all in ``path``, by problem id; anything else
+    (a cut or invalid line, a problem with missing or duplicated samples) is dropped from the file."""
     if not path.exists():
         return {}
     *complete_lines, tail = path.read_bytes().split(b"\n")  # tail: bytes after the last newline (cut off)
