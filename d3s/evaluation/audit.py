@@ -55,43 +55,35 @@ def audit_benchmark(
     spec = get_benchmark(name)
     problems = load_benchmark(name, data_dir, allow_hub=False)
     # A completion that is nothing but the gold, boxed: whether the gold parses at all.
-    gold_results = grader.grade_many(
-        [f"\\boxed{{{p.gold[0]}}}" for p in problems], [p.gold for p in problems]
+    golds = grader.grade_many([f"\\boxed{{{p.gold[0]}}}" for p in problems], [p.gold for p in problems])
+    pairs = list(zip(problems, golds, strict=True))
+    with_reference = [(p, r) for p, r in pairs if p.reference_solution is not None]
+    answers = [(p, r, solution_final_answer(spec, p.reference_solution)) for p, r in with_reference]
+    jobs = [(p, answer) for p, r, answer in answers if answer is not None and r.gold_parsed]
+    checked = grader.grade_many([f"\\boxed{{{answer}}}" for _, answer in jobs], [p.gold for p, _ in jobs])
+    verified = sum(r.correct for r in checked)
+    mismatches = [
+        f"{p.problem_id}: {a!r} vs gold {p.gold!r}"
+        for (p, a), r in zip(jobs, checked, strict=True)
+        if not r.correct
+    ]
+    return AuditRow(
+        name,
+        len(problems),
+        gold_parsed=sum(r.gold_parsed for r in golds),
+        gold_unparsable=sum(not r.gold_parsed for r in golds),
+        gold_as_text=sum(bool(r.gold_parsed and r.gold_as_text) for r in golds),
+        with_reference=len(with_reference),
+        reference_answer_found=len(jobs),
+        reference_verified=verified,
+        reference_verified_pct=f"{100.0 * verified / len(jobs):.1f}" if jobs else "",
+        timeouts=sum(r.timed_out for r in [*golds, *checked]),
+        unparsable_examples=[f"{p.problem_id}: {p.gold!r}" for p, r in pairs if not r.gold_parsed][:examples],
+        text_gold_examples=[
+            f"{p.problem_id}: {p.gold!r}" for p, r in pairs if r.gold_parsed and r.gold_as_text
+        ][:examples],
+        mismatch_examples=mismatches[:examples],
     )
-    row = AuditRow(name, len(problems))
-    reference_jobs: list[tuple[int, str]] = []
-    for index, (problem, result) in enumerate(zip(problems, gold_results, strict=True)):
-        row.timeouts += result.timed_out
-        if result.gold_parsed:
-            row.gold_parsed += 1
-            row.gold_as_text += result.gold_as_text
-            if result.gold_as_text and len(row.text_gold_examples) < examples:
-                row.text_gold_examples.append(f"{problem.problem_id}: {problem.gold!r}")
-        else:
-            row.gold_unparsable += 1
-            if len(row.unparsable_examples) < examples:
-                row.unparsable_examples.append(f"{problem.problem_id}: {problem.gold!r}")
-        if problem.reference_solution is not None:
-            row.with_reference += 1
-            answer = solution_final_answer(spec, problem.reference_solution)
-            if answer is not None and result.gold_parsed:
-                reference_jobs.append((index, answer))
-    row.reference_answer_found = len(reference_jobs)
-    reference_results = grader.grade_many(
-        [f"\\boxed{{{answer}}}" for _, answer in reference_jobs],
-        [problems[i].gold for i, _ in reference_jobs],
-    )
-    for (index, answer), result in zip(reference_jobs, reference_results, strict=True):
-        row.timeouts += result.timed_out
-        if result.correct:
-            row.reference_verified += 1
-        elif len(row.mismatch_examples) < examples:
-            row.mismatch_examples.append(
-                f"{problems[index].problem_id}: {answer!r} vs gold {problems[index].gold!r}"
-            )
-    if reference_jobs:
-        row.reference_verified_pct = f"{100.0 * row.reference_verified / len(reference_jobs):.1f}"
-    return row
 
 
 @dataclass
