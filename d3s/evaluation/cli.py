@@ -28,6 +28,7 @@ from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIM
 from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
+GRADING_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def _positive_int(text: str) -> int:
@@ -118,11 +119,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
             "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit), answer_tag the last "
             "<answer> tag (PODS); all are always reported",
         ),
-        "--grading-workers": (
-            _positive_int,
-            max(1, min(4, (os.cpu_count() or 2) // 2)),
-            "grading subprocesses",
-        ),
+        "--grading-workers": (_positive_int, GRADING_WORKERS, "grading subprocesses"),
         "--grading-time-limit": (
             _number,
             DEFAULT_TIME_LIMIT_S,
