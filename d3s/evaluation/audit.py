@@ -55,46 +55,35 @@ def audit_benchmark(
     spec = get_benchmark(name)
     problems = load_benchmark(name, data_dir, allow_hub=False)
     # A completion that is nothing but the gold, boxed: whether the gold parses at all.
-    gold_results = grader.grade_many(
-        [f"\\boxed{{{p.gold[0]}}}" for p in problems], [p.gold for p in problems]
+    golds = grader.grade_many([f"\\boxed{{{p.gold[0]}}}" for p in problems], [p.gold for p in problems])
+    pairs = list(zip(problems, golds, strict=True))
+    with_reference = [(p, r) for p, r in pairs if p.reference_solution is not None]
+    answers = [(p, r, solution_final_answer(spec, p.reference_solution)) for p, r in with_reference]
+    jobs = [(p, answer) for p, r, answer in answers if answer is not None and r.gold_parsed]
+    checked = grader.grade_many([f"\\boxed{{{answer}}}" for _, answer in jobs], [p.gold for p, _ in jobs])
+    verified = sum(r.correct for r in checked)
+    mismatches = [
+        f"{p.problem_id}: {a!r} vs gold {p.gold!r}"
+        for (p, a), r in zip(jobs, checked, strict=True)
+        if not r.correct
+    ]
+    return AuditRow(
+        name,
+        len(problems),
+        gold_parsed=sum(r.gold_parsed for r in golds),
+        gold_unparsable=sum(not r.gold_parsed for r in golds),
+        gold_as_text=sum(bool(r.gold_parsed and r.gold_as_text) for r in golds),
+        with_reference=len(with_reference),
+        reference_answer_found=len(jobs),
+        reference_verified=verified,
+        reference_verified_pct=f"{100.0 * verified / len(jobs):.1f}" if jobs else "",
+        timeouts=sum(r.timed_out for r in [*golds, *checked]),
+        unparsable_examples=[f"{p.problem_id}: {p.gold!r}" for p, r in pairs if not r.gold_parsed][:examples],
+        text_gold_examples=[
+            f"{p.problem_id}: {p.gold!r}" for p, r in pairs if r.gold_parsed and r.gold_as_text
+        ][:examples],
+        mismatch_examples=mismatches[:examples],
     )
-    row = AuditRow(name, len(problems))
-    reference_jobs: list[tuple[int, str]] = []
-    for index, (problem, result) in enumerate(zip(problems, gold_results, strict=True)):
-        row.timeouts += result.timed_out
-        if result.gold_parsed:
-            row.gold_parsed += 1
-            row.gold_as_text += result.gold_as_text
-            if result.gold_as_text and len(row.text_gold_examples) < examples:
-                row.text_gold_examples.append(f"{problem.problem_id}: {problem.gold!r}")
-        else:
-            row.gold_unparsable += 1
-            if len(row.unparsable_examples) < examples:
-                row.unparsable_examples.append(f"{problem.problem_id}: {problem.gold!r}")
-        if problem.reference_solution is not None:
-            row.with_reference += 1
-            answer = solution_final_answer(spec, problem.reference_solution)
-            if answer is not None and result.gold_parsed:
-                reference_jobs.append((index, answer))
-    row.reference_answer_found = len(reference_jobs)
-    reference_results = grader.grade_many(
-        [f"\\boxed{{{answer}}}" for _, answer in reference_jobs],
-        [problems[i].gold for i, _ in reference_jobs],
-    )
-    for (index, answer), result in zip(reference_jobs, reference_results, strict=True):
-        row.timeouts += result.timed_out
-        if result.correct:
-            row.reference_verified += 1
-        elif len(row.mismatch_examples) < examples:
-            row.mismatch_examples.append(
-                f"{problems[index].problem_id}: {answer!r} vs gold {problems[index].gold!r}"
-            )
-    if reference_jobs:
-        row.reference_verified_pct = f"{100.0 * row.reference_verified / len(reference_jobs):.1f}"
-    return row
-
-
-# ------------------------------------------------------------------------- answer-policy disagreement
 
 
 @dataclass
@@ -105,14 +94,11 @@ class DisagreementRow:
     with_box: int
     with_2plus_boxes: int
     disagree: int
-    disagree_pct: str = field(init=False)
+    disagree_pct: str
     math_verify_only_correct: int
     last_boxed_only_correct: int
     timeouts: int
     examples: list[str] = field(default_factory=list)  # "id: verdicts, last box, gold"
-
-    def __post_init__(self) -> None:
-        self.disagree_pct = f"{100.0 * self.disagree / self.completions:.2f}" if self.completions else ""
 
     def details(self) -> list[str]:
         """The samples on which the policies disagree."""
@@ -140,13 +126,15 @@ def policy_disagreement_row(
     counted = policy_disagreement(
         [(grades[first][i].correct, grades[second][i].correct) for i in scored], names=(first, second)
     )
+    completions = len(items) - (len(boxed) - len(scored))
     row = DisagreementRow(
         source=source,
         benchmark=benchmark,
-        completions=len(items) - (len(boxed) - len(scored)),
+        completions=completions,
         with_box=len(scored),
         with_2plus_boxes=sum(count_boxes(boxed[i][1]) >= 2 for i in scored),
         disagree=counted["disagree"],
+        disagree_pct=f"{100.0 * counted['disagree'] / completions:.2f}" if completions else "",
         math_verify_only_correct=counted[f"{first}_only_correct"],
         last_boxed_only_correct=counted[f"{second}_only_correct"],
         timeouts=sum(r.timed_out for policy in BOXED_POLICIES for r in grades[policy]),
@@ -158,20 +146,6 @@ def policy_disagreement_row(
                 f"(last box {last_boxed_answer(completion)!r}), gold {list(gold)!r}"
             )
     return row
-
-
-def reference_disagreement(
-    data_dir: str | os.PathLike[str] | None, benchmarks: Sequence[str], grader: Grader
-) -> list[DisagreementRow]:
-    """Both policies on each benchmark's full reference solutions (human-written, sometimes with several
-    boxes), for the benchmarks that have them."""
-    rows = []
-    for name in benchmarks:
-        problems = load_benchmark(name, data_dir, allow_hub=False)
-        items = [(p.problem_id, p.reference_solution, p.gold) for p in problems if p.reference_solution]
-        if items:
-            rows.append(policy_disagreement_row("reference solutions", name, items, grader))
-    return rows
 
 
 def samples_files(path: Path) -> list[Path]:
@@ -207,9 +181,6 @@ def samples_disagreement(paths: Iterable[str | os.PathLike[str]], grader: Grader
     return rows
 
 
-# ------------------------------------------------------------------------------------------ report
-
-
 def _columns(row_type: type) -> list[str]:
     """A table's columns: the fields of its rows, but the examples (listed under the table)."""
     return [f.name for f in fields(row_type) if not f.name.endswith("examples")]
@@ -241,7 +212,12 @@ def audit_report(
     ``benchmarks`` None: every benchmark with a local copy, synthetic included."""
     names = benchmarks or [n for n in BENCHMARKS if n == "synthetic" or local_copy(n, data_dir)]
     rows = [audit_benchmark(name, data_dir, grader) for name in names]
-    policy_rows = reference_disagreement(data_dir, [row.benchmark for row in rows], grader)
+    policy_rows = []
+    for name in names:  # both policies on the reference solutions (human-written, some with several boxes)
+        problems = load_benchmark(name, data_dir, allow_hub=False)
+        items = [(p.problem_id, p.reference_solution, p.gold) for p in problems if p.reference_solution]
+        if items:
+            policy_rows.append(policy_disagreement_row("reference solutions", name, items, grader))
     policy_rows += samples_disagreement(samples, grader)
     policies = "answer policies (math_verify: every box as one set answer; last_boxed: the last box only):"
     tables = [

@@ -155,26 +155,11 @@ class TransformersBackend:
         seeds: Sequence[int],
         add_special_tokens: bool,
     ) -> list[list[Sample]]:
-        out: list[list[Sample]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = list(prompts[start : start + self.batch_size])
-            out.extend(self._generate_chunk(chunk, settings, seeds[start], add_special_tokens))
-        return out
-
-    def _generate_chunk(
-        self, prompts: list[str], settings: GenerationSettings, seed: int, add_special_tokens: bool
-    ) -> list[list[Sample]]:
+        """``batch_size`` prompts per ``model.generate``, each batch seeded with its first prompt's seed."""
         import torch
         from transformers import set_seed
 
         n = settings.samples
-        encoded = self.tokenizer(
-            prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens
-        )
-        # Repeat each prompt n times (rows i*n .. i*n+n-1) instead of num_return_sequences, which greedy
-        # decoding rejects; the two are equivalent for sampling.
-        input_ids = encoded["input_ids"].repeat_interleave(n, dim=0).to(self.device)
-        attention_mask = encoded["attention_mask"].repeat_interleave(n, dim=0).to(self.device)
         sampling = settings.temperature > 0
         # repetition_penalty=1.0 overrides model defaults (Qwen ships 1.05) so both backends sample alike.
         kwargs: dict[str, Any] = {
@@ -184,24 +169,34 @@ class TransformersBackend:
         }
         if sampling:
             kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
-        set_seed(seed)  # seeds python, numpy, torch (and CUDA) for this batch
-        with torch.inference_mode():
-            sequences = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                pad_token_id=self.tokenizer.pad_token_id,
-                **kwargs,
-            )
-        new_tokens = sequences[:, input_ids.shape[1] :].tolist()
         eos_ids = eos_token_ids(self.model, self.tokenizer)
+        out: list[list[Sample]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = list(prompts[start : start + self.batch_size])
+            encoded = self.tokenizer(
+                chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens
+            )
+            # Repeat each prompt n times (rows i*n .. i*n+n-1) instead of num_return_sequences, which greedy
+            # decoding rejects; the two are equivalent for sampling.
+            input_ids = encoded["input_ids"].repeat_interleave(n, dim=0).to(self.device)
+            attention_mask = encoded["attention_mask"].repeat_interleave(n, dim=0).to(self.device)
+            set_seed(seeds[start])  # seeds python, numpy, torch (and CUDA) for this batch
+            with torch.inference_mode():
+                sequences = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    **kwargs,
+                )
+            rows = [self._sample(row, eos_ids) for row in sequences[:, input_ids.shape[1] :].tolist()]
+            out += [rows[i : i + n] for i in range(0, len(rows), n)]
+        return out
 
-        def sample(row: list[int]) -> Sample:
-            kept = truncate_at_eos(row, eos_ids)
-            stop = bool(kept) and kept[-1] in eos_ids
-            text = self.tokenizer.decode(kept[: len(kept) - stop], skip_special_tokens=True)
-            return Sample(text, num_tokens=len(kept), finish_reason="stop" if stop else "length")
-
-        return [[sample(row) for row in new_tokens[i * n : (i + 1) * n]] for i in range(len(prompts))]
+    def _sample(self, row: list[int], eos_ids: set[int]) -> Sample:
+        kept = truncate_at_eos(row, eos_ids)
+        stop = bool(kept) and kept[-1] in eos_ids
+        text = self.tokenizer.decode(kept[: len(kept) - stop], skip_special_tokens=True)
+        return Sample(text, num_tokens=len(kept), finish_reason="stop" if stop else "length")
 
 
 class VLLMBackend:
@@ -244,25 +239,14 @@ class VLLMBackend:
             {"prompt_token_ids": self.tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]}
             for p in prompts
         ]
-        params = [
-            self._vllm.SamplingParams(
-                n=settings.samples,
-                temperature=settings.temperature,
-                top_p=settings.top_p if settings.temperature > 0 else 1.0,
-                max_tokens=settings.max_new_tokens,
-                seed=seed,
-            )
-            for seed in seeds
-        ]
+        top_p = settings.top_p if settings.temperature > 0 else 1.0
+        sampling = {"n": settings.samples, "temperature": settings.temperature, "top_p": top_p}
+        sampling["max_tokens"] = settings.max_new_tokens
+        params = [self._vllm.SamplingParams(**sampling, seed=seed) for seed in seeds]
+
+        def sample(choice: Any) -> Sample:
+            reason = "length" if choice.finish_reason == "length" else "stop"
+            return Sample(choice.text, num_tokens=len(choice.token_ids), finish_reason=reason)
+
         outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
-        return [
-            [
-                Sample(
-                    text=choice.text,
-                    num_tokens=len(choice.token_ids),
-                    finish_reason="length" if choice.finish_reason == "length" else "stop",
-                )
-                for choice in request.outputs
-            ]
-            for request in outputs
-        ]
+        return [[sample(choice) for choice in request.outputs] for request in outputs]

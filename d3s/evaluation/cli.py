@@ -1,24 +1,20 @@
-"""``d3s eval``: evaluate a model on math benchmarks, or audit the grader (``--audit``).
-
-Arguments are validated (benchmark names, k <= samples, data present, backend available) before any
-model is loaded, so a typo costs seconds, not a GPU allocation.
-"""
+"""``d3s eval``: evaluate a model on math benchmarks, or audit the grader (``--audit``); every argument is
+checked before any model loads, so a typo costs seconds, not a GPU allocation."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 from d3s.data.benchmarks import (
     BENCHMARKS,
     DATA_DIR_ENV,
     EVAL_BENCHMARKS,
     BenchmarkError,
-    Problem,
     benchmark_source,
     check_synthetic_options,
     get_benchmark,
@@ -26,12 +22,13 @@ from d3s.data.benchmarks import (
     parse_benchmark_list,
 )
 from d3s.data.templates import TEMPLATES, build_prompt
-from d3s.evaluation import backends
+from d3s.evaluation import audit, backends, runner
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
-from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S
+from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S, Grader
 from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
+GRADING_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def _positive_int(text: str) -> int:
@@ -89,13 +86,14 @@ def _synthetic_options(text: str) -> dict[str, int]:
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``d3s eval`` options to ``parser``."""
-    # flag: (type, or a tuple of choices; default; help)
+    # flag: (type, or a tuple of choices; default; help[; other add_argument keywords])
     options = {
         "--model": (str, None, "model directory or Hugging Face id (required unless --audit)"),
         "--benchmarks": (
             str,
             DEFAULT_BENCHMARKS,
-            f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); valid: {', '.join(BENCHMARKS)}",
+            f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); "
+            f"valid: {', '.join(BENCHMARKS)}",
         ),
         "--samples": (_positive_int, 32, "samples per problem (default 32)"),
         "--k": (_k_list, [1, 8], "Pass@k values to report, e.g. 1,8 (default)"),
@@ -117,15 +115,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--answer-policy": (
             ANSWER_POLICIES,
             DEFAULT_ANSWER_POLICY,
-            "which answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set answer "
-            "(default), last_boxed only the last one (Qwen2.5-Math toolkit), answer_tag the last <answer> tag "
-            "(PODS); all are always reported",
+            "which answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set "
+            "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit), answer_tag the last "
+            "<answer> tag (PODS); all are always reported",
         ),
-        "--grading-workers": (
-            _positive_int,
-            max(1, min(4, (os.cpu_count() or 2) // 2)),
-            "grading subprocesses",
-        ),
+        "--grading-workers": (_positive_int, GRADING_WORKERS, "grading subprocesses"),
         "--grading-time-limit": (
             _number,
             DEFAULT_TIME_LIMIT_S,
@@ -136,30 +130,29 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size": (_positive_int, 1, "vLLM tensor parallel size"),
         "--gpu-memory-utilization": (_number, 0.9, "vLLM GPU memory fraction"),
         "--max-model-len": (_positive_int, None, "vLLM max model length"),
+        "--audit-samples": (
+            Path,
+            [],
+            "with --audit: also measure how often the answer policies disagree on the completions of this "
+            "samples.jsonl or evaluation directory (repeatable)",
+            {"action": "append", "metavar": "PATH"},
+        ),
+        "--synthetic": (
+            _synthetic_options,
+            {},
+            "options of the synthetic task (count, seed, min_ops, max_ops, max_operand), "
+            "e.g. max_ops=1,max_operand=9",
+            {"metavar": "KEY=VALUE,..."},
+        ),
     }
-    for flag, (kind, default, text) in options.items():
+    for flag, (kind, default, text, *extra) in options.items():
         kind_argument = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
-        parser.add_argument(flag, default=default, help=text, **kind_argument)
-    parser.add_argument(
-        "--audit-samples",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="with --audit: also measure how often the answer policies disagree on the completions of this "
-        "samples.jsonl or evaluation directory (repeatable)",
-    )
-    parser.add_argument(
-        "--synthetic",
-        type=_synthetic_options,
-        default={},
-        metavar="KEY=VALUE,...",
-        help="options of the synthetic task (count, seed, min_ops, max_ops, max_operand), e.g. max_ops=1,max_operand=9",
-    )
+        parser.add_argument(flag, default=default, help=text, **kind_argument, **dict(*extra))
     switches = {
         "--overwrite": "discard existing samples in --out",
         "--no-progress": "hide progress bars",
-        "--audit": "audit the grader on the benchmarks' gold answers and reference solutions instead of evaluating",
+        "--audit": "audit the grader on the benchmarks' gold answers and reference solutions instead of "
+        "evaluating",
     }
     for flag, text in switches.items():
         parser.add_argument(flag, action="store_true", help=text)
@@ -172,9 +165,7 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     if audit_samples and not args.audit:
         raise ValueError("--audit-samples is read by the grader audit only: add --audit, or drop it")
     for path in audit_samples:
-        from d3s.evaluation.audit import samples_files
-
-        for file in samples_files(path):
+        for file in audit.samples_files(path):
             if not file.read_text(encoding="utf-8").strip():
                 raise ValueError(
                     f"--audit-samples {file} is empty; give an evaluation's samples.jsonl, or drop it"
@@ -190,8 +181,8 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     bad_k = [k for k in args.k if k > args.samples]
     if bad_k:
         raise ValueError(
-            f"--k {','.join(map(str, bad_k))} exceeds --samples {args.samples}: Pass@k needs at least k samples "
-            f"per problem; raise --samples to {max(bad_k)} or more, or lower --k"
+            f"--k {','.join(map(str, bad_k))} exceeds --samples {args.samples}: Pass@k needs at least k "
+            f"samples per problem; raise --samples to {max(bad_k)} or more, or lower --k"
         )
     if args.grading_time_limit <= 0:
         raise ValueError(f"--grading-time-limit must be positive seconds, got {args.grading_time_limit}")
@@ -219,86 +210,25 @@ def run_eval(args: argparse.Namespace) -> int:
     """Run ``d3s eval`` with parsed ``args``; returns the process exit code (2 = bad arguments or data)."""
     try:
         names, settings, backend_name = validate_eval_args(args)
+        grading = {"num_workers": args.grading_workers, "time_limit": args.grading_time_limit}
         if args.audit:
-            from d3s.evaluation.audit import audit_report
-            from d3s.rewards import Grader
-
             chosen = names if args.benchmarks != DEFAULT_BENCHMARKS else None
-            with Grader(num_workers=args.grading_workers, time_limit=args.grading_time_limit) as grader:
-                print(audit_report(args.data_dir, chosen, args.audit_samples, grader, args.out))
+            with Grader(**grading) as grader:
+                print(audit.audit_report(args.data_dir, chosen, args.audit_samples, grader, args.out))
             return 0
+        batch_size = args.batch_size or (64 if backend_name == "vllm" else 8)
+        scoring = runner.ScoringOptions(
+            ks=tuple(args.k),
+            bootstrap_resamples=args.bootstrap,
+            bootstrap_seed=args.seed,
+            answer_policy=args.answer_policy,
+        )
         # every benchmark up front: missing or malformed data fails before the model loads
-        problems = {
-            name: load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic)
-            for name in names
-        }
-        tokenizer = backends._load_tokenizer(args.model)
-        for name in names:  # a chat-template prompt needs a chat template: checked before the weights load
-            build_prompt("", args.template, tokenizer, get_benchmark(name).default_template)
-    except ValueError as exc:
-        print(f"d3s eval: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    return _evaluate(args, names, settings, backend_name, problems, tokenizer)
-
-
-def _evaluate(
-    args: argparse.Namespace,
-    names: list[str],
-    settings: GenerationSettings,
-    backend_name: str,
-    problems: dict[str, list[Problem]],
-    tokenizer: Any,
-) -> int:
-    import shutil
-
-    from d3s.evaluation.backends import TransformersBackend, VLLMBackend
-    from d3s.evaluation.runner import (
-        BenchmarkRun,
-        ResumeMismatchError,
-        ScoringOptions,
-        evaluate_benchmark,
-        format_results_table,
-        write_overall_summary,
-    )
-    from d3s.rewards import Grader
-
-    out: Path = args.out
-    if args.overwrite:
-        for name in names:
-            shutil.rmtree(out / name, ignore_errors=True)
-    if backend_name == "vllm":
-        batch_size = args.batch_size or 64
-        backend = VLLMBackend(
-            args.model,
-            seed=args.seed,
-            dtype=args.dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len,
-            tokenizer=tokenizer,
-        )
-    else:
-        batch_size = args.batch_size or 8
-        backend = TransformersBackend(
-            args.model, dtype=args.dtype, batch_size=batch_size, tokenizer=tokenizer
-        )
-    scoring = ScoringOptions(
-        ks=tuple(args.k),
-        bootstrap_resamples=args.bootstrap,
-        bootstrap_seed=args.seed,
-        answer_policy=args.answer_policy,
-    )
-    summaries = {}
-    with Grader(
-        num_workers=args.grading_workers,
-        time_limit=args.grading_time_limit,
-        answer_extraction=args.answer_extraction,
-    ) as grader:
-        for name in names:
-            run = BenchmarkRun(
+        runs = [
+            runner.BenchmarkRun(
                 benchmark=name,
-                problems=problems[name],
-                out_dir=out / name,
+                problems=load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic),
+                out_dir=args.out / name,
                 settings=settings,
                 template=args.template,
                 model_path=args.model,
@@ -306,14 +236,36 @@ def _evaluate(
                 data_source=benchmark_source(name, args.data_dir),
                 extra_provenance={"limit": args.limit, "batch_size": batch_size},
             )
+            for name in names
+        ]
+        tokenizer = backends._load_tokenizer(args.model)
+        for name in names:  # a chat-template prompt needs a chat template: checked before the weights load
+            build_prompt("", args.template, tokenizer, get_benchmark(name).default_template)
+    except ValueError as exc:
+        print(f"d3s eval: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    if args.overwrite:
+        for run in runs:
+            shutil.rmtree(run.out_dir, ignore_errors=True)
+    if backend_name == "vllm":
+        vllm_keys = ("seed", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
+        vllm_options = {key: getattr(args, key) for key in vllm_keys}
+        backend = backends.VLLMBackend(args.model, tokenizer=tokenizer, **vllm_options)
+    else:
+        backend = backends.TransformersBackend(
+            args.model, dtype=args.dtype, batch_size=batch_size, tokenizer=tokenizer
+        )
+    summaries = {}
+    with Grader(**grading, answer_extraction=args.answer_extraction) as grader:
+        for run in runs:
             try:
-                summaries[name] = evaluate_benchmark(
+                summaries[run.benchmark] = runner.evaluate_benchmark(
                     backend, grader, run, batch_size=batch_size, progress=not args.no_progress
                 )
-            except ResumeMismatchError as exc:
+            except runner.ResumeMismatchError as exc:
                 print(f"d3s eval: error: {exc}", file=sys.stderr)
                 return 2
-    write_overall_summary(out, args.model, summaries)
-    print(format_results_table(summaries, args.k))
-    print(f"results in {out}")
+    runner.write_overall_summary(args.out, args.model, summaries)
+    print(runner.format_results_table(summaries, args.k))
+    print(f"results in {args.out}")
     return 0

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,32 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+@contextlib.contextmanager
+def _inference(model: Any) -> Iterator[None]:
+    """No gradient, eval mode (no dropout); the model's training flag is restored after."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _padded(rows: Sequence[Sequence[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows padded on ``side`` to the longest, and their attention mask."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    def pad(tensors: list[torch.Tensor], value: int) -> torch.Tensor:
+        return pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
+
+    ids = pad([torch.tensor(list(row), dtype=torch.long) for row in rows], pad_id)
+    return ids, pad([torch.ones(len(row), dtype=torch.long) for row in rows], 0)
+
+
 def probe_completions(
     policy: Any,
     tokenizer: Any,
@@ -88,31 +115,21 @@ def probe_completions(
         for _ in range(settings.samples)
     ]
     device = policy.device
-    was_training = policy.training
-    policy.eval()
     out: list[tuple[list[int], list[int]]] = []
-    with torch.no_grad():
-        try:
-            for chunk, start in enumerate(range(0, len(rows), settings.batch_size)):
-                batch = rows[start : start + settings.batch_size]
-                width = max(len(ids) for ids in batch)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                attention = torch.zeros((len(batch), width), dtype=torch.long)
-                for i, ids in enumerate(batch):  # left padding: generation continues from the right edge
-                    input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                    attention[i, width - len(ids) :] = 1
-                devices = [device.index or 0] if device.type == "cuda" else []
-                with torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(problem_seed(settings.seed, "kl-probe", str(chunk)))
-                    sequences = policy.generate(
-                        input_ids=input_ids.to(device),
-                        attention_mask=attention.to(device),
-                        generation_config=generation,
-                    )
-                for ids, row in zip(batch, sequences[:, width:].tolist(), strict=True):
-                    out.append((ids, truncate_at_eos(row, eos_ids)))
-        finally:
-            policy.train(was_training)
+    with _inference(policy):
+        for chunk, start in enumerate(range(0, len(rows), settings.batch_size)):
+            batch = rows[start : start + settings.batch_size]
+            input_ids, attention = _padded(batch, pad_id, "left")  # generation continues from the right
+            devices = [device.index or 0] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(problem_seed(settings.seed, "kl-probe", str(chunk)))
+                sequences = policy.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention.to(device),
+                    generation_config=generation,
+                )
+            new_tokens = sequences[:, input_ids.shape[1] :].tolist()
+            out += [(ids, truncate_at_eos(row, eos_ids)) for ids, row in zip(batch, new_tokens, strict=True)]
     return out
 
 
@@ -129,40 +146,25 @@ def completion_logprobs(
     import torch
 
     device = model.device
-    was_training = model.training
-    model.eval()
     out: list[torch.Tensor] = []
-    with torch.no_grad():
-        try:
-            for start in range(0, len(sequences), batch_size):
-                batch = sequences[start : start + batch_size]
-                prompt_width = max(len(p) for p, _ in batch)
-                completion_width = max(len(c) for _, c in batch)
-                if completion_width == 0:
-                    out.extend(torch.zeros(0) for _ in batch)
-                    continue
-                width = prompt_width + completion_width
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                attention = torch.zeros((len(batch), width), dtype=torch.long)
-                for i, (prompt, completion) in enumerate(batch):
-                    first = prompt_width - len(prompt)
-                    ids = list(prompt) + list(completion)
-                    input_ids[i, first : first + len(ids)] = torch.tensor(ids, dtype=torch.long)
-                    attention[i, first : first + len(ids)] = 1
-                position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-                logits = model(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention.to(device),
-                    position_ids=position_ids.to(device),
-                    logits_to_keep=completion_width + 1,
-                ).logits[:, :-1]
-                logps = (logits.float() / temperature).log_softmax(-1)
-                targets = input_ids[:, prompt_width:].to(device)
-                token_logps = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu()
-                for i, (_, completion) in enumerate(batch):
-                    out.append(token_logps[i, : len(completion)].clone())
-        finally:
-            model.train(was_training)
+    with _inference(model):
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start : start + batch_size]
+            if not any(completion for _, completion in batch):
+                out.extend(torch.zeros(0) for _ in batch)
+                continue
+            prompt_ids, prompt_mask = _padded([p for p, _ in batch], pad_id, "left")
+            targets, completion_mask = _padded([c for _, c in batch], pad_id, "right")
+            attention = torch.cat([prompt_mask, completion_mask], dim=1)
+            logits = model(
+                input_ids=torch.cat([prompt_ids, targets], dim=1).to(device),
+                attention_mask=attention.to(device),
+                position_ids=(attention.cumsum(-1) - 1).clamp(min=0).to(device),
+                logits_to_keep=targets.shape[1] + 1,
+            ).logits[:, :-1]
+            logps = (logits.float() / temperature).log_softmax(-1)
+            token_logps = logps.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1).cpu()
+            out += [token_logps[i, : len(completion)].clone() for i, (_, completion) in enumerate(batch)]
     return out
 
 
@@ -173,8 +175,7 @@ def per_token_kl(
     import torch
 
     log_ratio = reference_logps.double() - policy_logps.double()  # log pi_ref - log pi
-    # exp(x) - x - 1 as expm1(x) - x: no cancellation near 0, and >= 0 in floating point too (expm1(x) >= x
-    # holds after rounding, and a - b >= 0 for a >= b), where TRL's form can round below 0
+    # exp(x) - x - 1 as expm1(x) - x: no cancellation near 0, and >= 0 after rounding (TRL's form is not)
     k3 = torch.expm1(log_ratio) - log_ratio
     return -log_ratio, k3
 

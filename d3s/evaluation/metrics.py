@@ -11,12 +11,8 @@ from scipy import stats
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of ``k`` samples drawn without replacement from ``n`` is correct.
-
-    ``c`` of the ``n`` samples are correct. Computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which equals
-    ``1 - C(n-c, k) / C(n, k)`` without forming huge binomials, so it stays accurate for n in the
-    thousands. With k = 1 it is c / n, the mean accuracy.
-    """
+    """Probability that at least one of ``k`` of ``n`` samples (``c`` correct), drawn without replacement, is
+    correct: ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, no huge binomials (docs/evaluation.md, "Pass@k")."""
     if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)):
         raise TypeError(f"n, c, k must be integers, got {n!r}, {c!r}, {k!r}")
     if n < 1 or not 0 <= c <= n:

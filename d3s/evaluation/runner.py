@@ -1,23 +1,5 @@
-"""Evaluate a model on benchmarks: generate, grade, write per-sample JSONL and a summary, resumably.
-
-Layout of an evaluation directory (one per model)::
-
-    <out>/summary.json                      all benchmarks, Pass@k, their average
-    <out>/manifest.json                     provenance of the whole evaluation (merged from the benchmarks')
-    <out>/<benchmark>/run.json              settings the samples were generated with (resume check)
-    <out>/<benchmark>/samples.jsonl         one line per sample, appended one whole problem at a time
-    <out>/<benchmark>/summary.json          Pass@k with bootstrap CI, counts, settings, provenance
-    <out>/<benchmark>/manifest.json         settings, versions, git, hardware, threads, start/end, checksums
-
-The JSONL is appended per completed problem (all its samples in one write, flushed and fsynced). On
-restart, complete problems are kept and skipped; a truncated last line or a partially written problem
-is discarded and generated again, so no problem is duplicated or lost.
-
-Every sample is graded under both answer policies (``d3s.rewards.ANSWER_POLICIES``: which boxed answer
-counts); ``ScoringOptions.answer_policy`` only chooses the primary one (``correct``, ``pass_at_k``). The
-policy is therefore not part of the resume identity: resuming with another primary policy relabels the
-kept samples (and grades samples written before both policies were recorded) without generating again.
-"""
+"""Evaluate a model on benchmarks: generate, grade under every answer policy, write per-sample JSONL (one
+whole problem per append, so a killed run resumes) and summaries (docs/evaluation.md, "Outputs")."""
 
 from __future__ import annotations
 
@@ -35,25 +17,14 @@ from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
+from d3s.provenance import manifest as provenance
 from d3s.provenance.config_change import config_changes, describe
-from d3s.provenance.manifest import (
-    atomic_write_text,
-    build_manifest,
-    git_state,
-    hardware,
-    model_files,
-    now,
-    package_versions,
-    sha256_file,
-    write_manifest,
-)
 from d3s.rewards import (
     ANSWER_POLICIES,
     BOXED_POLICIES,
     DEFAULT_ANSWER_POLICY,
     AnswerPolicy,
     Grader,
-    GradeResult,
     check_answer_policy,
     count_boxes,
 )
@@ -93,17 +64,16 @@ class BenchmarkRun:
     extra_provenance: dict[str, Any] = field(default_factory=dict)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file in the same folder and ``os.replace`` it: readers never see half a file."""
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+_write_json = provenance.write_manifest  # (atomic)
+
+
+def _jsonl(records: Any) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str, Any]]]:
-    """Records of every problem whose ``samples`` samples are all in ``path``, keyed by problem id.
-
-    Anything else (a truncated or invalid line, a problem with missing or duplicated samples) is
-    discarded and the file rewritten atomically without it, so appending can continue safely.
-    """
+    """Records of every problem whose ``samples`` samples are all in ``path``, by problem id; anything else
+    (a cut or invalid line, a problem with missing or duplicated samples) is dropped from the file."""
     if not path.exists():
         return {}
     *complete_lines, tail = path.read_bytes().split(b"\n")  # tail: bytes after the last newline (cut off)
@@ -131,7 +101,7 @@ def load_completed_samples(path: Path, samples: int) -> dict[str, list[dict[str,
             "their problems are generated again",
             stacklevel=2,
         )
-        atomic_write_text(path, "".join(kept_lines))
+        provenance.atomic_write_text(path, "".join(kept_lines))
     return completed
 
 
@@ -155,7 +125,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
             f"{out_dir / SAMPLES_FILE} exists without {RUN_FILE}, so its settings are unknown. "
             "Use a new --out directory or --overwrite."
         )
-    atomic_write_json(run_file, identity)
+    _write_json(run_file, identity)
 
 
 def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
@@ -164,22 +134,20 @@ def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
     record.update(record["by_policy"][policy])
 
 
-def _grade_record(
-    record: dict[str, Any], grades: dict[AnswerPolicy, GradeResult], primary: AnswerPolicy
+def _grade_records(
+    records: Sequence[dict[str, Any]], golds: Sequence[Any], grader: Grader, primary: AnswerPolicy
 ) -> None:
-    """Add a sample record's verdict under every answer policy (``by_policy``), the primary one on top."""
-    record["by_policy"] = {
-        policy: {
-            "correct": g.correct,
-            "extracted": g.extracted,
-            "timed_out": g.timed_out,
-            "grading_error": g.error,
-        }
-        for policy, g in grades.items()
-    }
-    record["gold_parsed"] = grades[primary].gold_parsed
-    record["num_boxes"] = count_boxes(record["completion"])
-    _set_primary(record, primary)
+    """Add each sample record's verdict under every answer policy (``by_policy``), the primary one on top."""
+    grades = grader.grade_many_by_policy([r["completion"] for r in records], golds)
+    for index, record in enumerate(records):
+        record["by_policy"] = {}
+        for policy in ANSWER_POLICIES:
+            g = grades[policy][index]
+            verdict = {"correct": g.correct, "extracted": g.extracted, "timed_out": g.timed_out}
+            record["by_policy"][policy] = verdict | {"grading_error": g.error}
+        record["gold_parsed"] = grades[primary][index].gold_parsed
+        record["num_boxes"] = count_boxes(record["completion"])
+        _set_primary(record, primary)
 
 
 def regrade_records(
@@ -194,11 +162,7 @@ def regrade_records(
     records = [record for records in completed.values() for record in records]
     stale = [r for r in records if set(r.get("by_policy") or {}) != set(ANSWER_POLICIES)]
     if stale:  # (starting no grading worker when nothing is stale)
-        grades = grader.grade_many_by_policy(
-            [r["completion"] for r in stale], [gold_of[str(r["problem_id"])] for r in stale]
-        )
-        for index, record in enumerate(stale):
-            _grade_record(record, {policy: grades[policy][index] for policy in ANSWER_POLICIES}, primary)
+        _grade_records(stale, [gold_of[str(r["problem_id"])] for r in stale], grader, primary)
     relabel = [r for r in records if r.get("answer_policy") != primary]
     for record in relabel:
         _set_primary(record, primary)
@@ -218,12 +182,13 @@ def evaluate_benchmark(
     import torch
     from tqdm.auto import tqdm
 
-    spec = get_benchmark(run.benchmark)
-    resolved_template = resolve_template(run.template, backend.tokenizer, spec.default_template)
+    template = resolve_template(
+        run.template, backend.tokenizer, get_benchmark(run.benchmark).default_template
+    )
     # Chat templates already hold any BOS token; plain prompts get the tokenizer's special tokens.
-    add_special_tokens = resolved_template != "qwen_math_cot"
+    add_special_tokens = template != "qwen_math_cot"
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    config = _eval_config(run, resolved_template, grader, backend.name)
+    config = _eval_config(run, template, grader, backend.name)
     _check_resume(run.out_dir, {key: config[key] for key in RUN_IDENTITY})
     samples_path = run.out_dir / SAMPLES_FILE
     completed = load_completed_samples(samples_path, run.settings.samples)
@@ -231,67 +196,57 @@ def evaluate_benchmark(
     known = {p.problem_id for p in run.problems}
     kept = {pid: records for pid, records in completed.items() if pid in known}
     if regrade_records(kept, run.problems, grader, primary):  # grading is cheap; generation is not
-        lines = [json.dumps(r, ensure_ascii=False) + "\n" for records in completed.values() for r in records]
-        atomic_write_text(samples_path, "".join(lines))
+        provenance.atomic_write_text(
+            samples_path, _jsonl(r for records in completed.values() for r in records)
+        )
     todo = [p for p in run.problems if p.problem_id not in completed]
-    manifest = {"kind": "evaluation"} | build_manifest(
+    resumed = len(run.problems) - len(todo)  # kept from an interrupted run
+    manifest = {"kind": "evaluation"} | provenance.build_manifest(
         config, seed=run.settings.seed, threads=torch.get_num_threads(), inputs=_eval_inputs(run)
     )
     manifest["model_run"] = _model_run(manifest["inputs"])
-    manifest["problems_resumed"] = len(run.problems) - len(todo)  # kept from an interrupted run
-    manifest["problems_generated"] = len(todo)
-    write_manifest(run.out_dir / MANIFEST_FILE, manifest)
+    manifest |= {"problems_resumed": resumed, "problems_generated": len(todo)}
+    _write_json(run.out_dir / MANIFEST_FILE, manifest)
     started = time.perf_counter()
-    with (
-        samples_path.open("a", encoding="utf-8") as handle,
-        tqdm(
-            total=len(run.problems),
-            initial=len(run.problems) - len(todo),
-            desc=run.benchmark,
-            unit="problem",
-            disable=not progress,
-        ) as bar,
-    ):
+    bar = tqdm(
+        total=len(run.problems), initial=resumed, desc=run.benchmark, unit="problem", disable=not progress
+    )
+    with samples_path.open("a", encoding="utf-8") as handle, bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            prompts = [build_prompt(p.question, resolved_template, backend.tokenizer) for p in batch]
+            prompts = [build_prompt(p.question, template, backend.tokenizer) for p in batch]
             seeds = [problem_seed(run.settings.seed, run.benchmark, p.problem_id) for p in batch]
             generated = backend.generate(prompts, run.settings, seeds, add_special_tokens)
-            completions = [s.text for samples in generated for s in samples]
-            golds = [p.gold for p, samples in zip(batch, generated, strict=True) for _ in samples]
-            grades = grader.grade_many_by_policy(completions, golds)
-            offset = 0
-            for problem, samples in zip(batch, generated, strict=True):
-                if len(samples) != run.settings.samples:
+            per_problem = [
+                [
+                    {"problem_id": problem.problem_id, "sample_index": index, "completion": sample.text}
+                    | {"num_tokens": sample.num_tokens, "finish_reason": sample.finish_reason}
+                    | {"gold": list(problem.gold)}
+                    for index, sample in enumerate(samples)
+                ]
+                for problem, samples in zip(batch, generated, strict=True)
+            ]
+            flat = [record for records in per_problem for record in records]
+            _grade_records(flat, [r["gold"] for r in flat], grader, primary)
+            for problem, records in zip(batch, per_problem, strict=True):
+                if len(records) != run.settings.samples:
                     raise RuntimeError(
-                        f"backend returned {len(samples)} samples for problem {problem.problem_id}, "
+                        f"backend returned {len(records)} samples for problem {problem.problem_id}, "
                         f"expected {run.settings.samples}"
                     )
-                records = []
-                for index, sample in enumerate(samples):
-                    record = {
-                        "problem_id": problem.problem_id,
-                        "sample_index": index,
-                        "completion": sample.text,
-                    }
-                    record |= {"num_tokens": sample.num_tokens, "finish_reason": sample.finish_reason}
-                    record["gold"] = list(problem.gold)
-                    _grade_record(record, {p: grades[p][offset + index] for p in ANSWER_POLICIES}, primary)
-                    records.append(record)
-                offset += len(samples)
                 # One write per problem, flushed and fsynced: a crash loses at most this problem.
-                handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                handle.write(_jsonl(records))
                 handle.flush()
                 os.fsync(handle.fileno())
                 completed[problem.problem_id] = records
                 bar.update(1)
                 if on_problem_done is not None:
                     on_problem_done(problem)
-    summary = summarize_benchmark(run, completed, resolved_template, grader, backend.name)
+    summary = summarize_benchmark(run, completed, config)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
-    atomic_write_json(run.out_dir / SUMMARY_FILE, summary)
-    manifest["finished"] = now()
-    write_manifest(run.out_dir / MANIFEST_FILE, manifest)
+    _write_json(run.out_dir / SUMMARY_FILE, summary)
+    manifest["finished"] = provenance.now()
+    _write_json(run.out_dir / MANIFEST_FILE, manifest)
     return summary
 
 
@@ -305,7 +260,7 @@ def problems_sha256(problems: Sequence[Problem]) -> str:
 def _eval_inputs(run: BenchmarkRun) -> dict[str, Path]:
     """Checksummed inputs: the model's files, the benchmark file, and the manifest of the training run
     the model came from (``<run>/final`` or ``<run>/checkpoint-N``), which names its method settings."""
-    inputs: dict[str, Path] = dict(model_files(run.model_path))
+    inputs: dict[str, Path] = dict(provenance.model_files(run.model_path))
     if run.data_source and Path(run.data_source).is_file():
         inputs[f"benchmark/{run.benchmark}"] = Path(run.data_source)
     run_manifest = Path(run.model_path).expanduser().parent / MANIFEST_FILE
@@ -352,6 +307,8 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
     parts = {name: json.loads((out_dir / name / MANIFEST_FILE).read_text(encoding="utf-8")) for name in names}
     first = next(iter(parts.values()))
     per_run = ("benchmark", "model_path")
+    shared = ("seed", "torch_threads", "torch_interop_threads", "versions", "git", "hardware")
+    finished = [part["finished"] for part in parts.values()]
     manifest = {
         "kind": "evaluation",
         "config": {
@@ -362,90 +319,67 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
                 for name, part in parts.items()
             },
         },
-        **{
-            key: first[key]
-            for key in ("seed", "torch_threads", "torch_interop_threads", "versions", "git", "hardware")
-        },
+        **{key: first[key] for key in shared},
         "inputs": {name: entry for part in parts.values() for name, entry in part["inputs"].items()},
         "started": min(part["started"] for part in parts.values()),
-        "finished": None
-        if any(part["finished"] is None for part in parts.values())
-        else max(part["finished"] for part in parts.values()),
+        "finished": None if None in finished else max(finished),
         "model_run": first.get("model_run"),
         "problems_resumed": {name: part.get("problems_resumed") for name, part in parts.items()},
         "parts": {name: f"{name}/{MANIFEST_FILE}" for name in names},
     }
-    write_manifest(out_dir / MANIFEST_FILE, manifest)
+    _write_json(out_dir / MANIFEST_FILE, manifest)
     return manifest
 
 
-def _policy_scores(
-    counts: Sequence[tuple[int, int]], correct_samples: int, total_samples: int, scoring: ScoringOptions
-) -> dict[str, Any]:
+def _policy_scores(counts: Sequence[tuple[int, int]], scoring: ScoringOptions) -> dict[str, Any]:
     """Pass@k with its CI and the mean accuracy for one policy's (samples, correct) counts per problem."""
+    options = {"confidence": scoring.confidence, "seed": scoring.bootstrap_seed}
     table = (
-        pass_at_k_table(
-            counts,
-            scoring.ks,
-            resamples=scoring.bootstrap_resamples,
-            confidence=scoring.confidence,
-            seed=scoring.bootstrap_seed,
-        )
+        pass_at_k_table(counts, scoring.ks, resamples=scoring.bootstrap_resamples, **options)
         if counts
         else {}
     )
+    samples = sum(n for n, _ in counts)
     return {
         "pass_at_k": {k: v["value"] for k, v in table.items()},
         "ci": {k: v["ci"] for k, v in table.items()},
-        "mean_accuracy": correct_samples / total_samples if total_samples else None,
+        "mean_accuracy": sum(c for _, c in counts) / samples if samples else None,
     }
 
 
 def summarize_benchmark(
-    run: BenchmarkRun,
-    completed: dict[str, list[dict[str, Any]]],
-    resolved_template: str,
-    grader: Grader,
-    backend_name: str,
+    run: BenchmarkRun, completed: dict[str, list[dict[str, Any]]], config: dict[str, Any]
 ) -> dict[str, Any]:
     """Pass@k under every answer policy over the problems of ``run`` (the primary policy's at the top
     level), and how often the policies disagree; problems with unparsable gold are excluded and counted."""
-    primary = run.scoring.answer_policy
-    every = [r["by_policy"] for problem in run.problems for r in completed[problem.problem_id]]
-    timeouts = {p: sum(bool(r[p]["timed_out"]) for r in every) for p in ANSWER_POLICIES}
-    grading_errors = {p: sum(r[p]["grading_error"] is not None for r in every) for p in ANSWER_POLICIES}
-    counts: dict[str, list[tuple[int, int]]] = {policy: [] for policy in ANSWER_POLICIES}
-    correct_samples = dict.fromkeys(ANSWER_POLICIES, 0)
-    unparsable: list[str] = []
-    verdicts: list[tuple[bool, bool]] = []
-    multi_box = truncated = total_samples = 0
-    for problem in run.problems:
-        records = completed[problem.problem_id]
-        truncated += sum(r.get("finish_reason") == "length" for r in records)
-        if not all(r["gold_parsed"] for r in records):
-            unparsable.append(problem.problem_id)  # reported, never scored as wrong
-            continue
-        for policy in ANSWER_POLICIES:
-            correct = sum(bool(r["by_policy"][policy]["correct"]) for r in records)
-            counts[policy].append((len(records), correct))
-            correct_samples[policy] += correct
-        verdicts += [tuple(bool(r["by_policy"][p]["correct"]) for p in BOXED_POLICIES) for r in records]
-        multi_box += sum(r.get("num_boxes", 0) >= 2 for r in records)
-        total_samples += len(records)
-    scoring = run.scoring
+    primary, scoring = run.scoring.answer_policy, run.scoring
+    records_of = [completed[p.problem_id] for p in run.problems]
+    every = [r for records in records_of for r in records]
+    gold_ok = [all(r["gold_parsed"] for r in records) for records in records_of]
+    # a problem with an unparsable gold is reported, never scored as wrong
+    unparsable = [p.problem_id for p, ok in zip(run.problems, gold_ok, strict=True) if not ok]
+    scored = [records for records, ok in zip(records_of, gold_ok, strict=True) if ok]
+
+    def count(policy: AnswerPolicy, key: str, records: Sequence[dict[str, Any]]) -> int:
+        return sum(bool(r["by_policy"][policy][key]) for r in records)
+
     by_policy = {
-        policy: _policy_scores(counts[policy], correct_samples[policy], total_samples, scoring)
-        | {"timeouts": timeouts[policy], "grading_errors": grading_errors[policy]}
+        policy: _policy_scores([(len(rs), count(policy, "correct", rs)) for rs in scored], scoring)
+        | {
+            "timeouts": count(policy, "timed_out", every),
+            "grading_errors": sum(r["by_policy"][policy]["grading_error"] is not None for r in every),
+        }
         for policy in ANSWER_POLICIES
     }
-    disagreement = policy_disagreement(verdicts, names=BOXED_POLICIES) | {
-        "samples_with_2plus_boxes": multi_box
-    }
+    scored_samples = [r for records in scored for r in records]
+    verdicts = [tuple(bool(r["by_policy"][p]["correct"]) for p in BOXED_POLICIES) for r in scored_samples]
+    disagreement = policy_disagreement(verdicts, names=BOXED_POLICIES)
+    disagreement["samples_with_2plus_boxes"] = sum(r.get("num_boxes", 0) >= 2 for r in scored_samples)
     return {
         "benchmark": run.benchmark,
         "model_path": run.model_path,
         "n_problems": len(run.problems),
-        "n_problems_scored": len(counts[primary]),
+        "n_problems_scored": len(scored),
         "samples_per_problem": run.settings.samples,
         "n_samples": len(run.problems) * run.settings.samples,
         "answer_policy": primary,
@@ -458,19 +392,18 @@ def summarize_benchmark(
         "policy_disagreement": disagreement,
         "unparsable_gold": len(unparsable),
         "unparsable_gold_ids": unparsable,
-        "timeouts": timeouts[primary],
-        "grading_errors": grading_errors[primary],
-        "truncated_samples": truncated,
-        "generation": asdict(run.settings),
-        "backend": backend_name,
-        "template": resolved_template,
-        "answer_extraction": grader.answer_extraction,
-        "grading_time_limit_s": grader.time_limit,
-        "data_source": run.data_source,
-        "versions": package_versions(),
-        "git": git_state(),
-        "hardware": hardware(),
-        "data_sha256": sha256_file(run.data_source) if Path(str(run.data_source)).is_file() else None,
+        "timeouts": by_policy[primary]["timeouts"],
+        "grading_errors": by_policy[primary]["grading_errors"],
+        "truncated_samples": sum(r.get("finish_reason") == "length" for r in every),
+        # the settings, as the manifest records them (_eval_config)
+        **{k: config[k] for k in ("generation", "backend", "template", "answer_extraction")},
+        **{k: config[k] for k in ("grading_time_limit_s", "data_source")},
+        "versions": provenance.package_versions(),
+        "git": provenance.git_state(),
+        "hardware": provenance.hardware(),
+        "data_sha256": provenance.sha256_file(run.data_source)
+        if Path(str(run.data_source)).is_file()
+        else None,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **run.extra_provenance,
     }
@@ -513,8 +446,12 @@ def write_overall_summary(
         "manifest": MANIFEST_FILE,
     }
     write_overall_manifest(out_dir, list(summaries))
-    atomic_write_json(out_dir / SUMMARY_FILE, overall)
+    _write_json(out_dir / SUMMARY_FILE, overall)
     return overall
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"
 
 
 def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
@@ -534,19 +471,13 @@ def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]
         cells = []
         for k in ks:
             value, ci = s["pass_at_k"].get(str(k)), s["ci"].get(str(k))
-            cells.append(
-                "n/a" if value is None else f"{100 * value:.1f} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-            )
-        for policy in others:
-            value = s["by_policy"][policy]["pass_at_k"].get(first_k)
-            cells.append("n/a" if value is None else f"{100 * value:.1f}")
+            cells.append(_pct(value) + ("" if value is None else f" [{_pct(ci[0])}, {_pct(ci[1])}]"))
+        cells += [_pct(s["by_policy"][policy]["pass_at_k"].get(first_k)) for policy in others]
         rate = s["policy_disagreement"]["rate"]
         cells.append("n/a" if rate is None else f"{100 * rate:.1f}% of {s['policy_disagreement']['samples']}")
         lines.append(f"| {name} | {s['n_problems']} | " + " | ".join(cells) + f" | {s['timeouts']} |")
-    average = averages[primary]
-    if len(summaries) > 1 and average:
-        cells = [f"{100 * average[str(k)]:.1f}" if str(k) in average else "n/a" for k in ks]
-        for policy in others:
-            cells.append(f"{100 * averages[policy][first_k]:.1f}" if first_k in averages[policy] else "n/a")
+    if len(summaries) > 1 and averages[primary]:
+        cells = [_pct(averages[primary].get(str(k))) for k in ks]
+        cells += [_pct(averages[policy].get(first_k)) for policy in others]
         lines.append("| average | | " + " | ".join(cells) + " | | |")
     return "\n".join(lines)

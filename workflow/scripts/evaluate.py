@@ -1,22 +1,6 @@
-"""Snakemake script of rules evaluate_checkpoint, evaluate_final and evaluate_base: one model per job.
-
-The job runs STEPS (below) in order on params.model, inside one GPU lease (a job with resources.gpu gets that
-many GPUs of its own, d3s.orchestration.gpu_slots.assign_gpus, and generates with vLLM, tensor-parallel over them unless
-eval.tensor_parallel_size). The steps: with eval.kl (checkpoints and final models, not the base model), the
-KL to the initial policy, params.reference, on the run's probe prompts, into <out>/kl.json
-(d3s.evaluation.kl); then `d3s eval` with params.samples per problem, params.k, params.limit, writing
-<out>/summary.json (the rule's output, written last) and per benchmark <out>/<benchmark>/samples.jsonl,
-summary.json, manifest.json, run.json. Each step writes its own files under job.out and resumes on its own
-(none of them but summary.json is a declared output, see below).
-
-Resuming: the rule declares only <out>/summary.json, so Snakemake never deletes the samples before a re-run,
-and `d3s eval` (run without --overwrite) keeps every complete problem in samples.jsonl and generates only the
-rest. It must only resume what the same model made with the same settings: <out>/resume_key.json records the
-model files' checksums and the settings that decide the samples. When either changed (the run was trained
-again, the config changed), the old evaluation is moved aside to <out>.superseded-<UTC time>/, never
-deleted, and a fresh one starts (d3s.provenance.config_change, the one rule; its EVALUATION_PER_ATTEMPT lists
-the options that are not settings of the samples: changing them resumes).
-"""
+"""Snakemake script of rules evaluate_checkpoint, evaluate_final and evaluate_base: one model per job, its
+STEPS in order inside one GPU lease; resumes only the same model and sample settings (docs/workflow.md,
+"Evaluation resumes" and "eval.kl")."""
 
 import contextlib
 import json
@@ -47,8 +31,6 @@ torch.set_num_threads(int(smk.threads))
 
 @dataclass(frozen=True)
 class EvalJob:
-    """What every step of the job works on."""
-
     model: str  # directory or hub id
     out: Path  # the evaluation directory (<out>/summary.json is the rule's output)
     samples: int
@@ -58,23 +40,13 @@ class EvalJob:
 
 
 def eval_options(job: EvalJob) -> dict[str, str]:
-    """The `d3s eval` options of the job; those not in EVALUATION_PER_ATTEMPT decide the samples, and an
-    evaluation resumes only under the same ones."""
+    """The `d3s eval` options of the job; those not in EVALUATION_PER_ATTEMPT are its resume key."""
     ks = [k for k in job.ks if k <= job.samples] or [1]
-    options = {
-        "--model": job.model,
-        "--samples": str(job.samples),
-        "--max-tokens": str(ev.get("max_tokens", 4096)),
-        "--temperature": str(ev.get("temperature", 0.6)),
-        "--top-p": str(ev.get("top_p", 0.95)),
-        "--template": ev.get("template", "auto"),
-        "--backend": ev.get("backend", "auto"),
-        # each benchmark resumes on its own (d3s eval's run.json): adding one keeps the others
-        "--benchmarks": ",".join(ev["benchmarks"]),
-        "--k": ",".join(map(str, ks)),
-        "--out": str(job.out),
-        "--grading-workers": "1",
-    }
+    sampling = ("max_tokens", "temperature", "top_p", "template", "backend")  # defaults: config/schema.yaml
+    options = {"--model": job.model, "--samples": str(job.samples)} | {_flag(k): str(ev[k]) for k in sampling}
+    # each benchmark resumes on its own (d3s eval's run.json): adding one keeps the others
+    options["--benchmarks"] = ",".join(ev["benchmarks"])
+    options |= {"--k": ",".join(map(str, ks)), "--out": str(job.out), "--grading-workers": "1"}
     if "synthetic" in ev["benchmarks"]:
         synthetic = task | dict(ev.get("synthetic") or {})
         options["--synthetic"] = ",".join(
@@ -82,23 +54,20 @@ def eval_options(job: EvalJob) -> dict[str, str]:
         )
     if job.limit:
         options["--limit"] = str(job.limit)
-    for key in ("max_model_len", "dtype"):
-        if ev.get(key) is not None:
-            options[f"--{key.replace('_', '-')}"] = str(ev[key])
+    options |= {_flag(key): str(ev[key]) for key in ("max_model_len", "dtype") if ev.get(key) is not None}
     if job.gpu_ids:
         options["--tensor-parallel-size"] = str(ev.get("tensor_parallel_size", len(job.gpu_ids)))
-    for key in ("answer_policy", "batch_size", "data_dir", "gpu_memory_utilization"):
-        if ev.get(key):
-            options[f"--{key.replace('_', '-')}"] = str(ev[key])
-    return options
+    per_attempt = ("answer_policy", "batch_size", "data_dir", "gpu_memory_utilization")
+    return options | {_flag(key): str(ev[key]) for key in per_attempt if ev.get(key)}
+
+
+def _flag(key: str) -> str:
+    return f"--{key.replace('_', '-')}"
 
 
 def generate_and_grade(job: EvalJob) -> None:
     """`d3s eval`: resumes from <out>/<benchmark>/samples.jsonl; writes <out>/summary.json last."""
-    args = ["eval"]
-    for option, value in eval_options(job).items():
-        args += [option, value]
-    args += ["--no-progress"]
+    args = ["eval", *(word for pair in eval_options(job).items() for word in pair), "--no-progress"]
     print("d3s", " ".join(args), flush=True)
     code = d3s_main(args)
     if code:
@@ -106,10 +75,8 @@ def generate_and_grade(job: EvalJob) -> None:
 
 
 def measure_kl(job: EvalJob) -> None:
-    """eval.kl: the KL to the initial policy on the run's probe (d3s.evaluation.kl), into <out>/kl.json.
-
-    Resumes: a kl.json of the same model (the evaluation's resume key moved any other model's aside) and the
-    same probe settings is kept; otherwise it is measured (again) and replaced atomically."""
+    """eval.kl into <out>/kl.json; one of the same model (the resume key moved others aside) and the same
+    probe settings is kept."""
     trainer = dict(smk.params.train.get("trainer") or {})
     defaults = {  # the sampling settings training used, where eval.kl leaves them out
         "max_new_tokens": trainer.get("max_completion_length", 256),  # TRL's default
@@ -123,23 +90,16 @@ def measure_kl(job: EvalJob) -> None:
         return
     train_config = yaml.safe_load(Path(smk.input.train_config).read_text(encoding="utf-8"))
     labels = {"method": smk.wildcards.method, "seed": int(smk.wildcards.seed), "point": job.out.name}
+    device = "cuda" if job.gpu_ids else "cpu"
     record = measure_checkpoint_kl(
-        job.model,
-        str(smk.params.reference),
-        train_config,
-        path,
-        settings,
-        labels=labels,
-        device="cuda" if job.gpu_ids else "cpu",
+        job.model, str(smk.params.reference), train_config, path, settings, labels=labels, device=device
     )
     summary = {key: record[key] for key in ("k1", "k3", "k1_per_sequence", "tokens", "seconds")}
     print(f"KL to the initial policy ({path}): {json.dumps(summary)}", flush=True)
 
 
 # The job's steps, in order. Each takes the EvalJob, writes under job.out and resumes on its own.
-STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [
-    ("generate and grade (d3s eval)", generate_and_grade),
-]
+STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [("generate and grade (d3s eval)", generate_and_grade)]
 if ev.get("kl") and smk.rule in ("evaluate_checkpoint", "evaluate_final"):  # the base model has KL 0
     # Before generation, so summary.json (the rule's output, written by d3s eval) still comes last.
     STEPS.insert(0, ("KL to the initial policy (eval.kl)", measure_kl))
