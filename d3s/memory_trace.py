@@ -15,6 +15,8 @@ from unittest import mock
 
 import torch
 
+from d3s.memory_plan import CONFIG_KEYS
+
 TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
 
@@ -22,17 +24,7 @@ def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.
     """The architecture's model with ``layers`` decoder layers and random weights (call under fake mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        hidden_size=arch["hidden"],
-        intermediate_size=arch["intermediate"],
-        num_hidden_layers=layers,
-        num_attention_heads=arch["heads"],
-        num_key_value_heads=arch["kv_heads"],
-        vocab_size=arch["vocab"],
-        tie_word_embeddings=arch["tied"],
-        max_position_embeddings=arch["max_positions"],
-        rms_norm_eps=arch["rms_norm_eps"],
-    )
+    common = {key: arch[name] for name, key in CONFIG_KEYS.items()} | {"num_hidden_layers": layers}
     if arch["family"] == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     elif arch["family"] == "llama":

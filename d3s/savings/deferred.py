@@ -14,6 +14,13 @@ from trl.trainer.utils import nanmax, nanmin, use_adapter
 
 # Generation outputs that TRL computes with log-prob passes; deferred until after selection.
 DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
+# The keyword arguments of TRL's _get_per_token_logps_and_entropies that are not model inputs.
+PASS_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")
+
+
+def has_multimodal_inputs(kwargs: dict) -> bool:
+    """Whether a log-prob pass (TRL passes every argument after logits_to_keep by keyword) has model extras."""
+    return any(value is not None for key, value in kwargs.items() if key not in PASS_OPTIONS)
 
 
 class DeferredLogprobPasses:
@@ -28,33 +35,15 @@ class DeferredLogprobPasses:
         finally:
             self._hook_state.deferring_logprobs = False
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **model_extras,
-    ):
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         if not self._hook_state.deferring_logprobs:
-            return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss,
-                **model_extras,
-            )
-        if any(value is not None for value in model_extras.values()):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if has_multimodal_inputs(kwargs):
             raise ValueError(
                 "rollout selection defers log-prob passes, which multimodal inputs do not support; "
                 "set defer_logprob_passes=False"
             )
+        input_ids, _, logits_to_keep = args
         # A stand-in of the right shape: selection first, then the real pass on the kept rows only.
         return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None
 

@@ -15,6 +15,8 @@ from transformers.utils import logging
 from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
+from d3s.savings.deferred import has_multimodal_inputs
+
 logger = logging.get_logger(__name__)
 
 # Vocabulary tile width of TRL's fused head (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
@@ -130,37 +132,18 @@ class KeptTokenHead:
             return "the entropy bonus trains the entropy of every token"
         return kept_token_head_unsupported(self._head_model())
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **model_extras,
-    ):
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         if (
             self.kept_token_head
-            and compute_entropy  # the gradient pass of _compute_loss
-            and not compute_aux_loss
-            and not any(value is not None for value in model_extras.values())  # not multimodal
+            and kwargs.get("compute_entropy")  # the gradient pass of _compute_loss
+            and not kwargs.get("compute_aux_loss")
+            and not has_multimodal_inputs(kwargs)
             and torch.is_grad_enabled()
             and self.model.training
             and self._hook_state.token_mask is not None
         ):
-            return self._kept_token_logps(model, input_ids, attention_mask, logits_to_keep)
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss,
-            **model_extras,
-        )
+            return self._kept_token_logps(model, *args)
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def _kept_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
         """Log-probs with gradient only at the tokens of the trainer's mask, chosen before the loss."""
