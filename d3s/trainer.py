@@ -37,28 +37,16 @@ __all__ = ["D3SConfig", "D3STrainer"]
 
 @dataclass
 class HookState:
-    """Values TRL's call chain does not hand to the hook that needs them; overwritten every call."""
+    """Values TRL's call chain does not hand to the hook that needs them (docs/trl-hooks-proposal.md)."""
 
-    # set in _calculate_rewards, read in _generate_and_score_completions: TRL does not return the rewards
-    rewards_per_func: torch.Tensor | None = None
-    # set in _compute_loss, read by the hooks TRL calls inside it without the inputs (get_high_entropy_mask,
-    # the kept-token head)
-    loss_inputs: dict | None = None
-    # the token mask of the current loss call (None: every token trains): read by the KL coefficient and the
-    # kept-token head, which TRL calls without it
-    token_mask: torch.Tensor | None = None
-    # the entropies of the current loss call's gradient pass: TRL logs entropy over its loss mask, which the
-    # kept tokens replace under sequence-level ratios and token_norm "selected"
-    loss_entropies: torch.Tensor | None = None
-    # set per generation batch, read by the first token selection after it (the anatomy log's token record)
-    anatomy_tokens_due: bool = False
-    # True from the start of scoring until the old-policy log-prob pass (TRL's, or the deferred one) ran:
-    # that pass is asked for entropies too, so the token level needs no pass of its own
-    old_policy_entropies_wanted: bool = False
+    rewards_per_func: torch.Tensor | None = None  # TRL's rewards, which it does not return
+    loss_inputs: dict | None = None  # the loss call's inputs, for the hooks TRL calls without them
+    token_mask: torch.Tensor | None = None  # the loss call's token mask (None: every token trains)
+    loss_entropies: torch.Tensor | None = None  # the loss call's gradient-pass entropies
+    anatomy_tokens_due: bool = False  # the next token selection writes the anatomy log's token record
+    old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
     old_policy_entropies: torch.Tensor | None = None
-    # savings (d3s/savings/deferred.py): True while TRL scores a batch whose log-prob passes wait for
-    # selection; TRL calls _get_per_token_logps_and_entropies inside _generate_and_score_completions
-    deferring_logprobs: bool = False
+    deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
 
 
 class SelectedTokensBeta(float):
@@ -289,6 +277,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         mine = slice(rank * share, (rank + 1) * share)
         selected = dict(output)
         for key, value in output.items():
+            if isinstance(value, list) and len(value) == local_rows:
+                raise ValueError(f"rollout selection does not support list-valued generation output {key!r}")
             if key == "advantages" or not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
             if value.shape[0] != local_rows:
@@ -303,9 +293,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                     value, dim=1, pad_index=pad, pad_first=key in _LEFT_PADDED
                 )
                 selected[key] = self.accelerator.gather(padded)[kept[mine]]
-        for key, value in output.items():
-            if isinstance(value, list) and len(value) == local_rows:
-                raise ValueError(f"rollout selection does not support list-valued generation output {key!r}")
         selected["advantages"] = kept_advantages[mine].to(output["advantages"].dtype)
         loss_mask = selected["completion_mask"]
         if "tool_mask" in selected:
@@ -359,20 +346,20 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                     self.processing_class.decode,
                 )
                 append_anatomy(self.args.output_dir, record)
-        stats = torch.stack([(entropies.detach() * keep).sum(), keep.sum()]).to(torch.float64)
-        stats = self.accelerator.reduce(stats, reduction="sum")
-        self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
+        entropy, count = self._summed_over_ranks(entropies.detach() * keep, keep)
+        self._metrics["train"]["selection/entropy_selected"].append((entropy / count.clamp(min=1)).item())
 
     def _log_entropy_of_every_token(self, inputs: dict) -> None:
         """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token."""
-        entropies, mask = (
-            self._hook_state.loss_entropies,
-            inputs["completion_mask"] * inputs.get("tool_mask", 1),
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        entropy, count = self._summed_over_ranks(self._hook_state.loss_entropies.detach() * mask, mask)
+        self._metrics["train"]["entropy"][-1] = (entropy / count.clamp(min=1)).item()
+
+    def _summed_over_ranks(self, *values: torch.Tensor) -> torch.Tensor:
+        """The sum of each tensor over every rank, in float64."""
+        return self.accelerator.reduce(
+            torch.stack([v.sum() for v in values]).to(torch.float64), reduction="sum"
         )
-        totals = self.accelerator.reduce(
-            torch.stack([(entropies.detach() * mask).sum(), mask.sum()]).to(torch.float64), reduction="sum"
-        )
-        self._metrics["train"]["entropy"][-1] = (totals[0] / totals[1].clamp(min=1)).item()
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         state = self._hook_state
@@ -407,15 +394,13 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         chosen = self._hook_state.token_mask
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         used = mask.bool() if chosen is None else chosen
-        counts = self.accelerator.reduce(
-            torch.stack([used.sum(), mask.sum()]).to(torch.float64), reduction="sum"
-        )
-        self.update_tokens_total += int(counts[0].item())
+        trained, count = self._summed_over_ranks(used, mask)
+        self.update_tokens_total += int(trained.item())
         metrics = self._metrics["train"]
-        metrics["selection/update_tokens"].append(counts[0].item())
+        metrics["selection/update_tokens"].append(trained.item())
         if chosen is None:  # every token trained: the selected entropy is TRL's entropy
             metrics["selection/entropy_selected"].append(metrics["entropy"][-1])
-        metrics["selection/token_keep_fraction"].append((counts[0] / counts[1].clamp(min=1)).item())
+        metrics["selection/token_keep_fraction"].append((trained / count.clamp(min=1)).item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:
