@@ -245,19 +245,12 @@ def token_keep_mask(
     valid = valid_mask.bool()
     _check_finite("token scores", scores[valid])
     masked = scores.detach().to(torch.float32).masked_fill(~valid, float("-inf"))
-    if scope == "sequence":
-        order = torch.sort(masked, dim=1, descending=True, stable=True).indices
-        ranks = torch.empty_like(order).scatter_(
-            1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order)
-        )
-        keep = ranks < _keep_count(token_keep_ratio, valid.sum(dim=1)).unsqueeze(1)
-    else:
-        flat = masked.flatten()
-        order = torch.sort(flat, descending=True, stable=True).indices
-        ranks = torch.empty_like(order)
-        ranks[order] = torch.arange(flat.numel(), device=flat.device)
-        keep = (ranks < _keep_count(token_keep_ratio, valid.sum())).view_as(valid)
-    return keep & valid
+    rows = masked if scope == "sequence" else masked.view(1, -1)  # the rows ranked: sequences, or one batch
+    order = torch.sort(rows, dim=1, descending=True, stable=True).indices
+    positions = torch.arange(rows.shape[1], device=rows.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(1, order, positions)
+    keep = ranks < _keep_count(token_keep_ratio, valid.view_as(rows).sum(dim=1)).unsqueeze(1)
+    return keep.view_as(valid) & valid
 
 
 # ---- schedule ----------------------------------------------------------------------------------------------

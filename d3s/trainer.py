@@ -167,7 +167,23 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             ]
         else:
             keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
-        self._log_token_selection(inputs, entropies, scores, keep, valid)
+        if self._hook_state.anatomy_tokens_due:
+            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
+            if self.accelerator.is_main_process:
+                record = token_anatomy(
+                    self.state.global_step,
+                    token_keep_ratio,
+                    inputs,
+                    entropies,
+                    scores,
+                    keep,
+                    valid,
+                    self.args.anatomy_examples,
+                    self.processing_class.decode,
+                )
+                append_anatomy(self.args.output_dir, record)
+        entropy, count = self._summed_over_ranks(entropies.detach() * keep, keep)
+        self._metrics["train"]["selection/entropy_selected"].append((entropy / count.clamp(min=1)).item())
         return keep
 
     def _compute_loss(self, model, inputs):
@@ -322,32 +338,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             rewards = self._summed_rewards(before.device)
             record = sample_anatomy(self.state.global_step, keep, self.num_generations, rewards, before, kept)
             append_anatomy(self.args.output_dir, record)
-
-    def _log_token_selection(
-        self,
-        inputs: dict,
-        entropies: torch.Tensor,
-        scores: torch.Tensor,
-        keep: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> None:
-        if self._hook_state.anatomy_tokens_due:
-            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
-            if self.accelerator.is_main_process:
-                record = token_anatomy(
-                    self.state.global_step,
-                    self._token_keep_ratio(),
-                    inputs,
-                    entropies,
-                    scores,
-                    keep,
-                    valid,
-                    self.args.anatomy_examples,
-                    self.processing_class.decode,
-                )
-                append_anatomy(self.args.output_dir, record)
-        entropy, count = self._summed_over_ranks(entropies.detach() * keep, keep)
-        self._metrics["train"]["selection/entropy_selected"].append((entropy / count.clamp(min=1)).item())
 
     def _log_entropy_of_every_token(self, inputs: dict) -> None:
         """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token."""
