@@ -1,19 +1,8 @@
 """Selection math of D3S and PODS: pure torch, no TRL import.
 
-Sample level (which rollouts train):
-    max_variance_subset   exact argmax_{|S|=k} Var(values_S), batched, O(n log n)
-    select_samples        the rules max_variance / random / max_reward / none, per group or over the batch
-    renormalize_advantages  PODS: advantages recomputed on the kept members of each group
-
-Token level (which tokens of the kept rollouts train):
-    token_scores          |A| * H (D3S) or H alone (the 80/20 rule)
-    token_keep_mask       top-K% of valid tokens per batch (the trainer's generation batch) or per sequence
-
-Schedule:
-    Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
-    round_half_up         the one rounding rule for keep counts (the schedule's and the method registry's)
-
-Ties in max_variance_subset: docs/fidelity.md ("Ties in max-variance selection").
+Sample level, which rollouts train: max_variance_subset, select_samples, renormalize_advantages (PODS).
+Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
+training, with round_half_up the one rounding rule for keep counts.
 """
 
 from __future__ import annotations

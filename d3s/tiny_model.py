@@ -36,12 +36,8 @@ def _vocabulary_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
-    """A deterministic byte-level BPE tokenizer of ~110 tokens in Qwen2's format, left padding, EOS as BOS.
-
-    transformers' ``Qwen2Tokenizer`` built from our vocabulary and merges (BPE over byte-level symbols, NFC,
-    Qwen2's split regex): what ``AutoTokenizer`` rebuilds from a saved copy, which tokenises identically.
-    Digits are single tokens, as in Qwen's tokenizer.
-    """
+    """A deterministic byte-level BPE tokenizer of ~110 tokens in Qwen2's format, left padding, EOS as BOS:
+    what ``AutoTokenizer`` rebuilds from a saved copy, which tokenises identically."""
     vocab, merges = _vocabulary_and_merges()
     return Qwen2Tokenizer(
         vocab=vocab,

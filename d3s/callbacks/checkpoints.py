@@ -1,10 +1,5 @@
-"""Checkpoints of a D3S run: the run's own state, the mark of a complete checkpoint, weights-only older ones.
-
-``D3SCheckpointState`` (a transformers callback) keeps its counters in each checkpoint's trainer_state.json
-(``stateful_callbacks``) and reads them back on resume. ``on_save``, after every rank wrote the checkpoint,
-writes d3s_state.json (the mark ``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with
-``full_state_checkpoints: latest``, cuts the older checkpoints to their weights.
-"""
+"""Checkpoints of a D3S run: the run's counters (in trainer_state.json), the mark of a complete checkpoint
+(d3s_state.json) and, with ``full_state_checkpoints: latest``, older checkpoints cut to their weights."""
 
 from __future__ import annotations
 
