@@ -279,8 +279,7 @@ def plan_training(
         reference = 4 * psi / GIB if kl else 0.0  # TRL loads the reference with model_init_kwargs: fp32 here
         buffers = 4 * psi / GIB if processes > 1 else 0.0  # DDP's gradient buckets (not bucket views)
     else:
-        # DeepSpeed's bf16 engine: bf16 module weights, ZeRO-2 shards gradients and optimizer state,
-        # ZeRO-3 all
+        # DeepSpeed's bf16 engine: bf16 weights; ZeRO-2 shards gradients and optimizer state, ZeRO-3 all
         weights = 2 * psi / (processes if stage == 3 else 1) / GIB
         grads = 2 * psi / processes / GIB
         # fp32 master weights + Adam's two moments; offloaded, they live in host memory
@@ -311,9 +310,8 @@ def plan_training(
         if generation_peak > update_peak:
             components |= {"gradients": 0.0, "activations": 0.0, "vLLM": share}
             vllm_note = f"generation phase (update phase {update_peak:.1f} GiB)"
-    engine = (f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast") + (
-        ", optimizer on CPU" if offload else ""
-    )
+    engine = f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast"
+    engine += ", optimizer on CPU" if offload else ""
     label = f"train {method}: {rows} rows x ({prompt} + {completion}) tokens, {processes} x {engine}"
     return JobPlan(label, gpus, components, vllm_note)
 

@@ -73,24 +73,18 @@ def add_kept_token_head(
         if isinstance(weight, DTensor):  # FSDP2 shards: gather the head once, as TRL's fused head does
             weight = weight.full_tensor()
             bias = bias.full_tensor() if bias is not None else None
+
+        def head(rows: torch.Tensor, outputs: tuple[str, ...]) -> tuple:  # TRL's chunked kernel at ``rows``
+            return ChunkedLogProbFunction.apply(
+                hidden[rows], weight, bias, labels[rows], temperature, VOCAB_CHUNK, None, 1.0, outputs
+            )
+
         with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
             with torch.no_grad():
-                scored_logps, scored_entropy, *_ = ChunkedLogProbFunction.apply(
-                    hidden[valid],
-                    weight,
-                    bias,
-                    labels[valid],
-                    temperature,
-                    VOCAB_CHUNK,
-                    None,
-                    1.0,
-                    ("entropy",),
-                )
+                scored_logps, scored_entropy, *_ = head(valid, ("entropy",))
             entropy = scored_entropy.new_zeros(valid.shape).masked_scatter(valid, scored_entropy)
             keep = select_tokens.to(valid.device) & valid
-            kept_logps, *_ = ChunkedLogProbFunction.apply(
-                hidden[keep], weight, bias, labels[keep], temperature, VOCAB_CHUNK, None, 1.0, ()
-            )
+            kept_logps, *_ = head(keep, ())
         # masked_scatter keeps the output connected to the graph even when nothing is kept
         log_probs = scored_logps.new_zeros(valid.shape).masked_scatter(valid, scored_logps)
         log_probs = log_probs.masked_scatter(keep, kept_logps)
