@@ -72,10 +72,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        self._hook_state.rewards_per_func = super()._calculate_rewards(
-            inputs, prompts, completions, completion_ids_list
-        )
+    def _calculate_rewards(self, *args):  # (inputs, prompts, completions, completion_ids_list)
+        self._hook_state.rewards_per_func = super()._calculate_rewards(*args)
         return self._hook_state.rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
@@ -133,20 +131,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         else a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
         """
         if entropies is None:
-            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            with (
-                torch.no_grad(),
-                disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            ):
-                _, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    ids,
-                    attention,
-                    batch["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size,
-                    compute_entropy=True,
-                )
+            _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
         if "importance_sampling_ratio" in batch:  # what vLLM's IS correction zeroed never takes a slot
             valid = valid * (batch["importance_sampling_ratio"] != 0)
@@ -274,6 +259,19 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     def _checkpoint_state(self) -> D3SCheckpointState:
         # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
         return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, D3SCheckpointState))
+
+    def _no_grad_pass(self, model, batch: dict, **kwargs) -> tuple:
+        """TRL's log-prob pass over the rows of a generation batch, without gradient (as TRL's own passes)."""
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        size, micro_batch = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
+            return self._get_per_token_logps_and_entropies(
+                model, ids, attention, size, batch_size=micro_batch, **kwargs
+            )
 
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
         rewards_per_func = self._hook_state.rewards_per_func.to(device)

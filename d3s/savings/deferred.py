@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, use_adapter
 
 # Generation outputs that TRL computes with log-prob passes; deferred until after selection.
@@ -50,36 +49,20 @@ class DeferredLogprobPasses:
     def run_deferred_logprob_passes(self, output: dict) -> dict:
         """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
         pending = [key for key in DEFERRED_KEYS if key in output]  # placeholders, indexed by selection
-        completion_ids = output["completion_ids"]
-        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         extras = {key: output[key] for key in ("token_type_ids", "mm_token_type_ids") if key in output}
 
         def logps(model) -> torch.Tensor:
-            return self._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                completion_ids.size(1),
-                batch_size=self.args.per_device_train_batch_size,
-                **extras,
-            )[0]
+            return self._no_grad_pass(model, output, **extras)[0]
 
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-        ):
-            if "old_per_token_logps" in pending:
-                output["old_per_token_logps"] = logps(self.model)
-            if "ref_per_token_logps" in pending:
-                if self.ref_model is not None:
-                    output["ref_per_token_logps"] = logps(self.ref_model)
-                else:  # PEFT: the reference is the base model (or the "ref" adapter), as in TRL
-                    unwrapped = self.accelerator.unwrap_model(self.model)
-                    with use_adapter(
-                        unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None
-                    ):
-                        output["ref_per_token_logps"] = logps(self.model)
+        if "old_per_token_logps" in pending:
+            output["old_per_token_logps"] = logps(self.model)
+        if "ref_per_token_logps" in pending:
+            if self.ref_model is not None:
+                output["ref_per_token_logps"] = logps(self.ref_model)
+            else:  # PEFT: the reference is the base model (or the "ref" adapter), as in TRL
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                    output["ref_per_token_logps"] = logps(self.model)
         if "importance_sampling_ratio" in pending:
             output["importance_sampling_ratio"] = self._importance_sampling_ratio(output)
         return output
