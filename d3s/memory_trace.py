@@ -8,8 +8,6 @@ This module imports torch and transformers: the planner imports it only to trace
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -40,19 +38,6 @@ def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.
         torch.set_default_dtype(previous)
 
 
-def _addmm_fp32_as_on_cuda(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    # CUDA's addmm(out_dtype=float32) accumulates without fp32 copies of the tile and the weight chunk
-    acc.add_(torch.mm(a, b))
-
-
-@contextlib.contextmanager
-def _as_on_cuda() -> Iterator[None]:
-    import trl.kernels.chunked_logprob as kernels
-
-    with mock.patch.object(kernels, "_addmm_fp32", _addmm_fp32_as_on_cuda):
-        yield
-
-
 def trace_step(
     arch: dict[str, Any],
     *,
@@ -71,11 +56,14 @@ def trace_step(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from trl.kernels import chunked_logprob
     from trl.trainer.utils import add_fused_lm_head
 
     dtype = torch.float32 if precision == "amp" else torch.bfloat16
     total = prompt_tokens + completion_tokens
-    with FakeTensorMode(allow_non_fake_inputs=True), _as_on_cuda():
+    # CUDA's addmm(out_dtype=float32) accumulates without fp32 copies of the tile and the weight chunk
+    as_on_cuda = mock.patch.object(chunked_logprob, "_addmm_fp32", lambda acc, a, b: acc.add_(torch.mm(a, b)))
+    with FakeTensorMode(allow_non_fake_inputs=True), as_on_cuda:
         model = build_model(arch, layers, dtype)
         model.train()
         model.config.use_cache = False

@@ -308,9 +308,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                 )
                 selected[key] = self.accelerator.gather(padded)[kept[mine]]
         selected["advantages"] = kept_advantages[mine].to(output["advantages"].dtype)
-        loss_mask = selected["completion_mask"]
-        if "tool_mask" in selected:
-            loss_mask = loss_mask * selected["tool_mask"]
+        loss_mask = selected["completion_mask"] * selected.get("tool_mask", 1)
         # TRL counted the tokens of all rollouts before we dropped any; dapo's normaliser needs the kept ones.
         selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return selected

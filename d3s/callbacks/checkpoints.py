@@ -96,9 +96,8 @@ class D3SCheckpointState(TrainerCallback, ExportableState):
         elif state.global_step > 0:  # a checkpoint written before the counter moved to trainer_state.json
             legacy = Path(args.output_dir) / f"checkpoint-{state.global_step}" / D3S_STATE_FILE
             if legacy.is_file():
-                self.update_tokens_total = json.loads(legacy.read_text(encoding="utf-8"))[
-                    "update_tokens_total"
-                ]
+                counters = json.loads(legacy.read_text(encoding="utf-8"))
+                self.update_tokens_total = counters["update_tokens_total"]
             state.stateful_callbacks[name] = self.state()  # Trainer's next save updates this entry
 
     def on_save(self, args, state, control, **kwargs):

@@ -77,15 +77,9 @@ def sample_anatomy(
     G = num_generations  # noqa: N806 - the paper's symbol
     kept_mask = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
     kept_mask[kept] = True
-    groups = [
-        {"rewards": r, "advantages": a, "kept": k}
-        for r, a, k in zip(
-            rewards.view(-1, G).tolist(),
-            advantages.view(-1, G).tolist(),
-            kept_mask.view(-1, G).tolist(),
-            strict=True,
-        )
-    ]
+    columns = {"rewards": rewards, "advantages": advantages, "kept": kept_mask}
+    rows = {name: values.view(-1, G).tolist() for name, values in columns.items()}  # one row a group
+    groups = [dict(zip(rows, group, strict=True)) for group in zip(*rows.values(), strict=True)]
     return {"kind": "samples", "step": step, "keep_per_prompt": keep, "num_generations": G, "groups": groups}
 
 
