@@ -134,27 +134,22 @@ def select_samples(
     if rule == "none" or keep_per_prompt == num_generations:
         return torch.arange(total, device=device)
 
+    # Keep k of each pool of `size` rows: every group, or the whole batch as one pool.
     if scope == "batch":
-        keep = keep_per_prompt * num_prompts
-        if rule == "max_variance":
-            kept = max_variance_subset(advantages, keep)
-        elif rule == "max_reward":
-            kept = torch.sort(rewards, descending=True, stable=True).indices[:keep]
-        else:
-            kept = torch.randperm(total, generator=generator, device="cpu")[:keep].to(device)
-        return kept.sort().values
-
-    offsets = (torch.arange(num_prompts, device=device) * num_generations).unsqueeze(1)
-    if rule == "max_variance":  # already ascending within each group
-        local = max_variance_subset(advantages.view(num_prompts, num_generations), keep_per_prompt)
+        pools, size, k = 1, total, keep_per_prompt * num_prompts
+    else:
+        pools, size, k = num_prompts, num_generations, keep_per_prompt
+    if rule == "max_variance":
+        local = max_variance_subset(advantages.view(pools, size), k)
     elif rule == "max_reward":
-        grouped = rewards.view(num_prompts, num_generations)
-        local = torch.sort(grouped, dim=1, descending=True, stable=True).indices[:, :keep_per_prompt]
-        local = local.sort(dim=1).values
+        local = torch.sort(rewards.view(pools, size), dim=1, descending=True, stable=True).indices[:, :k]
+    elif scope == "batch":
+        local = torch.randperm(total, generator=generator, device="cpu")[:k].to(device).unsqueeze(0)
     else:
         noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
-        local = noise.argsort(dim=1)[:, :keep_per_prompt].sort(dim=1).values
-    return (local + offsets).flatten()  # groups in order, each ascending: sorted without a global sort
+        local = noise.argsort(dim=1)[:, :k]
+    offsets = (torch.arange(pools, device=device) * size).unsqueeze(1)
+    return (local.sort(dim=1).values + offsets).flatten()  # pools in order, each ascending: sorted
 
 
 def renormalize_advantages(
@@ -270,22 +265,17 @@ class Schedule:
     def __post_init__(self) -> None:
         _check_choice("schedule", self.kind, SCHEDULES)
 
-    def _progress(self, progress: float) -> float:
+    def _at(self, progress: float, init: float, final: float) -> float:
         if math.isnan(progress):
             raise ValueError("training progress is NaN")
-        return min(max(progress, 0.0), 1.0)
+        p = min(max(progress, 0.0), 1.0)
+        return init if self.kind == "constant" else (1 - p) * init + p * final
 
     def keep_per_prompt(self, progress: float) -> int:
-        p = self._progress(progress)
-        if self.kind == "constant":
-            return self.keep_per_prompt_init
-        return round_half_up((1 - p) * self.keep_per_prompt_init + p * self.keep_per_prompt_final)
+        return round_half_up(self._at(progress, self.keep_per_prompt_init, self.keep_per_prompt_final))
 
     def token_keep_ratio(self, progress: float) -> float:
-        p = self._progress(progress)
-        if self.kind == "constant":
-            return self.token_keep_ratio_init
-        return (1 - p) * self.token_keep_ratio_init + p * self.token_keep_ratio_final
+        return self._at(progress, self.token_keep_ratio_init, self.token_keep_ratio_final)
 
     def reachable_keep_values(self) -> range:
         """Every keep_per_prompt the schedule can produce (for up-front validation)."""
