@@ -390,18 +390,14 @@ def check_fit(config: Mapping[str, Any]) -> str | None:
     """One line naming the setting to change when a cached plan does not fit; None when it fits, when the
     config asks for no GPUs, when the check is off, when the model's architecture is not one the planner
     knows, or when no cached trace covers it (no tracing here)."""
-    settings = plan_settings(config)
-    if not settings["check"]:
+    # kind other than path: a model built in code (gpu-smoke), small, and not an architecture the planner knows
+    if not plan_settings(config)["check"] or config["base_model"].get("kind") != "path":
         return None
-    if config["base_model"].get("kind") != "path":
-        return None  # a model built in code (gpu-smoke): small, and not an architecture the planner knows
     try:
         plan = plan_config(config, trace=False)
     except PlanError:
         return None  # an architecture the planner does not know: `d3s plan` says so; the run is not refused
-    if plan is None:
-        return None
-    over = plan.too_big()
+    over = plan.too_big() if plan is not None else []
     if not over:
         return None
     job = max(over, key=lambda j: j.peak)
