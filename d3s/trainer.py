@@ -178,15 +178,18 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         # TRL calls get_high_entropy_mask (which returns the mask) only while this is < 1
         self.top_entropy_quantile = 0.0 if token_mask is not None or micro_batch else 1.0
         self._hook_state.token_mask, given = token_mask, inputs
-        if token_mask is not None and self._kept_tokens_are_the_loss_mask():
-            # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every
-            # denominator counts them (token_norm "selected")
+        # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every denominator
+        # counts them (token_norm "selected")
+        kept_as_loss_mask = token_mask is not None and (
+            self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
+        )
+        if kept_as_loss_mask:
             inputs = {**inputs, "tool_mask": inputs.get("tool_mask", 1) * token_mask}
         self._hook_state.loss_inputs = inputs
         with self._kl_on_selected_tokens(training):
             loss = super()._compute_loss(model, inputs)
         if training:
-            if token_mask is not None and self._kept_tokens_are_the_loss_mask():
+            if kept_as_loss_mask:
                 self._log_entropy_of_every_token(given)
             self._log_tokens_trained(given)
         return loss
@@ -195,14 +198,10 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
     ) -> torch.Tensor:
         """The mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
-        if self._hook_state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
-            self._hook_state.token_mask = self._rank_tokens(
-                self._hook_state.loss_inputs, entropies, mask.bool()
-            )
-        return self._hook_state.token_mask
-
-    def _kept_tokens_are_the_loss_mask(self) -> bool:
-        return self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
+        state = self._hook_state
+        if state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
+            state.token_mask = self._rank_tokens(state.loss_inputs, entropies, mask.bool())
+        return state.token_mask
 
     @contextmanager
     def _kl_on_selected_tokens(self, training: bool):
@@ -265,10 +264,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         size, micro_batch = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-        ):
+        no_checkpointing = disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+        with torch.no_grad(), no_checkpointing:
             return self._get_per_token_logps_and_entropies(
                 model, ids, attention, size, batch_size=micro_batch, **kwargs
             )
