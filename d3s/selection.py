@@ -85,12 +85,8 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
 def variance_tie_tolerance(
     spread: torch.Tensor | float, magnitude: torch.Tensor | float, k: int, dtype: torch.dtype
 ) -> torch.Tensor | float:
-    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M.
-
-    R is the row's range, M its largest magnitude, u the input's unit roundoff (2^-24 for float32 and
-    narrower, 2^-53 for float64 and integers): wider than the input's rounding plus our float64 sums
-    (docs/fidelity.md).
-    """
+    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M, with R the row's range,
+    M its largest magnitude, u the input's unit roundoff (docs/fidelity.md, "Ties in max-variance selection")."""
     unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
 
