@@ -412,23 +412,20 @@ def check_fit(config: Mapping[str, Any]) -> str | None:
 
 def format_plan(plan: ConfigPlan) -> str:
     """The plan as a Markdown table."""
-    names = ["weights", "gradients", "optimizer", "activations", "reference", "engine buffers", "vLLM"]
-    extra = [n for job in plan.jobs for n in job.components if n not in names]
-    names += list(dict.fromkeys(extra))
+    fixed = ["weights", "gradients", "optimizer", "activations", "reference", "engine buffers", "vLLM"]
+    names = list(dict.fromkeys(fixed + [n for job in plan.jobs for n in job.components]))
+    columns = ["job", "GPUs", *names, "peak", "margin", "fits", "note"]
     lines = [
         f"{plan.experiment}: per-GPU peak (GiB), GPU {plan.gpu_memory_gib:g} GiB, "
         f"limit {plan.limit:.1f} GiB ({plan.margin:.0%} margin)",
         "",
-        "| job | GPUs | " + " | ".join(names) + " | peak | margin | fits | note |",
-        "|---|---|" + "---|" * len(names) + "---|---|---|---|",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
     ]
     for job in plan.jobs:
         cells = [f"{job.components[n]:.1f}" if n in job.components else "" for n in names]
         margin = 1 - job.peak / plan.gpu_memory_gib
         fits = "yes" if job.peak <= plan.limit + 1e-9 else "**no**"
-        lines.append(
-            f"| {job.job} | {job.gpus} | "
-            + " | ".join(cells)
-            + f" | {job.peak:.1f} | {margin:.0%} | {fits} | {job.notes} |"
-        )
+        row = [job.job, str(job.gpus), *cells, f"{job.peak:.1f}", f"{margin:.0%}", fits, job.notes]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
