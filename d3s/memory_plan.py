@@ -390,7 +390,7 @@ def check_fit(config: Mapping[str, Any]) -> str | None:
     """One line naming the setting to change when a cached plan does not fit; None when it fits, when the
     config asks for no GPUs, when the check is off, when the model's architecture is not one the planner
     knows, or when no cached trace covers it (no tracing here)."""
-    # kind other than path: a model built in code (gpu-smoke), small, and not an architecture the planner knows
+    # a base model built in code (gpu-smoke) is small, and not an architecture the planner knows
     if not plan_settings(config)["check"] or config["base_model"].get("kind") != "path":
         return None
     try:

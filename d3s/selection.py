@@ -85,8 +85,8 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
 def variance_tie_tolerance(
     spread: torch.Tensor | float, magnitude: torch.Tensor | float, k: int, dtype: torch.dtype
 ) -> torch.Tensor | float:
-    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M, with R the row's range,
-    M its largest magnitude, u the input's unit roundoff (docs/fidelity.md, "Ties in max-variance selection")."""
+    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M, with R the row's
+    range, M its largest magnitude, u the input's unit roundoff (docs/fidelity.md, on ties)."""
     unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
 

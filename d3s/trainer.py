@@ -178,8 +178,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         # TRL calls get_high_entropy_mask (which returns the mask) only while this is < 1
         self.top_entropy_quantile = 0.0 if token_mask is not None or micro_batch else 1.0
         self._hook_state.token_mask, given = token_mask, inputs
-        # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every denominator
-        # counts them (token_norm "selected")
+        # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every
+        # denominator counts them (token_norm "selected")
         kept_as_loss_mask = token_mask is not None and (
             self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
         )

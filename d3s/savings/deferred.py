@@ -18,7 +18,7 @@ PASS_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")
 
 
 def has_multimodal_inputs(kwargs: dict) -> bool:
-    """Whether a log-prob pass (TRL passes every argument after logits_to_keep by keyword) has model extras."""
+    """Whether a log-prob pass has model inputs beyond the text (TRL passes them by keyword)."""
     return any(value is not None for key, value in kwargs.items() if key not in PASS_OPTIONS)
 
 
