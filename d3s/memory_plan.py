@@ -36,6 +36,18 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         tied=False, max_positions=131072, rms_norm_eps=1e-5,
     ),
 }  # fmt: skip
+# The names of those values in a transformers config.
+CONFIG_KEYS = {
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "vocab": "vocab_size",
+    "tied": "tie_word_embeddings",
+    "max_positions": "max_position_embeddings",
+    "rms_norm_eps": "rms_norm_eps",
+}
 MODEL_ARCHITECTURES = {
     "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
     "Qwen/Qwen2.5-Math-1.5B-Instruct": "qwen2.5-math-1.5b",
@@ -47,11 +59,14 @@ MODEL_ARCHITECTURES = {
     "nvidia/OpenMath2-Llama3.1-8B": "llama-3.1-8b",
 }
 
-DEFAULT_GPU_MEMORY_GIB = 79.6  # an H100 / A100 80 GB as CUDA reports it (81,559 MiB)
-DEFAULT_MARGIN = 0.10
-DEFAULT_PROMPT_TOKENS = 512  # TRL 1.16 does not truncate prompts: the planned longest prompt of a batch
+# train.memory_plan and its defaults
+MEMORY_PLAN_DEFAULTS = {
+    "check": True,
+    "gpu_memory_gib": 79.6,  # an H100 / A100 80 GB as CUDA reports it (81,559 MiB)
+    "margin": 0.10,
+    "prompt_tokens": 512,  # TRL 1.16 does not truncate prompts: the planned longest prompt of a batch
+}
 VLLM_ASLEEP_GIB = 1.0  # what a colocated vLLM keeps asleep (level 2): CUDA graphs and context, not weights
-MEMORY_PLAN_KEYS = ("check", "gpu_memory_gib", "margin", "prompt_tokens")
 
 
 class PlanError(ValueError):
@@ -93,18 +108,12 @@ class ConfigPlan:
 def plan_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """train.memory_plan with its defaults; unknown keys fail with the valid ones."""
     raw = dict((config.get("train") or {}).get("memory_plan") or {})
-    unknown = set(raw) - set(MEMORY_PLAN_KEYS)
+    unknown = set(raw) - set(MEMORY_PLAN_DEFAULTS)
     if unknown:
         raise PlanError(
-            f"train.memory_plan: unknown key(s) {sorted(unknown)}; valid: {', '.join(MEMORY_PLAN_KEYS)}"
+            f"train.memory_plan: unknown key(s) {sorted(unknown)}; valid: {', '.join(MEMORY_PLAN_DEFAULTS)}"
         )
-    settings = {
-        "check": True,
-        "gpu_memory_gib": DEFAULT_GPU_MEMORY_GIB,
-        "margin": DEFAULT_MARGIN,
-        "prompt_tokens": DEFAULT_PROMPT_TOKENS,
-    } | raw
-    return settings
+    return MEMORY_PLAN_DEFAULTS | raw
 
 
 def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -123,18 +132,10 @@ def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]
                 "(qwen2, llama); "
                 "set train.memory_plan.check: false to run without a plan"
             )
-        arch = dict(
-            family=family,
-            hidden=raw["hidden_size"],
-            intermediate=raw["intermediate_size"],
-            layers=raw["num_hidden_layers"],
-            heads=raw["num_attention_heads"],
-            kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            vocab=raw["vocab_size"],
-            tied=bool(raw.get("tie_word_embeddings", False)),
-            max_positions=raw.get("max_position_embeddings", 4096),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        )
+        defaults = {"tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}
+        raw = defaults | {"num_key_value_heads": raw["num_attention_heads"]} | raw
+        arch = {"family": family} | {name: raw[key] for name, key in CONFIG_KEYS.items()}
+        arch["tied"] = bool(arch["tied"])
         return f"{family}-h{arch['hidden']}-l{arch['layers']}-v{arch['vocab']}", arch
     raise PlanError(
         f"base_model.path {path!r}: unknown architecture for the memory plan (known: "
@@ -208,21 +209,12 @@ def write_cache(cache: Mapping[str, Any], path: Path = CACHE_PATH) -> None:
 # ---- plans ------------------------------------------------------------------------------------------------
 
 
-def _trainer(config: Mapping[str, Any], method: str) -> dict[str, Any]:
-    train = config["train"]
-    return dict(train["trainer"]) | dict((train.get("method_overrides") or {}).get(method) or {})
-
-
-def _accelerate_name(config: Mapping[str, Any]) -> str:
-    return str(dict(config["train"].get("launch") or {}).get("accelerate_config", "ddp"))
-
-
 ACCELERATE_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
 
 
 def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
     """(ZeRO stage, optimizer offloaded to the CPU) from the accelerate config; stage 0: no DeepSpeed."""
-    name = _accelerate_name(config)
+    name = str(dict(config["train"].get("launch") or {}).get("accelerate_config", "ddp"))
     path = (
         ACCELERATE_DIR / f"{name}.yaml" if not name.endswith((".yaml", ".yml")) else Path(name).expanduser()
     )
@@ -267,7 +259,7 @@ def plan_training(
 
     train = config["train"]
     gpus = job_gpus(train.get("resources"), "train")
-    trainer = _trainer(config, method)
+    trainer = dict(train["trainer"]) | dict((train.get("method_overrides") or {}).get(method) or {})
     stage, offload = _zero_stage(config)
     server = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
     processes = max(1, gpus - (1 if server else 0))  # the planner assumes the default one-GPU server
@@ -283,16 +275,11 @@ def plan_training(
     psi = parameter_count(arch)
     activations = sum(traced[k] for k in ("Activation", "Temp", "Buffer", "Other")) / GIB
     if stage == 0:
-        weights, grads, optimizer = (
-            traced["Parameter"] / GIB,
-            traced["Gradient"] / GIB,
-            traced["Optstate"] / GIB,
-        )
+        weights, grads, optimizer = (traced[name] / GIB for name in ("Parameter", "Gradient", "Optstate"))
         reference = 4 * psi / GIB if kl else 0.0  # TRL loads the reference with model_init_kwargs: fp32 here
         buffers = 4 * psi / GIB if processes > 1 else 0.0  # DDP's gradient buckets (not bucket views)
     else:
-        # DeepSpeed's bf16 engine: bf16 module weights, ZeRO-2 shards gradients and optimizer state,
-        # ZeRO-3 all
+        # DeepSpeed's bf16 engine: bf16 weights; ZeRO-2 shards gradients and optimizer state, ZeRO-3 all
         weights = 2 * psi / (processes if stage == 3 else 1) / GIB
         grads = 2 * psi / processes / GIB
         # fp32 master weights + Adam's two moments; offloaded, they live in host memory
@@ -321,23 +308,12 @@ def plan_training(
         components["vLLM"] = update_vllm
         vllm_note = f"vLLM {share:.1f} GiB while generating (peak then {generation_peak:.1f})"
         if generation_peak > update_peak:
-            components = {
-                "weights": weights,
-                "gradients": 0.0,
-                "optimizer": optimizer,
-                "activations": 0.0,
-                "reference": reference,
-                "engine buffers": buffers,
-                "vLLM": share,
-            }
+            components |= {"gradients": 0.0, "activations": 0.0, "vLLM": share}
             vllm_note = f"generation phase (update phase {update_peak:.1f} GiB)"
-    engine = _engine(stage) + (", optimizer on CPU" if offload else "")
+    engine = f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast"
+    engine += ", optimizer on CPU" if offload else ""
     label = f"train {method}: {rows} rows x ({prompt} + {completion}) tokens, {processes} x {engine}"
     return JobPlan(label, gpus, components, vllm_note)
-
-
-def _engine(stage: int) -> str:
-    return f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast"
 
 
 def plan_evaluation(
@@ -414,18 +390,14 @@ def check_fit(config: Mapping[str, Any]) -> str | None:
     """One line naming the setting to change when a cached plan does not fit; None when it fits, when the
     config asks for no GPUs, when the check is off, when the model's architecture is not one the planner
     knows, or when no cached trace covers it (no tracing here)."""
-    settings = plan_settings(config)
-    if not settings["check"]:
+    # a base model built in code (gpu-smoke) is small, and not an architecture the planner knows
+    if not plan_settings(config)["check"] or config["base_model"].get("kind") != "path":
         return None
-    if config["base_model"].get("kind") != "path":
-        return None  # a model built in code (gpu-smoke): small, and not an architecture the planner knows
     try:
         plan = plan_config(config, trace=False)
     except PlanError:
         return None  # an architecture the planner does not know: `d3s plan` says so; the run is not refused
-    if plan is None:
-        return None
-    over = plan.too_big()
+    over = plan.too_big() if plan is not None else []
     if not over:
         return None
     job = max(over, key=lambda j: j.peak)
@@ -440,23 +412,20 @@ def check_fit(config: Mapping[str, Any]) -> str | None:
 
 def format_plan(plan: ConfigPlan) -> str:
     """The plan as a Markdown table."""
-    names = ["weights", "gradients", "optimizer", "activations", "reference", "engine buffers", "vLLM"]
-    extra = [n for job in plan.jobs for n in job.components if n not in names]
-    names += list(dict.fromkeys(extra))
+    fixed = ["weights", "gradients", "optimizer", "activations", "reference", "engine buffers", "vLLM"]
+    names = list(dict.fromkeys(fixed + [n for job in plan.jobs for n in job.components]))
+    columns = ["job", "GPUs", *names, "peak", "margin", "fits", "note"]
     lines = [
         f"{plan.experiment}: per-GPU peak (GiB), GPU {plan.gpu_memory_gib:g} GiB, "
         f"limit {plan.limit:.1f} GiB ({plan.margin:.0%} margin)",
         "",
-        "| job | GPUs | " + " | ".join(names) + " | peak | margin | fits | note |",
-        "|---|---|" + "---|" * len(names) + "---|---|---|---|",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
     ]
     for job in plan.jobs:
         cells = [f"{job.components[n]:.1f}" if n in job.components else "" for n in names]
         margin = 1 - job.peak / plan.gpu_memory_gib
         fits = "yes" if job.peak <= plan.limit + 1e-9 else "**no**"
-        lines.append(
-            f"| {job.job} | {job.gpus} | "
-            + " | ".join(cells)
-            + f" | {job.peak:.1f} | {margin:.0%} | {fits} | {job.notes} |"
-        )
+        row = [job.job, str(job.gpus), *cells, f"{job.peak:.1f}", f"{margin:.0%}", fits, job.notes]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -8,12 +8,12 @@ This module imports torch and transformers: the planner imports it only to trace
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import torch
+
+from d3s.memory_plan import CONFIG_KEYS
 
 TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -22,17 +22,7 @@ def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.
     """The architecture's model with ``layers`` decoder layers and random weights (call under fake mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        hidden_size=arch["hidden"],
-        intermediate_size=arch["intermediate"],
-        num_hidden_layers=layers,
-        num_attention_heads=arch["heads"],
-        num_key_value_heads=arch["kv_heads"],
-        vocab_size=arch["vocab"],
-        tie_word_embeddings=arch["tied"],
-        max_position_embeddings=arch["max_positions"],
-        rms_norm_eps=arch["rms_norm_eps"],
-    )
+    common = {key: arch[name] for name, key in CONFIG_KEYS.items()} | {"num_hidden_layers": layers}
     if arch["family"] == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     elif arch["family"] == "llama":
@@ -46,19 +36,6 @@ def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.
         return cls(config)
     finally:
         torch.set_default_dtype(previous)
-
-
-def _addmm_fp32_as_on_cuda(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    # CUDA's addmm(out_dtype=float32) accumulates without fp32 copies of the tile and the weight chunk
-    acc.add_(torch.mm(a, b))
-
-
-@contextlib.contextmanager
-def _as_on_cuda() -> Iterator[None]:
-    import trl.kernels.chunked_logprob as kernels
-
-    with mock.patch.object(kernels, "_addmm_fp32", _addmm_fp32_as_on_cuda):
-        yield
 
 
 def trace_step(
@@ -79,11 +56,14 @@ def trace_step(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from trl.kernels import chunked_logprob
     from trl.trainer.utils import add_fused_lm_head
 
     dtype = torch.float32 if precision == "amp" else torch.bfloat16
     total = prompt_tokens + completion_tokens
-    with FakeTensorMode(allow_non_fake_inputs=True), _as_on_cuda():
+    # CUDA's addmm(out_dtype=float32) accumulates without fp32 copies of the tile and the weight chunk
+    as_on_cuda = mock.patch.object(chunked_logprob, "_addmm_fp32", lambda acc, a, b: acc.add_(torch.mm(a, b)))
+    with FakeTensorMode(allow_non_fake_inputs=True), as_on_cuda:
         model = build_model(arch, layers, dtype)
         model.train()
         model.config.use_cache = False

@@ -1,19 +1,8 @@
 """Selection math of D3S and PODS: pure torch, no TRL import.
 
-Sample level (which rollouts train):
-    max_variance_subset   exact argmax_{|S|=k} Var(values_S), batched, O(n log n)
-    select_samples        the rules max_variance / random / max_reward / none, per group or over the batch
-    renormalize_advantages  PODS: advantages recomputed on the kept members of each group
-
-Token level (which tokens of the kept rollouts train):
-    token_scores          |A| * H (D3S) or H alone (the 80/20 rule)
-    token_keep_mask       top-K% of valid tokens per batch (the trainer's generation batch) or per sequence
-
-Schedule:
-    Schedule              (keep_per_prompt, token_keep_ratio) constant or linear in training progress p
-    round_half_up         the one rounding rule for keep counts (the schedule's and the method registry's)
-
-Ties in max_variance_subset: docs/fidelity.md ("Ties in max-variance selection").
+Sample level, which rollouts train: max_variance_subset, select_samples, renormalize_advantages (PODS).
+Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
+training, with round_half_up the one rounding rule for keep counts.
 """
 
 from __future__ import annotations
@@ -96,12 +85,8 @@ def max_variance_subset(values: torch.Tensor, k: int) -> torch.Tensor:
 def variance_tie_tolerance(
     spread: torch.Tensor | float, magnitude: torch.Tensor | float, k: int, dtype: torch.dtype
 ) -> torch.Tensor | float:
-    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M.
-
-    R is the row's range, M its largest magnitude, u the input's unit roundoff (2^-24 for float32 and
-    narrower, 2^-53 for float64 and integers): wider than the input's rounding plus our float64 sums
-    (docs/fidelity.md).
-    """
+    """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M, with R the row's
+    range, M its largest magnitude, u the input's unit roundoff (docs/fidelity.md, on ties)."""
     unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
 
@@ -145,27 +130,22 @@ def select_samples(
     if rule == "none" or keep_per_prompt == num_generations:
         return torch.arange(total, device=device)
 
+    # Keep k of each pool of `size` rows: every group, or the whole batch as one pool.
     if scope == "batch":
-        keep = keep_per_prompt * num_prompts
-        if rule == "max_variance":
-            kept = max_variance_subset(advantages, keep)
-        elif rule == "max_reward":
-            kept = torch.sort(rewards, descending=True, stable=True).indices[:keep]
-        else:
-            kept = torch.randperm(total, generator=generator, device="cpu")[:keep].to(device)
-        return kept.sort().values
-
-    offsets = (torch.arange(num_prompts, device=device) * num_generations).unsqueeze(1)
-    if rule == "max_variance":  # already ascending within each group
-        local = max_variance_subset(advantages.view(num_prompts, num_generations), keep_per_prompt)
+        pools, size, k = 1, total, keep_per_prompt * num_prompts
+    else:
+        pools, size, k = num_prompts, num_generations, keep_per_prompt
+    if rule == "max_variance":
+        local = max_variance_subset(advantages.view(pools, size), k)
     elif rule == "max_reward":
-        grouped = rewards.view(num_prompts, num_generations)
-        local = torch.sort(grouped, dim=1, descending=True, stable=True).indices[:, :keep_per_prompt]
-        local = local.sort(dim=1).values
+        local = torch.sort(rewards.view(pools, size), dim=1, descending=True, stable=True).indices[:, :k]
+    elif scope == "batch":
+        local = torch.randperm(total, generator=generator, device="cpu")[:k].to(device).unsqueeze(0)
     else:
         noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
-        local = noise.argsort(dim=1)[:, :keep_per_prompt].sort(dim=1).values
-    return (local + offsets).flatten()  # groups in order, each ascending: sorted without a global sort
+        local = noise.argsort(dim=1)[:, :k]
+    offsets = (torch.arange(pools, device=device) * size).unsqueeze(1)
+    return (local.sort(dim=1).values + offsets).flatten()  # pools in order, each ascending: sorted
 
 
 def renormalize_advantages(
@@ -245,19 +225,12 @@ def token_keep_mask(
     valid = valid_mask.bool()
     _check_finite("token scores", scores[valid])
     masked = scores.detach().to(torch.float32).masked_fill(~valid, float("-inf"))
-    if scope == "sequence":
-        order = torch.sort(masked, dim=1, descending=True, stable=True).indices
-        ranks = torch.empty_like(order).scatter_(
-            1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order)
-        )
-        keep = ranks < _keep_count(token_keep_ratio, valid.sum(dim=1)).unsqueeze(1)
-    else:
-        flat = masked.flatten()
-        order = torch.sort(flat, descending=True, stable=True).indices
-        ranks = torch.empty_like(order)
-        ranks[order] = torch.arange(flat.numel(), device=flat.device)
-        keep = (ranks < _keep_count(token_keep_ratio, valid.sum())).view_as(valid)
-    return keep & valid
+    rows = masked if scope == "sequence" else masked.view(1, -1)  # the rows ranked: sequences, or one batch
+    order = torch.sort(rows, dim=1, descending=True, stable=True).indices
+    positions = torch.arange(rows.shape[1], device=rows.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(1, order, positions)
+    keep = ranks < _keep_count(token_keep_ratio, valid.view_as(rows).sum(dim=1)).unsqueeze(1)
+    return keep.view_as(valid) & valid
 
 
 # ---- schedule ----------------------------------------------------------------------------------------------
@@ -288,22 +261,17 @@ class Schedule:
     def __post_init__(self) -> None:
         _check_choice("schedule", self.kind, SCHEDULES)
 
-    def _progress(self, progress: float) -> float:
+    def _at(self, progress: float, init: float, final: float) -> float:
         if math.isnan(progress):
             raise ValueError("training progress is NaN")
-        return min(max(progress, 0.0), 1.0)
+        p = min(max(progress, 0.0), 1.0)
+        return init if self.kind == "constant" else (1 - p) * init + p * final
 
     def keep_per_prompt(self, progress: float) -> int:
-        p = self._progress(progress)
-        if self.kind == "constant":
-            return self.keep_per_prompt_init
-        return round_half_up((1 - p) * self.keep_per_prompt_init + p * self.keep_per_prompt_final)
+        return round_half_up(self._at(progress, self.keep_per_prompt_init, self.keep_per_prompt_final))
 
     def token_keep_ratio(self, progress: float) -> float:
-        p = self._progress(progress)
-        if self.kind == "constant":
-            return self.token_keep_ratio_init
-        return (1 - p) * self.token_keep_ratio_init + p * self.token_keep_ratio_final
+        return self._at(progress, self.token_keep_ratio_init, self.token_keep_ratio_final)
 
     def reachable_keep_values(self) -> range:
         """Every keep_per_prompt the schedule can produce (for up-front validation)."""

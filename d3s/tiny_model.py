@@ -36,12 +36,8 @@ def _vocabulary_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
-    """A deterministic byte-level BPE tokenizer of ~110 tokens in Qwen2's format, left padding, EOS as BOS.
-
-    transformers' ``Qwen2Tokenizer`` built from our vocabulary and merges (BPE over byte-level symbols, NFC,
-    Qwen2's split regex): what ``AutoTokenizer`` rebuilds from a saved copy, which tokenises identically.
-    Digits are single tokens, as in Qwen's tokenizer.
-    """
+    """A deterministic byte-level BPE tokenizer of ~110 tokens in Qwen2's format, left padding, EOS as BOS:
+    what ``AutoTokenizer`` rebuilds from a saved copy, which tokenises identically."""
     vocab, merges = _vocabulary_and_merges()
     return Qwen2Tokenizer(
         vocab=vocab,
@@ -116,13 +112,12 @@ def sft_warm_start(
     model.train()
     losses = []
     for _ in range(steps):
-        batch = [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=generator).tolist()]
+        picks = torch.randint(len(encoded), (batch_size,), generator=generator).tolist()
+        ids, labels = zip(*(encoded[i] for i in picks), strict=True)
         # right padding for training
-        input_ids = pad_sequence(
-            [ids for ids, _ in batch], batch_first=True, padding_value=tokenizer.pad_token_id
-        )
-        attention = pad_sequence([torch.ones_like(ids) for ids, _ in batch], batch_first=True)
-        labels = pad_sequence([labels for _, labels in batch], batch_first=True, padding_value=-100)
+        input_ids = pad_sequence(ids, batch_first=True, padding_value=tokenizer.pad_token_id)
+        attention = pad_sequence([torch.ones_like(row) for row in ids], batch_first=True)
+        labels = pad_sequence(labels, batch_first=True, padding_value=-100)
         loss = model(
             input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)
         ).loss

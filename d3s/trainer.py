@@ -37,28 +37,16 @@ __all__ = ["D3SConfig", "D3STrainer"]
 
 @dataclass
 class HookState:
-    """Values TRL's call chain does not hand to the hook that needs them; overwritten every call."""
+    """Values TRL's call chain does not hand to the hook that needs them (docs/trl-hooks-proposal.md)."""
 
-    # set in _calculate_rewards, read in _generate_and_score_completions: TRL does not return the rewards
-    rewards_per_func: torch.Tensor | None = None
-    # set in _compute_loss, read by the hooks TRL calls inside it without the inputs (get_high_entropy_mask,
-    # the kept-token head)
-    loss_inputs: dict | None = None
-    # the token mask of the current loss call (None: every token trains): read by the KL coefficient and the
-    # kept-token head, which TRL calls without it
-    token_mask: torch.Tensor | None = None
-    # the entropies of the current loss call's gradient pass: TRL logs entropy over its loss mask, which the
-    # kept tokens replace under sequence-level ratios and token_norm "selected"
-    loss_entropies: torch.Tensor | None = None
-    # set per generation batch, read by the first token selection after it (the anatomy log's token record)
-    anatomy_tokens_due: bool = False
-    # True from the start of scoring until the old-policy log-prob pass (TRL's, or the deferred one) ran:
-    # that pass is asked for entropies too, so the token level needs no pass of its own
-    old_policy_entropies_wanted: bool = False
+    rewards_per_func: torch.Tensor | None = None  # TRL's rewards, which it does not return
+    loss_inputs: dict | None = None  # the loss call's inputs, for the hooks TRL calls without them
+    token_mask: torch.Tensor | None = None  # the loss call's token mask (None: every token trains)
+    loss_entropies: torch.Tensor | None = None  # the loss call's gradient-pass entropies
+    anatomy_tokens_due: bool = False  # the next token selection writes the anatomy log's token record
+    old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
     old_policy_entropies: torch.Tensor | None = None
-    # savings (d3s/savings/deferred.py): True while TRL scores a batch whose log-prob passes wait for
-    # selection; TRL calls _get_per_token_logps_and_entropies inside _generate_and_score_completions
-    deferring_logprobs: bool = False
+    deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
 
 
 class SelectedTokensBeta(float):
@@ -84,10 +72,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        self._hook_state.rewards_per_func = super()._calculate_rewards(
-            inputs, prompts, completions, completion_ids_list
-        )
+    def _calculate_rewards(self, *args):  # (inputs, prompts, completions, completion_ids_list)
+        self._hook_state.rewards_per_func = super()._calculate_rewards(*args)
         return self._hook_state.rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
@@ -145,20 +131,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         else a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
         """
         if entropies is None:
-            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            with (
-                torch.no_grad(),
-                disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            ):
-                _, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    ids,
-                    attention,
-                    batch["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size,
-                    compute_entropy=True,
-                )
+            _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
         if "importance_sampling_ratio" in batch:  # what vLLM's IS correction zeroed never takes a slot
             valid = valid * (batch["importance_sampling_ratio"] != 0)
@@ -179,7 +152,23 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             ]
         else:
             keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
-        self._log_token_selection(inputs, entropies, scores, keep, valid)
+        if self._hook_state.anatomy_tokens_due:
+            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
+            if self.accelerator.is_main_process:
+                record = token_anatomy(
+                    self.state.global_step,
+                    token_keep_ratio,
+                    inputs,
+                    entropies,
+                    scores,
+                    keep,
+                    valid,
+                    self.args.anatomy_examples,
+                    self.processing_class.decode,
+                )
+                append_anatomy(self.args.output_dir, record)
+        entropy, count = self._summed_over_ranks(entropies.detach() * keep, keep)
+        self._metrics["train"]["selection/entropy_selected"].append((entropy / count.clamp(min=1)).item())
         return keep
 
     def _compute_loss(self, model, inputs):
@@ -189,15 +178,18 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         # TRL calls get_high_entropy_mask (which returns the mask) only while this is < 1
         self.top_entropy_quantile = 0.0 if token_mask is not None or micro_batch else 1.0
         self._hook_state.token_mask, given = token_mask, inputs
-        if token_mask is not None and self._kept_tokens_are_the_loss_mask():
-            # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every
-            # denominator counts them (token_norm "selected")
+        # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every
+        # denominator counts them (token_norm "selected")
+        kept_as_loss_mask = token_mask is not None and (
+            self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
+        )
+        if kept_as_loss_mask:
             inputs = {**inputs, "tool_mask": inputs.get("tool_mask", 1) * token_mask}
         self._hook_state.loss_inputs = inputs
         with self._kl_on_selected_tokens(training):
             loss = super()._compute_loss(model, inputs)
         if training:
-            if token_mask is not None and self._kept_tokens_are_the_loss_mask():
+            if kept_as_loss_mask:
                 self._log_entropy_of_every_token(given)
             self._log_tokens_trained(given)
         return loss
@@ -206,14 +198,10 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
     ) -> torch.Tensor:
         """The mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
-        if self._hook_state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
-            self._hook_state.token_mask = self._rank_tokens(
-                self._hook_state.loss_inputs, entropies, mask.bool()
-            )
-        return self._hook_state.token_mask
-
-    def _kept_tokens_are_the_loss_mask(self) -> bool:
-        return self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
+        state = self._hook_state
+        if state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
+            state.token_mask = self._rank_tokens(state.loss_inputs, entropies, mask.bool())
+        return state.token_mask
 
     @contextmanager
     def _kl_on_selected_tokens(self, training: bool):
@@ -271,6 +259,17 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
         return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, D3SCheckpointState))
 
+    def _no_grad_pass(self, model, batch: dict, **kwargs) -> tuple:
+        """TRL's log-prob pass over the rows of a generation batch, without gradient (as TRL's own passes)."""
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        size, micro_batch = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
+        no_checkpointing = disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+        with torch.no_grad(), no_checkpointing:
+            return self._get_per_token_logps_and_entropies(
+                model, ids, attention, size, batch_size=micro_batch, **kwargs
+            )
+
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
         rewards_per_func = self._hook_state.rewards_per_func.to(device)
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
@@ -289,6 +288,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         mine = slice(rank * share, (rank + 1) * share)
         selected = dict(output)
         for key, value in output.items():
+            if isinstance(value, list) and len(value) == local_rows:
+                raise ValueError(f"rollout selection does not support list-valued generation output {key!r}")
             if key == "advantages" or not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
             if value.shape[0] != local_rows:
@@ -303,13 +304,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                     value, dim=1, pad_index=pad, pad_first=key in _LEFT_PADDED
                 )
                 selected[key] = self.accelerator.gather(padded)[kept[mine]]
-        for key, value in output.items():
-            if isinstance(value, list) and len(value) == local_rows:
-                raise ValueError(f"rollout selection does not support list-valued generation output {key!r}")
         selected["advantages"] = kept_advantages[mine].to(output["advantages"].dtype)
-        loss_mask = selected["completion_mask"]
-        if "tool_mask" in selected:
-            loss_mask = loss_mask * selected["tool_mask"]
+        loss_mask = selected["completion_mask"] * selected.get("tool_mask", 1)
         # TRL counted the tokens of all rollouts before we dropped any; dapo's normaliser needs the kept ones.
         selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return selected
@@ -336,43 +332,17 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             record = sample_anatomy(self.state.global_step, keep, self.num_generations, rewards, before, kept)
             append_anatomy(self.args.output_dir, record)
 
-    def _log_token_selection(
-        self,
-        inputs: dict,
-        entropies: torch.Tensor,
-        scores: torch.Tensor,
-        keep: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> None:
-        if self._hook_state.anatomy_tokens_due:
-            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
-            if self.accelerator.is_main_process:
-                record = token_anatomy(
-                    self.state.global_step,
-                    self._token_keep_ratio(),
-                    inputs,
-                    entropies,
-                    scores,
-                    keep,
-                    valid,
-                    self.args.anatomy_examples,
-                    self.processing_class.decode,
-                )
-                append_anatomy(self.args.output_dir, record)
-        stats = torch.stack([(entropies.detach() * keep).sum(), keep.sum()]).to(torch.float64)
-        stats = self.accelerator.reduce(stats, reduction="sum")
-        self._metrics["train"]["selection/entropy_selected"].append((stats[0] / stats[1].clamp(min=1)).item())
-
     def _log_entropy_of_every_token(self, inputs: dict) -> None:
         """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token."""
-        entropies, mask = (
-            self._hook_state.loss_entropies,
-            inputs["completion_mask"] * inputs.get("tool_mask", 1),
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        entropy, count = self._summed_over_ranks(self._hook_state.loss_entropies.detach() * mask, mask)
+        self._metrics["train"]["entropy"][-1] = (entropy / count.clamp(min=1)).item()
+
+    def _summed_over_ranks(self, *values: torch.Tensor) -> torch.Tensor:
+        """The sum of each tensor over every rank, in float64."""
+        return self.accelerator.reduce(
+            torch.stack([v.sum() for v in values]).to(torch.float64), reduction="sum"
         )
-        totals = self.accelerator.reduce(
-            torch.stack([(entropies.detach() * mask).sum(), mask.sum()]).to(torch.float64), reduction="sum"
-        )
-        self._metrics["train"]["entropy"][-1] = (totals[0] / totals[1].clamp(min=1)).item()
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         state = self._hook_state
@@ -407,15 +377,13 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         chosen = self._hook_state.token_mask
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         used = mask.bool() if chosen is None else chosen
-        counts = self.accelerator.reduce(
-            torch.stack([used.sum(), mask.sum()]).to(torch.float64), reduction="sum"
-        )
-        self.update_tokens_total += int(counts[0].item())
+        trained, count = self._summed_over_ranks(used, mask)
+        self.update_tokens_total += int(trained.item())
         metrics = self._metrics["train"]
-        metrics["selection/update_tokens"].append(counts[0].item())
+        metrics["selection/update_tokens"].append(trained.item())
         if chosen is None:  # every token trained: the selected entropy is TRL's entropy
             metrics["selection/entropy_selected"].append(metrics["entropy"][-1])
-        metrics["selection/token_keep_fraction"].append((counts[0] / counts[1].clamp(min=1)).item())
+        metrics["selection/token_keep_fraction"].append((trained / count.clamp(min=1)).item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:

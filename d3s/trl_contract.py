@@ -13,17 +13,14 @@ import importlib
 
 TRL_VERSION = "1.16.0"
 
-# GRPOTrainer methods overridden or called, and who relies on them.
-TRAINER_METHODS = {
-    "_calculate_rewards": "core: the gathered rewards, which _generate_and_score_completions does not return",
-    "_generate_and_score_completions": "core: select the kept rollouts and re-index the batch",
-    "_compute_loss": "core: the generation batch's token mask as TRL's loss mask (GSPO, token_norm), the KL "
-    "coefficient on the kept tokens; tokens trained",
-    "get_high_entropy_mask": "core: returns the token mask chosen for the generation batch (TRL multiplies "
-    "the policy term by it)",
-    "_get_per_token_logps_and_entropies": "core: entropies from the old-policy pass; savings: placeholders "
-    "while TRL scores, the kept-token head",
-}
+# GRPOTrainer methods overridden or called, and what for.
+TRAINER_METHODS = (
+    "_calculate_rewards",  # the gathered rewards, which _generate_and_score_completions does not return
+    "_generate_and_score_completions",  # select the kept rollouts and re-index the batch
+    "_compute_loss",  # the token mask as TRL's loss mask (GSPO, token_norm), the KL on kept tokens
+    "get_high_entropy_mask",  # returns the batch's token mask (TRL multiplies the policy term by it)
+    "_get_per_token_logps_and_entropies",  # old-policy entropies; savings: placeholders, kept-token head
+)
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
 TRAINER_ATTRIBUTES = (
     "_metrics",  # the per-step metric lists TRL averages in log()

@@ -1,10 +1,5 @@
-"""Checkpoints of a D3S run: the run's own state, the mark of a complete checkpoint, weights-only older ones.
-
-``D3SCheckpointState`` (a transformers callback) keeps its counters in each checkpoint's trainer_state.json
-(``stateful_callbacks``) and reads them back on resume. ``on_save``, after every rank wrote the checkpoint,
-writes d3s_state.json (the mark ``d3s.runs.run.latest_checkpoint`` takes as "complete") and, with
-``full_state_checkpoints: latest``, cuts the older checkpoints to their weights.
-"""
+"""Checkpoints of a D3S run: the run's counters (in trainer_state.json), the mark of a complete checkpoint
+(d3s_state.json) and, with ``full_state_checkpoints: latest``, older checkpoints cut to their weights."""
 
 from __future__ import annotations
 
@@ -101,9 +96,8 @@ class D3SCheckpointState(TrainerCallback, ExportableState):
         elif state.global_step > 0:  # a checkpoint written before the counter moved to trainer_state.json
             legacy = Path(args.output_dir) / f"checkpoint-{state.global_step}" / D3S_STATE_FILE
             if legacy.is_file():
-                self.update_tokens_total = json.loads(legacy.read_text(encoding="utf-8"))[
-                    "update_tokens_total"
-                ]
+                counters = json.loads(legacy.read_text(encoding="utf-8"))
+                self.update_tokens_total = counters["update_tokens_total"]
             state.stateful_callbacks[name] = self.state()  # Trainer's next save updates this entry
 
     def on_save(self, args, state, control, **kwargs):

@@ -18,6 +18,12 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def append_jsonl(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 class JsonlMetricsCallback(TrainerCallback):
     """Appends every log entry as one JSON line: what the analysis reads."""
 
@@ -27,11 +33,7 @@ class JsonlMetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
+        append_jsonl(self.path, {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}})
 
 
 class NanGuardCallback(TrainerCallback):
@@ -60,9 +62,7 @@ class NanGuardCallback(TrainerCallback):
 
 
 def append_anatomy(output_dir: str, record: dict) -> None:
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "anatomy.jsonl"), "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_jsonl(os.path.join(output_dir, "anatomy.jsonl"), record)
 
 
 def sample_anatomy(
@@ -77,15 +77,9 @@ def sample_anatomy(
     G = num_generations  # noqa: N806 - the paper's symbol
     kept_mask = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
     kept_mask[kept] = True
-    groups = [
-        {"rewards": r, "advantages": a, "kept": k}
-        for r, a, k in zip(
-            rewards.view(-1, G).tolist(),
-            advantages.view(-1, G).tolist(),
-            kept_mask.view(-1, G).tolist(),
-            strict=True,
-        )
-    ]
+    columns = {"rewards": rewards, "advantages": advantages, "kept": kept_mask}
+    rows = {name: values.view(-1, G).tolist() for name, values in columns.items()}  # one row a group
+    groups = [dict(zip(rows, group, strict=True)) for group in zip(*rows.values(), strict=True)]
     return {"kind": "samples", "step": step, "keep_per_prompt": keep, "num_generations": G, "groups": groups}
 
 

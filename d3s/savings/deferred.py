@@ -9,11 +9,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, use_adapter
 
 # Generation outputs that TRL computes with log-prob passes; deferred until after selection.
 DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
+# The keyword arguments of TRL's _get_per_token_logps_and_entropies that are not model inputs.
+PASS_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")
+
+
+def has_multimodal_inputs(kwargs: dict) -> bool:
+    """Whether a log-prob pass has model inputs beyond the text (TRL passes them by keyword)."""
+    return any(value is not None for key, value in kwargs.items() if key not in PASS_OPTIONS)
 
 
 class DeferredLogprobPasses:
@@ -28,69 +34,35 @@ class DeferredLogprobPasses:
         finally:
             self._hook_state.deferring_logprobs = False
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **model_extras,
-    ):
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         if not self._hook_state.deferring_logprobs:
-            return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss,
-                **model_extras,
-            )
-        if any(value is not None for value in model_extras.values()):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if has_multimodal_inputs(kwargs):
             raise ValueError(
                 "rollout selection defers log-prob passes, which multimodal inputs do not support; "
                 "set defer_logprob_passes=False"
             )
+        input_ids, _, logits_to_keep = args
         # A stand-in of the right shape: selection first, then the real pass on the kept rows only.
         return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None
 
     def run_deferred_logprob_passes(self, output: dict) -> dict:
         """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
         pending = [key for key in DEFERRED_KEYS if key in output]  # placeholders, indexed by selection
-        completion_ids = output["completion_ids"]
-        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         extras = {key: output[key] for key in ("token_type_ids", "mm_token_type_ids") if key in output}
 
         def logps(model) -> torch.Tensor:
-            return self._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                completion_ids.size(1),
-                batch_size=self.args.per_device_train_batch_size,
-                **extras,
-            )[0]
+            return self._no_grad_pass(model, output, **extras)[0]
 
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-        ):
-            if "old_per_token_logps" in pending:
-                output["old_per_token_logps"] = logps(self.model)
-            if "ref_per_token_logps" in pending:
-                if self.ref_model is not None:
-                    output["ref_per_token_logps"] = logps(self.ref_model)
-                else:  # PEFT: the reference is the base model (or the "ref" adapter), as in TRL
-                    unwrapped = self.accelerator.unwrap_model(self.model)
-                    with use_adapter(
-                        unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None
-                    ):
-                        output["ref_per_token_logps"] = logps(self.model)
+        if "old_per_token_logps" in pending:
+            output["old_per_token_logps"] = logps(self.model)
+        if "ref_per_token_logps" in pending:
+            if self.ref_model is not None:
+                output["ref_per_token_logps"] = logps(self.ref_model)
+            else:  # PEFT: the reference is the base model (or the "ref" adapter), as in TRL
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                    output["ref_per_token_logps"] = logps(self.model)
         if "importance_sampling_ratio" in pending:
             output["importance_sampling_ratio"] = self._importance_sampling_ratio(output)
         return output

@@ -15,6 +15,8 @@ from transformers.utils import logging
 from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
+from d3s.savings.deferred import has_multimodal_inputs
+
 logger = logging.get_logger(__name__)
 
 # Vocabulary tile width of TRL's fused head (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
@@ -71,24 +73,18 @@ def add_kept_token_head(
         if isinstance(weight, DTensor):  # FSDP2 shards: gather the head once, as TRL's fused head does
             weight = weight.full_tensor()
             bias = bias.full_tensor() if bias is not None else None
+
+        def head(rows: torch.Tensor, outputs: tuple[str, ...]) -> tuple:  # TRL's chunked kernel at ``rows``
+            return ChunkedLogProbFunction.apply(
+                hidden[rows], weight, bias, labels[rows], temperature, VOCAB_CHUNK, None, 1.0, outputs
+            )
+
         with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
             with torch.no_grad():
-                scored_logps, scored_entropy, *_ = ChunkedLogProbFunction.apply(
-                    hidden[valid],
-                    weight,
-                    bias,
-                    labels[valid],
-                    temperature,
-                    VOCAB_CHUNK,
-                    None,
-                    1.0,
-                    ("entropy",),
-                )
+                scored_logps, scored_entropy, *_ = head(valid, ("entropy",))
             entropy = scored_entropy.new_zeros(valid.shape).masked_scatter(valid, scored_entropy)
             keep = select_tokens.to(valid.device) & valid
-            kept_logps, *_ = ChunkedLogProbFunction.apply(
-                hidden[keep], weight, bias, labels[keep], temperature, VOCAB_CHUNK, None, 1.0, ()
-            )
+            kept_logps, *_ = head(keep, ())
         # masked_scatter keeps the output connected to the graph even when nothing is kept
         log_probs = scored_logps.new_zeros(valid.shape).masked_scatter(valid, scored_logps)
         log_probs = log_probs.masked_scatter(keep, kept_logps)
@@ -130,37 +126,18 @@ class KeptTokenHead:
             return "the entropy bonus trains the entropy of every token"
         return kept_token_head_unsupported(self._head_model())
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **model_extras,
-    ):
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         if (
             self.kept_token_head
-            and compute_entropy  # the gradient pass of _compute_loss
-            and not compute_aux_loss
-            and not any(value is not None for value in model_extras.values())  # not multimodal
+            and kwargs.get("compute_entropy")  # the gradient pass of _compute_loss
+            and not kwargs.get("compute_aux_loss")
+            and not has_multimodal_inputs(kwargs)
             and torch.is_grad_enabled()
             and self.model.training
             and self._hook_state.token_mask is not None
         ):
-            return self._kept_token_logps(model, input_ids, attention_mask, logits_to_keep)
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss,
-            **model_extras,
-        )
+            return self._kept_token_logps(model, *args)
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def _kept_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
         """Log-probs with gradient only at the tokens of the trainer's mask, chosen before the loss."""
