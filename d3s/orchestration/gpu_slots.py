@@ -17,18 +17,10 @@ from typing import Any
 GPU_RESOURCE = "gpu"
 
 
-def job_gpus(resources: Mapping[str, Any] | None, section: str) -> int:
-    """The GPU count a job declares (``resources.gpu``); ``gpus`` and bad values fail with the fix."""
-    resources = dict(resources or {})
-    if "gpus" in resources:
-        raise ValueError(
-            f"{section}.resources.gpus: Snakemake's GPU resource is named 'gpu' (the Slurm plugin maps it to "
-            f"--gpus, and the workflow assigns that many GPUs); rename gpus to gpu"
-        )
-    value = resources.get(GPU_RESOURCE, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{section}.resources.gpu must be a whole number >= 0, got {value!r}")
-    return value
+def job_gpus(resources: Mapping[str, Any] | None, section: str = "") -> int:
+    """The GPU count a job declares (``resources.gpu``; config/schema.yaml types it and refuses ``gpus``).
+    ``section`` is unused: the caller's config section, kept for callers that pass it."""
+    return int(dict(resources or {}).get(GPU_RESOURCE, 0))
 
 
 def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:

@@ -26,7 +26,7 @@ run_dir = Path(smk.output.config).parent
 accelerate_dir = Path(__file__).resolve().parents[1] / "accelerate"
 # Snakemake scales a job's gpu down to --resources gpu=N (the default profile: the GPUs it sees).
 granted = int(getattr(smk.resources, "gpu", 0) or 0)
-declared = job_gpus(train_cfg.get("resources"), "train")
+declared = job_gpus(train_cfg.get("resources"))
 if declared and not granted:
     raise SystemExit(
         f"train.resources.gpu = {declared}, but Snakemake gave this job no GPU (none visible to the profile, or "
