@@ -152,6 +152,34 @@ def assign_gpus(
         yield lease.ids
 
 
+def granted_gpus(resources: Any, declared: int, section: str) -> int:
+    """The GPUs Snakemake granted a job (it scales ``gpu`` down to --resources gpu=N, the default profile's
+    visible GPUs); SystemExit with the fix when a job that declares some got none."""
+    granted = int(getattr(resources, GPU_RESOURCE, 0) or 0)
+    if declared and not granted:
+        raise SystemExit(
+            f"{section}.resources.gpu = {declared}, but Snakemake gave this job no GPU (none visible to the "
+            "profile, or --resources gpu=0): run on a GPU machine (docs/gpu.md)"
+        )
+    return granted
+
+
+@contextlib.contextmanager
+def gpu_job(log_path: str | os.PathLike[str], gpus: int, label: str, mode: str = "w") -> Iterator[list[str]]:
+    """A workflow job's body: its output to its log, SIGTERM/SIGHUP as SystemExit (so ``finally`` blocks
+    stop its processes), and ``gpus`` GPU ids of its own held throughout."""
+    from d3s.orchestration.processes import signals_raise_system_exit
+
+    with (
+        open(log_path, mode) as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+        signals_raise_system_exit(),
+        assign_gpus(gpus, label=label) as gpu_ids,
+    ):
+        yield gpu_ids
+
+
 def cuda_available() -> bool:
     """Whether this process sees a CUDA device (torch imported only here: the workflow parses without it)."""
     import torch
