@@ -26,9 +26,7 @@ from d3s.orchestration.gpu_slots import cuda_available, job_gpus
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
-# Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
-# They differ between attempts of one run, so a resumed job never counts them as a configuration change
-# (d3s.provenance.config_change.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
+# Trainer fields the workflow sets in server mode (a free port per job); per-attempt keys of config_change.
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
@@ -126,13 +124,8 @@ def _or_trl_default(trainer: Mapping[str, Any], name: str) -> Any:
 def batch_settings(
     trainer: Mapping[str, Any], prompts_per_step: int | None, processes: int
 ) -> dict[str, Any]:
-    """The trainer settings with the batch fixed for ``processes`` training processes.
-
-    With ``prompts_per_step`` (train.prompts_per_step) the update covers that many prompts x G rollouts
-    whatever the GPU count: gradient_accumulation_steps = prompts x G / (per-device batch x processes), and
-    TRL's default steps_per_generation = gradient_accumulation_steps gives one optimizer step per
-    generation batch. Without it the trainer settings are returned unchanged.
-    """
+    """The trainer settings with gradient_accumulation_steps derived from ``prompts_per_step`` for
+    ``processes`` training processes (docs/gpu.md, "The batch"); unchanged without it."""
     trainer = dict(trainer)
     if prompts_per_step is None:
         return trainer
@@ -153,6 +146,12 @@ def batch_settings(
         )
     trainer["gradient_accumulation_steps"] = rollouts // (micro * processes)
     return trainer
+
+
+def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -> dict[str, Any]:
+    """train.trainer with the method's overrides, its batch fixed for ``processes`` training processes."""
+    trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
+    return batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
 
 
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
@@ -209,8 +208,7 @@ def check_workflow_config(
     try:
         processes = training_processes(train_cfg, accelerate_dir)
         for method in config["methods"]:
-            trainer = dict(train_cfg["trainer"]) | dict(train_cfg["method_overrides"].get(method) or {})
-            batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+            _method_trainer(train_cfg, method, processes)
     except ValueError as exc:
         raise ValueError(f"config {exc}") from None
     problem = check_fit(config)
@@ -229,13 +227,9 @@ def build_run_config(
     threads: int,
     processes: int = 1,
 ) -> dict[str, Any]:
-    """The ``d3s train`` config of one run of the workflow (written to runs/<method>/seed<seed>/train.yaml).
-
-    ``threads`` is the job's; the config gets each training process's share (per_process_threads), the count
-    `d3s train` runs with and records in resolved_config.yaml, so a rerun compares like with like.
-    """
-    trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
-    trainer = batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+    """The ``d3s train`` config of one run (runs/<method>/seed<seed>/train.yaml); ``threads`` is the job's,
+    the config gets each training process's share, as resolved_config.yaml records it."""
+    trainer = _method_trainer(train_cfg, method, processes)
     dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
     if dataset["name"] == "synthetic":
         dataset = dict(task) | dataset
@@ -262,14 +256,8 @@ def resolved_trainer_configs(
     *,
     check_inputs: bool = True,
 ) -> dict[str, Any]:
-    """Every method's D3SConfig as its training job builds it (first seed), checked without GPUs.
-
-    Runs d3s.runs.run.resolve_config with check_hardware=False on the CPU (use_cpu forced, so nothing touches
-    CUDA): unknown trainer fields, batch geometry for the job's process count, the schedule's keep
-    values, the method's TRL settings and (unless ``check_inputs=False``: the workflow's input check reads
-    them itself) the model path and training data all fail here, before any job is queued.
-    ``generation_batch_size`` comes out per process; the job's is that times its training GPUs.
-    """
+    """Every method's D3SConfig as its training job builds it (first seed), resolved on the CPU without GPUs
+    (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out per process."""
     from d3s.runs.run import resolve_config
 
     train_cfg = config["train"]
@@ -312,11 +300,8 @@ def prepare_training_job(
     cpu: bool | None = None,
     python: str = sys.executable,
 ) -> tuple[list[str], dict[str, Any], list[str] | None]:
-    """(accelerate command, final run config, vllm-serve command or None) for one training job.
-
-    The first ``launch.train_gpus`` ids train, the rest serve; server mode gets free ports on this node.
-    ``cpu`` (default: no CUDA device here) adds CPU_OVERRIDES, so the job's accelerate config runs on the CPU.
-    """
+    """(accelerate command, final run config, vllm-serve command or None) for one training job: the first
+    ``launch.train_gpus`` ids train, the rest serve; ``cpu`` (default: no CUDA here) adds CPU_OVERRIDES."""
     if len(gpu_ids) != launch.job_gpus:
         raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
     processes = launch.train_gpus

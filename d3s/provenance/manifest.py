@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -14,16 +15,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = (
-    "d3s",
-    "torch",
-    "transformers",
-    "trl",
-    "accelerate",
-    "datasets",
-    "math-verify",
-    "latex2sympy2_extended",
-    "vllm",  # generation backend on GPUs (None where not installed)
+# vllm: the generation backend on GPUs (None where not installed)
+PACKAGES = tuple(
+    "d3s torch transformers trl accelerate datasets math-verify latex2sympy2_extended vllm".split()
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,14 +38,15 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         raise
 
 
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {"python": platform.python_version()} | {name: _version(name) for name in PACKAGES}
 
 
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
@@ -72,14 +67,11 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
 def hardware() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    names = []
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo: not Linux
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    cpu = (names or [platform.processor() or platform.machine()])[0]
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]  # 0 without CUDA
     return {
         "cpu": cpu,
@@ -108,18 +100,9 @@ def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
 
 # Files that define a saved model as it generates (weights, config, tokenizer); optimizer and trainer
 # state in a checkpoint folder do not change what the model computes, so they are not hashed.
-MODEL_FILE_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "pytorch_model*.bin",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "chat_template.*",
+MODEL_FILE_PATTERNS = tuple(
+    "config.json generation_config.json *.safetensors *.safetensors.index.json pytorch_model*.bin tokenizer* "
+    "special_tokens_map.json added_tokens.json vocab.* merges.txt chat_template.*".split()
 )
 
 

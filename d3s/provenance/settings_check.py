@@ -41,19 +41,9 @@ def _rules(*table: tuple[str | Sequence[str], str, str]) -> tuple[Rule, ...]:
 
 # D3SConfig fields the method registry sets (d3s.methods), and the TRL fields any method sets (GSPO's
 # sequence-level ratio and clip range): they differ between methods by design.
-SELECTION_FIELDS = (
-    "method",
-    "sample_rule",
-    "sample_scope",
-    "renormalize",
-    "keep_per_prompt",
-    "keep_per_prompt_final",
-    "token_rule",
-    "token_scope",
-    "token_keep_ratio",
-    "token_keep_ratio_final",
-    "schedule",
-    "minibatches_per_generation",
+SELECTION_FIELDS = tuple(
+    "method sample_rule sample_scope renormalize keep_per_prompt keep_per_prompt_final token_rule token_scope "
+    "token_keep_ratio token_keep_ratio_final schedule minibatches_per_generation".split()
 )
 # Geometry following from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
 # G itself (num_generations) must agree; PODS's own protocol, which compares n = 4m with m, says so in its
@@ -190,21 +180,13 @@ def compare(group: str, records: Sequence[Record]) -> dict[str, Any]:
             (mixed if rule.policy == AGREE else warnings).append(difference)
     hashes = {label: stable_hash(values) for label, values in agreed.items()}
     distinct = set(hashes.values())
-    manifests = []
-    for label, path, manifest in records:
-        git = (manifest or {}).get("git") or {}
-        manifests.append(
-            {
-                "label": label,
-                "path": path,
-                "missing": manifest is None,
-                "git_commit": git.get("commit"),
-                "git_dirty": git.get("dirty"),
-                "settings_hash": hashes.get(label),
-                "started": (manifest or {}).get("started"),
-                "finished": (manifest or {}).get("finished"),
-            }
-        )
+    manifests = [
+        {"label": label, "path": path, "missing": manifest is None}
+        | {f"git_{key}": ((manifest or {}).get("git") or {}).get(key) for key in ("commit", "dirty")}
+        | {"settings_hash": hashes.get(label)}
+        | {key: (manifest or {}).get(key) for key in ("started", "finished")}
+        for label, path, manifest in records
+    ]
     return {
         "group": group,
         "name": name,
