@@ -15,9 +15,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# vllm: the generation backend on GPUs (None where not installed)
-PACKAGES = tuple(
-    "d3s torch transformers trl accelerate datasets math-verify latex2sympy2_extended vllm".split()
+PACKAGES = (
+    "d3s",
+    "torch",
+    "transformers",
+    "trl",
+    "accelerate",
+    "datasets",
+    "math-verify",
+    "latex2sympy2_extended",
+    "vllm",  # generation backend on GPUs (None where not installed)
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,9 +107,18 @@ def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
 
 # Files that define a saved model as it generates (weights, config, tokenizer); optimizer and trainer
 # state in a checkpoint folder do not change what the model computes, so they are not hashed.
-MODEL_FILE_PATTERNS = tuple(
-    "config.json generation_config.json *.safetensors *.safetensors.index.json pytorch_model*.bin tokenizer* "
-    "special_tokens_map.json added_tokens.json vocab.* merges.txt chat_template.*".split()
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template.*",
 )
 
 

@@ -41,9 +41,19 @@ def _rules(*table: tuple[str | Sequence[str], str, str]) -> tuple[Rule, ...]:
 
 # D3SConfig fields the method registry sets (d3s.methods), and the TRL fields any method sets (GSPO's
 # sequence-level ratio and clip range): they differ between methods by design.
-SELECTION_FIELDS = tuple(
-    "method sample_rule sample_scope renormalize keep_per_prompt keep_per_prompt_final token_rule token_scope "
-    "token_keep_ratio token_keep_ratio_final schedule minibatches_per_generation".split()
+SELECTION_FIELDS = (
+    "method",
+    "sample_rule",
+    "sample_scope",
+    "renormalize",
+    "keep_per_prompt",
+    "keep_per_prompt_final",
+    "token_rule",
+    "token_scope",
+    "token_keep_ratio",
+    "token_keep_ratio_final",
+    "schedule",
+    "minibatches_per_generation",
 )
 # Geometry following from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
 # G itself (num_generations) must agree; PODS's own protocol, which compares n = 4m with m, says so in its
