@@ -29,14 +29,9 @@ def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
     if "CUDA_VISIBLE_DEVICES" in env:
         ids = [part.strip() for part in env["CUDA_VISIBLE_DEVICES"].split(",") if part.strip()]
         return [] if ids and ids[0] == "-1" else ids
+    query = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]

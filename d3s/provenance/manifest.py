@@ -98,11 +98,8 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 # Files that define a saved model as it generates (weights, config, tokenizer); optimizer and trainer

@@ -209,7 +209,7 @@ def compare(group: str, records: Sequence[Record]) -> dict[str, Any]:
 
 
 def collect(results: str | Path) -> dict[str, list[tuple[str, str]]]:
-    """(label, manifest path relative to ``results``) of every run and evaluation the analysis reads, by group."""
+    """(label, manifest path relative to ``results``) of each run and evaluation read by the analysis."""
     results = Path(results)
     groups: dict[str, list[tuple[str, str]]] = {name: [] for name in GROUPS}
     for method, seed, run in layout.runs(results):

@@ -1,5 +1,5 @@
-"""Snakemake script of rule base_model: build the tiny model and SFT-warm-start it (build_base.py), on the CPU,
-or on a GPU of its own with base_model.resources.gpu: 1 (config/gpu-smoke.yaml)."""
+"""Snakemake script of rule base_model: build the tiny model and SFT-warm-start it (build_base.py), on the
+CPU, or on a GPU of its own with base_model.resources.gpu: 1 (config/gpu-smoke.yaml)."""
 
 import os
 import sys

@@ -1,7 +1,7 @@
-"""The workflow's input check before any job of a `snakemake` run starts (docs/workflow.md, "What is checked
-where"): `python check_inputs.py OUT.json LOG < request.json`, the request {"config", "task", "accelerate_dir",
-"checks": names in CHECKS}. Each problem is one line naming the fix (exit code 1); else OUT.json records
-where each input was found."""
+"""The workflow's input check before any job of a `snakemake` run starts (docs/workflow.md, "What is
+checked where"): `python check_inputs.py OUT.json LOG < request.json`, the request {"config", "task",
+"accelerate_dir", "checks": names in CHECKS}. Each problem is one line naming the fix (exit code 1); else
+OUT.json records where each input was found."""
 
 import json
 import sys

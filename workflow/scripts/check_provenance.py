@@ -1,5 +1,5 @@
-"""Snakemake script of rule provenance: compare every manifest before the analysis (provenance.json and .md);
-mixed settings stop the workflow here unless analysis.allow_mixed_settings (docs/workflow.md, "Provenance")."""
+"""Snakemake script of rule provenance: compare every manifest before the analysis (provenance.json, .md);
+mixed settings stop it here unless analysis.allow_mixed_settings (docs/workflow.md, "Provenance")."""
 
 from pathlib import Path
 
