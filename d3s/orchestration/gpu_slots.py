@@ -76,8 +76,7 @@ class GpuSlots:
             )
         self.lock_dir.mkdir(parents=True, exist_ok=True)
         # One scan at a time, so two jobs never split the free GPUs between them and both wait.
-        guard = os.open(self.lock_dir / ".allocate.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
+        with open(self.lock_dir / ".allocate.lock", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             lease = GpuLease([], [])
             for gpu in self.gpu_ids:
@@ -97,8 +96,6 @@ class GpuSlots:
                 lease.release()
                 return None
             return lease
-        finally:
-            os.close(guard)
 
     def acquire(
         self, count: int, *, timeout_s: float | None = None, poll_s: float = 5.0, label: str = ""
