@@ -46,11 +46,10 @@ def start_process_group(
 
 def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, 0)
+        with contextlib.suppress(PermissionError):  # alive, but not ours to signal
+            os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -36,9 +36,7 @@ def base_model_path():
 def model_param(wildcards, input):
     """The model path as a rule parameter (derived from the input for the built tiny model, as
     `snakemake --lint` asks of a path prefix of an input)."""
-    if config["base_model"]["kind"] == "tiny":
-        return str(Path(input[0]).parent)
-    return config["base_model"]["path"]
+    return str(Path(input[0]).parent) if config["base_model"]["kind"] == "tiny" else base_model_path()
 
 
 def base_model_input():
