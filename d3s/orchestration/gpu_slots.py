@@ -13,6 +13,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from d3s.orchestration.processes import signals_raise_system_exit
+
 # The Snakemake Slurm executor plugin's resource names: ``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu.
 GPU_RESOURCE = "gpu"
 
@@ -160,8 +162,6 @@ def granted_gpus(resources: Any, declared: int, section: str) -> int:
 def gpu_job(log_path: str | os.PathLike[str], gpus: int, label: str, mode: str = "w") -> Iterator[list[str]]:
     """A workflow job's body: its output to its log, SIGTERM/SIGHUP as SystemExit (so ``finally`` blocks
     stop its processes), and ``gpus`` GPU ids of its own held throughout."""
-    from d3s.orchestration.processes import signals_raise_system_exit
-
     with (
         open(log_path, mode) as log,
         contextlib.redirect_stdout(log),
