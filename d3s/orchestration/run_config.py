@@ -260,23 +260,19 @@ def resolved_trainer_configs(
     (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out per process."""
     from d3s.runs.run import resolve_config
 
-    train_cfg = config["train"]
-    processes = training_processes(train_cfg, accelerate_dir)
-    base = config["base_model"]
-    model = "tiny" if base["kind"] == "tiny" else str(base["path"])
-    seed = int(config["seeds"][0])
+    train_cfg, seed, base = config["train"], int(config["seeds"][0]), config["base_model"]
+    shared = {
+        "seed": seed,
+        "model": "tiny" if base["kind"] == "tiny" else str(base["path"]),
+        "train_cfg": train_cfg,
+        "task": dict(task or {}),
+        "threads": int(train_cfg.get("threads", 1)),
+        "processes": training_processes(train_cfg, accelerate_dir),
+    }
     resolved = {}
     for method in config["methods"]:
-        run = build_run_config(
-            method=method,
-            seed=seed,
-            model=model,
-            train_cfg=train_cfg,
-            task=dict(task or {}),
-            output_dir=f"results/{config['experiment']}/runs/{method}/seed{seed}",
-            threads=int(train_cfg.get("threads", 1)),
-            processes=processes,
-        )
+        output_dir = f"results/{config['experiment']}/runs/{method}/seed{seed}"
+        run = build_run_config(method=method, output_dir=output_dir, **shared)
         run["trainer"] = dict(run["trainer"]) | {"use_cpu": True}
         try:
             resolved[method] = resolve_config(run, check_hardware=False, check_inputs=check_inputs)
