@@ -23,10 +23,8 @@ from d3s.evaluation.runner import problems_sha256
 
 
 def _samples(path: Path, ops_of: dict[str, int]) -> pd.DataFrame:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    frame = pd.DataFrame(rows)
-    frame["ops"] = frame["problem_id"].astype(str).map(ops_of)
-    return frame
+    frame = pd.read_json(path, lines=True, dtype={"problem_id": str})
+    return frame.assign(ops=frame["problem_id"].astype(str).map(ops_of))
 
 
 def main() -> None:

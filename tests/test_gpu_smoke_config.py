@@ -94,10 +94,19 @@ def test_dry_run_gives_every_gpu_job_one_gpu(tmp_path):
     assert sorted(int(j["wildcards"]["step"]) for j in jobs if j["rule"] == "evaluate_checkpoint") == [10] * 3
 
 
+TASK = {"min_ops": 1, "max_ops": 1, "max_operand": 9, "bounded": False}
+
+
+def _sft(steps: int, problems: int) -> dict:
+    """A base_model section as the schema fills it in: ``steps`` SFT steps on ``problems`` problems."""
+    settings = {"sft_steps": steps, "sft_problems": problems, "seed": 0, "learning_rate": 3e-3}
+    return settings | {"sft_box_error": [0.0, 0.0], "model": {}}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_sft_on_cuda_without_a_gpu_is_refused_with_the_fix(tmp_path):
     with pytest.raises(SystemExit, match=r"no CUDA GPU.*remove base_model.resources.gpu"):
-        build_base(tmp_path, 1, 8, 1, 1, 9, seed=0, threads=1, model_kwargs={}, device="cuda")
+        build_base(tmp_path, _sft(1, 8), TASK, threads=1, device="cuda")
     assert not any(tmp_path.iterdir())  # refused before anything was built or written
 
 
@@ -105,7 +114,7 @@ def test_sft_on_cuda_without_a_gpu_is_refused_with_the_fix(tmp_path):
 def test_sft_runs_on_cuda_and_saves_the_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    summary = build_base(tmp_path, 60, 500, 1, 1, 9, seed=0, threads=1, model_kwargs={}, device="cuda")
+    summary = build_base(tmp_path, _sft(60, 500), TASK, threads=1, device="cuda")
     assert summary["device"] == "cuda" and summary["parameters"] > 0
     losses = json.loads((tmp_path / "sft_losses.json").read_text())
     assert len(losses) == 60 and sum(losses[-10:]) < sum(losses[:10])  # it learned on the GPU

@@ -215,14 +215,22 @@ def test_train_launch_picks_the_accelerate_config_and_splits_gpus():
     assert (external.server, external.train_gpus) == (None, 8)
 
 
+def _workflow_config(**train_changes):
+    """config/smoke.yaml with _train_cfg(**train_changes) as its train section, as the workflow reads it."""
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
+    return cfg | {"train": _train_cfg(**train_changes)}
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         (
             {"launch": {"accelerate_config": "zero4"}},
-            r"train\.launch\.accelerate_config: unknown .*ddp, zero2, zero3",
+            r"^config train\.launch\.accelerate_config: 'zero4': expected ddp, zero2, zero3",
         ),
-        ({"resources": {"gpus": 2}}, r"train\.resources\.gpus: .*rename gpus to gpu"),
+        ({"resources": {"gpus": 2}}, r"^config train\.resources\.gpus: .*rename gpus to gpu"),
+        ({"resources": {"gpu": "two"}}, r"^config train\.resources\.gpu: 'two' is not of type 'integer'"),
+        ({"resources": {"gpu": -1}}, r"^config train\.resources\.gpu: -1 is less than the minimum of 0"),
         (
             {"resources": {"gpu": 1}, "trainer": {"use_vllm": True, "vllm_mode": "server"}},
             r"train\.resources\.gpu = 1, .*raise train\.resources\.gpu to 2 or more, or use trainer\.vllm_mode: colocate",
@@ -238,20 +246,27 @@ def test_train_launch_picks_the_accelerate_config_and_splits_gpus():
         ),
         (
             {"trainer": {"use_vllm": True, "vllm_mode": "server"}, "launch": {"vllm_server": {"tp": 2}}},
-            r"train\.launch\.vllm_server: unknown key",
+            r"^config train\.launch\.vllm_server: unknown key\(s\) \['tp'\]; valid: tensor_parallel_size",
         ),
-        ({"launch": {"accelerate": "ddp"}}, r"train\.launch: unknown key"),
+        (
+            {
+                "trainer": {"use_vllm": True, "vllm_mode": "server"},
+                "launch": {"vllm_server": {"data_parallel_size": 0}},
+            },
+            r"^config train\.launch\.vllm_server\.data_parallel_size: 0 is less than the minimum of 1",
+        ),
+        ({"launch": {"accelerate": "ddp"}}, r"^config train\.launch: unknown key\(s\) \['accelerate'\]"),
     ],
 )
 def test_bad_launch_settings_name_the_field_and_the_fix(changes, message):
-    with pytest.raises(ValueError, match=message):
-        train_launch(_train_cfg(**changes), ACCELERATE_DIR)
+    """The schema's refusals and train_launch's (relations between keys), as the workflow's parse makes them."""
+    with pytest.raises(ValueError, match=message) as error:
+        check_workflow_config(_workflow_config(**changes), ACCELERATE_DIR)
+    assert str(error.value).startswith("config ") and "\n" not in str(error.value)
 
 
-def test_job_gpus_rejects_bad_values():
-    assert job_gpus(None, "eval") == 0 and job_gpus({"gpu": 2}, "eval") == 2
-    with pytest.raises(ValueError, match=r"eval\.resources\.gpu must be"):
-        job_gpus({"gpu": "two"}, "eval")
+def test_job_gpus_reads_the_declared_count():
+    assert job_gpus(None) == 0 and job_gpus({"gpu": 2}) == 2 and job_gpus({"cpus_per_gpu": 4}) == 0
 
 
 def test_prompts_per_step_fixes_the_batch_whatever_the_gpu_count():
@@ -270,18 +285,13 @@ def test_prompts_per_step_fixes_the_batch_whatever_the_gpu_count():
 
 
 def test_check_workflow_config_uses_the_training_gpus():
-    config = {
-        "methods": ["grpo", "d3s"],
-        "eval": {"resources": {"gpu": 1}},
-        "train": _train_cfg(prompts_per_step=32, resources={"gpu": 8}),
-    }
-    check_workflow_config(config, ACCELERATE_DIR)
-    config["train"] = _train_cfg(
+    check_workflow_config(_workflow_config(prompts_per_step=32, resources={"gpu": 8}), ACCELERATE_DIR)
+    config = _workflow_config(
         prompts_per_step=32,
         resources={"gpu": 4},
         trainer={"use_vllm": True, "vllm_mode": "server"},  # 3 training GPUs: 1,024 rollouts do not split
     )
-    with pytest.raises(ValueError, match=r"32 x 3"):
+    with pytest.raises(ValueError, match=r"^config train\.prompts_per_step .* 32 x 3"):
         check_workflow_config(config, ACCELERATE_DIR)
 
 

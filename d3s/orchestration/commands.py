@@ -80,13 +80,11 @@ def vllm_serve_command(
     """``trl vllm-serve`` (TRL 1.16's flags) for ``model`` on ``host:port``."""
     command = [python, "-c", TRL_CLI, "vllm-serve", "--model", str(model)]
     command += ["--host", host, "--port", str(port)]
-    command += ["--tensor_parallel_size", str(settings.tensor_parallel_size)]
-    command += ["--data_parallel_size", str(settings.data_parallel_size)]
-    command += ["--gpu_memory_utilization", str(settings.gpu_memory_utilization)]
-    if settings.max_model_len is not None:
-        command += ["--max_model_len", str(settings.max_model_len)]
-    if settings.enable_prefix_caching is not None:
-        command += ["--enable_prefix_caching", str(settings.enable_prefix_caching).lower()]
+    flags = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len")
+    for flag in (*flags, "enable_prefix_caching"):
+        value = getattr(settings, flag)
+        if value is not None:  # booleans as TRL's parser reads them
+            command += [f"--{flag}", str(value).lower() if isinstance(value, bool) else str(value)]
     return command + list(settings.extra_args)
 
 

@@ -13,22 +13,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from d3s.orchestration.processes import signals_raise_system_exit
+
 # The Snakemake Slurm executor plugin's resource names: ``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu.
 GPU_RESOURCE = "gpu"
 
 
-def job_gpus(resources: Mapping[str, Any] | None, section: str) -> int:
-    """The GPU count a job declares (``resources.gpu``); ``gpus`` and bad values fail with the fix."""
-    resources = dict(resources or {})
-    if "gpus" in resources:
-        raise ValueError(
-            f"{section}.resources.gpus: Snakemake's GPU resource is named 'gpu' (the Slurm plugin maps it to "
-            f"--gpus, and the workflow assigns that many GPUs); rename gpus to gpu"
-        )
-    value = resources.get(GPU_RESOURCE, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{section}.resources.gpu must be a whole number >= 0, got {value!r}")
-    return value
+def job_gpus(resources: Mapping[str, Any] | None, section: str = "") -> int:
+    """The GPU count a job declares (``resources.gpu``; config/schema.yaml types it and refuses ``gpus``).
+    ``section`` is unused: the caller's config section, kept for callers that pass it."""
+    return int(dict(resources or {}).get(GPU_RESOURCE, 0))
 
 
 def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
@@ -37,14 +31,9 @@ def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
     if "CUDA_VISIBLE_DEVICES" in env:
         ids = [part.strip() for part in env["CUDA_VISIBLE_DEVICES"].split(",") if part.strip()]
         return [] if ids and ids[0] == "-1" else ids
+    query = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -89,8 +78,7 @@ class GpuSlots:
             )
         self.lock_dir.mkdir(parents=True, exist_ok=True)
         # One scan at a time, so two jobs never split the free GPUs between them and both wait.
-        guard = os.open(self.lock_dir / ".allocate.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
+        with open(self.lock_dir / ".allocate.lock", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             lease = GpuLease([], [])
             for gpu in self.gpu_ids:
@@ -110,8 +98,6 @@ class GpuSlots:
                 lease.release()
                 return None
             return lease
-        finally:
-            os.close(guard)
 
     def acquire(
         self, count: int, *, timeout_s: float | None = None, poll_s: float = 5.0, label: str = ""
@@ -158,6 +144,32 @@ def assign_gpus(
         return
     with GpuSlots(ids, lock_dir).acquire(count, timeout_s=timeout_s, label=label) as lease:
         yield lease.ids
+
+
+def granted_gpus(resources: Any, declared: int, section: str) -> int:
+    """The GPUs Snakemake granted a job (it scales ``gpu`` down to --resources gpu=N, the default profile's
+    visible GPUs); SystemExit with the fix when a job that declares some got none."""
+    granted = int(getattr(resources, GPU_RESOURCE, 0) or 0)
+    if declared and not granted:
+        raise SystemExit(
+            f"{section}.resources.gpu = {declared}, but Snakemake gave this job no GPU (none visible to the "
+            "profile, or --resources gpu=0): run on a GPU machine (docs/gpu.md)"
+        )
+    return granted
+
+
+@contextlib.contextmanager
+def gpu_job(log_path: str | os.PathLike[str], gpus: int, label: str, mode: str = "w") -> Iterator[list[str]]:
+    """A workflow job's body: its output to its log, SIGTERM/SIGHUP as SystemExit (so ``finally`` blocks
+    stop its processes), and ``gpus`` GPU ids of its own held throughout."""
+    with (
+        open(log_path, mode) as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+        signals_raise_system_exit(),
+        assign_gpus(gpus, label=label) as gpu_ids,
+    ):
+        yield gpu_ids
 
 
 def cuda_available() -> bool:

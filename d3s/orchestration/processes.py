@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -44,11 +46,10 @@ def start_process_group(
 
 def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, 0)
+        with contextlib.suppress(PermissionError):  # alive, but not ours to signal
+            os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -65,6 +66,26 @@ def stop_process_group(process: subprocess.Popen, *, grace_s: float = 30.0) -> i
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     return process.wait()
+
+
+@contextlib.contextmanager
+def process_group(
+    command: Sequence[str],
+    *,
+    log_path: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    grace_s: float = 30.0,
+) -> Iterator[subprocess.Popen]:
+    """``command`` in its own process group for the ``with`` block, stopped with all its children however the
+    block is left (exception, a signal's SystemExit, or atexit)."""
+    process = start_process_group(command, log_path=log_path, env=env)
+    stop = functools.partial(stop_process_group, process, grace_s=grace_s)
+    atexit.register(stop)
+    try:
+        yield process
+    finally:
+        stop()
+        atexit.unregister(stop)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,5 @@
-"""A workflow config's launch settings and the ``d3s train`` config of each of its runs.
-
-``check_workflow_config`` checks the launch settings when Snakemake parses the config (no GPU or heavy
-import needed); ``build_run_config`` / ``prepare_training_job`` write a run's train.yaml.
-"""
+"""A workflow config, checked once at parse time (check_workflow_config), and the ``d3s train`` config of
+each of its runs (build_run_config, prepare_training_job)."""
 
 from __future__ import annotations
 
@@ -27,9 +24,9 @@ from d3s.orchestration.commands import (
 )
 from d3s.orchestration.gpu_slots import cuda_available, job_gpus
 
-# Trainer fields the workflow sets itself in server mode (a free port per job, so jobs can share a machine).
-# They differ between attempts of one run, so a resumed job never counts them as a configuration change
-# (d3s.provenance.config_change.PER_ATTEMPT_TRAINER_KEYS, the one list of per-attempt keys).
+SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+# Trainer fields the workflow sets in server mode (a free port per job); per-attempt keys of config_change.
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
@@ -68,14 +65,12 @@ class TrainLaunch:
 def train_launch(
     train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str], *, gpus: int | None = None
 ) -> TrainLaunch:
-    """The launch settings of the config's training jobs; raises ValueError naming the field to change."""
-    gpus = job_gpus(train_cfg.get("resources"), "train") if gpus is None else gpus
+    """The launch settings of the config's training jobs; raises ValueError naming the field to change.
+
+    Keys and types are config/schema.yaml's (validate_config); what is checked here relates several keys.
+    """
+    gpus = job_gpus(train_cfg.get("resources")) if gpus is None else gpus
     launch = dict(train_cfg.get("launch") or {})
-    unknown = set(launch) - {"accelerate_config", "vllm_server"}
-    if unknown:
-        raise ValueError(
-            f"train.launch: unknown key(s) {sorted(unknown)}; valid: accelerate_config, vllm_server"
-        )
     trainer = dict(train_cfg.get("trainer") or {})
     server_mode = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
     external = trainer.get("vllm_server_base_url") is not None  # a server the user runs: start none
@@ -91,7 +86,8 @@ def train_launch(
         )
     server = None
     if server_mode and not external:
-        server = _server_settings(launch.get("vllm_server") or {}, trainer)
+        raw = {"max_model_len": trainer.get("vllm_max_model_length")} | dict(launch.get("vllm_server") or {})
+        server = VllmServerSettings(**raw | {"extra_args": tuple(map(str, raw.get("extra_args") or ()))})
         preset = [name for name in SERVER_FIELDS_SET_BY_WORKFLOW if name in trainer]
         if preset:
             raise ValueError(
@@ -111,35 +107,9 @@ def train_launch(
             "(or trainer.use_vllm: false)"
         )
     name = launch.get("accelerate_config", DEFAULT_ACCELERATE_CONFIG)
-    launch_obj = TrainLaunch(gpus, accelerate_config_path(str(name), accelerate_dir), server)
-    if name == DEFAULT_ACCELERATE_CONFIG and launch_obj.train_gpus == 1:
-        # DDP of one process is plain single-GPU training; accelerate's multi-GPU launcher wants two or more.
-        launch_obj = dataclasses.replace(
-            launch_obj, accelerate_config=accelerate_config_path(SINGLE_PROCESS_CONFIG, accelerate_dir)
-        )
-    return launch_obj
-
-
-def _server_settings(raw: Mapping[str, Any], trainer: Mapping[str, Any]) -> VllmServerSettings:
-    fields = {f.name for f in dataclasses.fields(VllmServerSettings)}
-    unknown = set(raw) - fields
-    if unknown:
-        raise ValueError(
-            f"train.launch.vllm_server: unknown key(s) {sorted(unknown)}; valid: {sorted(fields)}"
-        )
-    values = dict(raw)
-    values.setdefault("max_model_len", trainer.get("vllm_max_model_length"))
-    values["extra_args"] = tuple(str(a) for a in values.get("extra_args") or ())
-    settings = VllmServerSettings(**values)
-    for name in ("tensor_parallel_size", "data_parallel_size"):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"train.launch.vllm_server.{name} must be an integer >= 1, got {value!r}")
-    if not 0 < settings.gpu_memory_utilization <= 1:
-        raise ValueError("train.launch.vllm_server.gpu_memory_utilization must be in (0, 1]")
-    if settings.startup_timeout_s <= 0:
-        raise ValueError("train.launch.vllm_server.startup_timeout_s must be > 0 (seconds)")
-    return settings
+    if name == DEFAULT_ACCELERATE_CONFIG and gpus - (server.gpus if server else 0) == 1:
+        name = SINGLE_PROCESS_CONFIG  # DDP of one process is plain single-GPU training
+    return TrainLaunch(gpus, accelerate_config_path(str(name), accelerate_dir), server)
 
 
 def _or_trl_default(trainer: Mapping[str, Any], name: str) -> Any:
@@ -154,13 +124,8 @@ def _or_trl_default(trainer: Mapping[str, Any], name: str) -> Any:
 def batch_settings(
     trainer: Mapping[str, Any], prompts_per_step: int | None, processes: int
 ) -> dict[str, Any]:
-    """The trainer settings with the batch fixed for ``processes`` training processes.
-
-    With ``prompts_per_step`` (train.prompts_per_step) the update covers that many prompts x G rollouts
-    whatever the GPU count: gradient_accumulation_steps = prompts x G / (per-device batch x processes), and
-    TRL's default steps_per_generation = gradient_accumulation_steps gives one optimizer step per
-    generation batch. Without it the trainer settings are returned unchanged.
-    """
+    """The trainer settings with gradient_accumulation_steps derived from ``prompts_per_step`` for
+    ``processes`` training processes (docs/gpu.md, "The batch"); unchanged without it."""
     trainer = dict(trainer)
     if prompts_per_step is None:
         return trainer
@@ -183,20 +148,72 @@ def batch_settings(
     return trainer
 
 
+def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -> dict[str, Any]:
+    """train.trainer with the method's overrides, its batch fixed for ``processes`` training processes."""
+    trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
+    return batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+
+
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
     """Processes of a training job: one per training GPU, or one on the CPU."""
     launch = train_launch(train_cfg, accelerate_dir)
     return max(1, launch.train_gpus)
 
 
-def check_workflow_config(config: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> None:
-    """A workflow config's launch settings against its GPUs and batch, at parse time (types: the schema's)."""
+def validate_config(config: dict[str, Any], schema: str | os.PathLike[str] = SCHEMA) -> None:
+    """``config`` against config/schema.yaml, the one structural check (it fills the defaults in); a violation
+    raises ValueError with one line naming the key and the fix, not jsonschema's dump of the schema."""
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    try:
+        validate(config, str(schema))
+    except WorkflowError as exc:
+        error = exc.__context__  # the jsonschema ValidationError that validate wraps
+        if not hasattr(error, "absolute_path"):
+            raise
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+        schema_part = error.schema if isinstance(error.schema, dict) else {}
+        title, description = schema_part.get("title"), schema_part.get("description")
+        if error.validator == "enum" and title:
+            valid = ", ".join(map(str, schema_part["enum"]))
+            message = f"unknown {title} {error.instance!r}; valid {title}s: {valid}"
+        elif error.validator == "additionalProperties":
+            known = schema_part.get("properties", {})
+            message = f"unknown key(s) {sorted(set(error.instance) - set(known))}; valid: {', '.join(known)}"
+        elif error.validator == "not" and description:
+            message = description
+        elif error.validator == "anyOf" and description:
+            message = f"{error.instance!r}: expected {description}"
+        else:
+            message = error.message
+        raise ValueError(f"config {key or '(top level)'}: {message}".replace("\n", " ")) from None
+
+
+def check_workflow_config(
+    config: dict[str, Any], accelerate_dir: str | os.PathLike[str], schema: str | os.PathLike[str] = SCHEMA
+) -> None:
+    """Everything a workflow config is checked for at parse time, pure and fast (no data, network, model or
+    TRL import): the schema, then what it cannot express (relations between keys, the GPUs against the
+    batch, the memory plan from cached traces); ValueError with one line starting "config "."""
+    from d3s.memory_plan import check_fit
+
+    validate_config(config, schema)
+    if config["analysis"]["reference"] not in config["methods"]:
+        reference = config["analysis"]["reference"]
+        raise ValueError(
+            f"config analysis.reference {reference!r} is not one of the methods {config['methods']}"
+        )
     train_cfg = config["train"]
-    processes = training_processes(train_cfg, accelerate_dir)
-    overrides = dict(train_cfg.get("method_overrides") or {})
-    for method in config["methods"]:
-        trainer = dict(train_cfg["trainer"]) | dict(overrides.get(method) or {})
-        batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+    try:
+        processes = training_processes(train_cfg, accelerate_dir)
+        for method in config["methods"]:
+            _method_trainer(train_cfg, method, processes)
+    except ValueError as exc:
+        raise ValueError(f"config {exc}") from None
+    problem = check_fit(config)
+    if problem:
+        raise ValueError(f"config {problem}")
 
 
 def build_run_config(
@@ -210,13 +227,9 @@ def build_run_config(
     threads: int,
     processes: int = 1,
 ) -> dict[str, Any]:
-    """The ``d3s train`` config of one run of the workflow (written to runs/<method>/seed<seed>/train.yaml).
-
-    ``threads`` is the job's; the config gets each training process's share (per_process_threads), the count
-    `d3s train` runs with and records in resolved_config.yaml, so a rerun compares like with like.
-    """
-    trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
-    trainer = batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+    """The ``d3s train`` config of one run (runs/<method>/seed<seed>/train.yaml); ``threads`` is the job's,
+    the config gets each training process's share, as resolved_config.yaml records it."""
+    trainer = _method_trainer(train_cfg, method, processes)
     dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
     if dataset["name"] == "synthetic":
         dataset = dict(task) | dataset
@@ -243,33 +256,23 @@ def resolved_trainer_configs(
     *,
     check_inputs: bool = True,
 ) -> dict[str, Any]:
-    """Every method's D3SConfig as its training job builds it (first seed), checked without GPUs.
-
-    Runs d3s.runs.run.resolve_config with check_hardware=False on the CPU (use_cpu forced, so nothing touches
-    CUDA): unknown trainer fields, batch geometry for the job's process count, the schedule's keep
-    values, the method's TRL settings and (unless ``check_inputs=False``: the workflow's input check reads
-    them itself) the model path and training data all fail here, before any job is queued.
-    ``generation_batch_size`` comes out per process; the job's is that times its training GPUs.
-    """
+    """Every method's D3SConfig as its training job builds it (first seed), resolved on the CPU without GPUs
+    (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out per process."""
     from d3s.runs.run import resolve_config
 
-    train_cfg = config["train"]
-    processes = training_processes(train_cfg, accelerate_dir)
-    base = config["base_model"]
-    model = "tiny" if base["kind"] == "tiny" else str(base["path"])
-    seed = int(config["seeds"][0])
+    train_cfg, seed, base = config["train"], int(config["seeds"][0]), config["base_model"]
+    shared = {
+        "seed": seed,
+        "model": "tiny" if base["kind"] == "tiny" else str(base["path"]),
+        "train_cfg": train_cfg,
+        "task": dict(task or {}),
+        "threads": int(train_cfg.get("threads", 1)),
+        "processes": training_processes(train_cfg, accelerate_dir),
+    }
     resolved = {}
     for method in config["methods"]:
-        run = build_run_config(
-            method=method,
-            seed=seed,
-            model=model,
-            train_cfg=train_cfg,
-            task=dict(task or {}),
-            output_dir=f"results/{config['experiment']}/runs/{method}/seed{seed}",
-            threads=int(train_cfg.get("threads", 1)),
-            processes=processes,
-        )
+        output_dir = f"results/{config['experiment']}/runs/{method}/seed{seed}"
+        run = build_run_config(method=method, output_dir=output_dir, **shared)
         run["trainer"] = dict(run["trainer"]) | {"use_cpu": True}
         try:
             resolved[method] = resolve_config(run, check_hardware=False, check_inputs=check_inputs)
@@ -293,11 +296,8 @@ def prepare_training_job(
     cpu: bool | None = None,
     python: str = sys.executable,
 ) -> tuple[list[str], dict[str, Any], list[str] | None]:
-    """(accelerate command, final run config, vllm-serve command or None) for one training job.
-
-    The first ``launch.train_gpus`` ids train, the rest serve; server mode gets free ports on this node.
-    ``cpu`` (default: no CUDA device here) adds CPU_OVERRIDES, so the job's accelerate config runs on the CPU.
-    """
+    """(accelerate command, final run config, vllm-serve command or None) for one training job: the first
+    ``launch.train_gpus`` ids train, the rest serve; ``cpu`` (default: no CUDA here) adds CPU_OVERRIDES."""
     if len(gpu_ids) != launch.job_gpus:
         raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
     processes = launch.train_gpus

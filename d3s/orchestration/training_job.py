@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from d3s.orchestration.commands import LOCALHOST
-from d3s.orchestration.processes import start_process_group, stop_process_group, training_env
+from d3s.orchestration.processes import process_group, training_env
 from d3s.orchestration.run_config import TrainLaunch, prepare_training_job, write_yaml
 from d3s.orchestration.vllm_server import vllm_server
 
@@ -53,8 +53,8 @@ def run_training_job(
             )
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"GPUs {train_ids}: {' '.join(command)}\n")
-        process = start_process_group(command, log_path=log_path, env=training_env(train_ids))
-        stack.callback(stop_process_group, process)
-        code = process.wait()
+        code = stack.enter_context(
+            process_group(command, log_path=log_path, env=training_env(train_ids))
+        ).wait()
     if code != 0:
         raise RuntimeError(f"training exited with code {code}; see {log_path}")

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
 import os
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-from d3s.orchestration.processes import _tail, start_process_group, stop_process_group
+from d3s.orchestration.processes import _tail, process_group
 
 
 @contextlib.contextmanager
@@ -29,13 +27,10 @@ def vllm_server(
     that answers 200. RuntimeError if it exits first, TimeoutError after ``startup_timeout_s`` (both with
     the end of its log); leaving the block however (exception, a signal's SystemExit, atexit) stops it."""
     env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else {})
-    process = start_process_group(command, log_path=log_path, env=env)
-    stop = functools.partial(stop_process_group, process, grace_s=stop_grace_s)
-    atexit.register(stop)
     url = f"http://{host}:{port}/health"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP proxy
     start = time.monotonic()
-    try:
+    with process_group(command, log_path=log_path, env=env, grace_s=stop_grace_s) as process:
         while True:
             if process.poll() is not None:
                 raise RuntimeError(
@@ -56,6 +51,3 @@ def vllm_server(
                 )
             time.sleep(1.0)
         yield url
-    finally:
-        stop()
-        atexit.unregister(stop)

@@ -1,8 +1,5 @@
-"""The one "did the configuration change" rule, shared by training resume (d3s.runs.run.config_differences),
-evaluation resume (workflow/scripts/evaluate.py, d3s.evaluation.runner) and the provenance check
-(d3s.provenance.settings_check): two resolved configs are compared flattened to dotted keys, and the
-per-attempt keys listed here never count. A real change moves the old work aside (never deletes it) with
-:func:`describe` as the reason."""
+"""The one "did the configuration change" rule of training and evaluation resume and the provenance check:
+configs compared as dotted keys, per-attempt keys left out (docs/workflow.md, "How a setting travels")."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -44,14 +45,15 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         raise
 
 
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {"python": platform.python_version()} | {name: _version(name) for name in PACKAGES}
 
 
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
@@ -72,14 +74,11 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
 def hardware() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    names = []
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo: not Linux
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    cpu = (names or [platform.processor() or platform.machine()])[0]
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]  # 0 without CUDA
     return {
         "cpu": cpu,
@@ -99,11 +98,8 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 # Files that define a saved model as it generates (weights, config, tokenizer); optimizer and trainer

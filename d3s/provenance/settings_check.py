@@ -190,21 +190,13 @@ def compare(group: str, records: Sequence[Record]) -> dict[str, Any]:
             (mixed if rule.policy == AGREE else warnings).append(difference)
     hashes = {label: stable_hash(values) for label, values in agreed.items()}
     distinct = set(hashes.values())
-    manifests = []
-    for label, path, manifest in records:
-        git = (manifest or {}).get("git") or {}
-        manifests.append(
-            {
-                "label": label,
-                "path": path,
-                "missing": manifest is None,
-                "git_commit": git.get("commit"),
-                "git_dirty": git.get("dirty"),
-                "settings_hash": hashes.get(label),
-                "started": (manifest or {}).get("started"),
-                "finished": (manifest or {}).get("finished"),
-            }
-        )
+    manifests = [
+        {"label": label, "path": path, "missing": manifest is None}
+        | {f"git_{key}": ((manifest or {}).get("git") or {}).get(key) for key in ("commit", "dirty")}
+        | {"settings_hash": hashes.get(label)}
+        | {key: (manifest or {}).get(key) for key in ("started", "finished")}
+        for label, path, manifest in records
+    ]
     return {
         "group": group,
         "name": name,
@@ -217,8 +209,7 @@ def compare(group: str, records: Sequence[Record]) -> dict[str, Any]:
 
 
 def collect(results: str | Path) -> dict[str, list[tuple[str, str]]]:
-    """(label, manifest path relative to ``results``) of every run and evaluation the analysis reads, by
-    group; the manifests themselves are read by :func:`check_results`."""
+    """(label, manifest path relative to ``results``) of each run and evaluation read by the analysis."""
     results = Path(results)
     groups: dict[str, list[tuple[str, str]]] = {name: [] for name in GROUPS}
     for method, seed, run in layout.runs(results):
@@ -234,7 +225,7 @@ def collect(results: str | Path) -> dict[str, list[tuple[str, str]]]:
 
 @dataclass
 class Provenance:
-    """The checked manifests of a results folder (provenance.json), for tables' sidecars and the report."""
+    """The checked manifests of a results folder (provenance.json)."""
 
     results: str
     checks: list[dict[str, Any]]  # one compare() entry per group
@@ -338,17 +329,33 @@ class Provenance:
             )
         return "\n".join(out)
 
-    def refuse_unless_allowed(self) -> Provenance:
-        """Raise :class:`MixedSettingsError` (keys, values, runs and the way out) if a group mixes settings
-        that must agree and ``allow_mixed`` is not set; else return self."""
-        if self.mixed and not self.allow_mixed:
-            raise MixedSettingsError(mixed_settings_message(self.checks))
-        return self
+    def refuse_unless_allowed(self, limit: int = 12) -> Provenance:
+        """Self, unless a group mixes settings that must agree without ``allow_mixed``: then
+        MixedSettingsError naming the keys, their values, the runs holding them, and how to proceed."""
+        if not self.mixed or self.allow_mixed:
+            return self
+        lines = ["Refusing to combine results made with different settings in one table."]
+        for check in (c for c in self.checks if not c["consistent"]):
+            lines.append(f"{check['name'].capitalize()} differ in settings that must agree:")
+            for diff in check["mixed"][:limit]:
+                lines.append(f"  - {diff['key']} ({diff['why']}):")
+                lines += [f"      {value}: {', '.join(labels)}" for value, labels in diff["values"].items()]
+            if len(check["mixed"]) > limit:
+                lines.append(f"  ... and {len(check['mixed']) - limit} more keys")
+            lines.append(
+                "  manifests: " + ", ".join(f"{r['label']} = {r['path']}" for r in check["manifests"])
+            )
+        lines.append(
+            "To proceed: re-run the differing runs with the shared settings, or analyse them as separate "
+            f"experiments; or combine them knowingly with `{CONFIG_OPTION}: true` in the workflow config "
+            "(allow_mixed=True in d3s.analysis), and the tables' .provenance.json files and the report will "
+            "state the mix."
+        )
+        raise MixedSettingsError("\n".join(lines))
 
 
 def _cross_group_notes(final: Sequence[Record], checkpoints: Sequence[Record]) -> list[str]:
-    """Learning curves join the base and final evaluations with the checkpoint ones: say how they differ
-    (by design, through eval.checkpoint_* settings) instead of refusing."""
+    """How the final and base evaluations differ from the checkpoint ones, which learning curves join."""
     first = [next((m for _, _, m in records if m), None) for records in (final, checkpoints)]
     if None in first:
         return []
@@ -361,26 +368,6 @@ def _cross_group_notes(final: Sequence[Record], checkpoints: Sequence[Record]) -
     ]
 
 
-def mixed_settings_message(checks: Sequence[dict[str, Any]], limit: int = 12) -> str:
-    """The refusal: which keys differ, their values, the runs holding them, and how to proceed."""
-    lines = ["Refusing to combine results made with different settings in one table."]
-    for check in (c for c in checks if not c["consistent"]):
-        lines.append(f"{check['name'].capitalize()} differ in settings that must agree:")
-        for diff in check["mixed"][:limit]:
-            lines.append(f"  - {diff['key']} ({diff['why']}):")
-            lines += [f"      {value}: {', '.join(labels)}" for value, labels in diff["values"].items()]
-        if len(check["mixed"]) > limit:
-            lines.append(f"  ... and {len(check['mixed']) - limit} more keys")
-        lines.append("  manifests: " + ", ".join(f"{r['label']} = {r['path']}" for r in check["manifests"]))
-    lines.append(
-        "To proceed: re-run the differing runs with the shared settings, or analyse them as separate "
-        f"experiments; or combine them knowingly with `{CONFIG_OPTION}: true` in the workflow config "
-        "(allow_mixed=True in d3s.analysis), and the tables' .provenance.json files and the report will "
-        "state the mix."
-    )
-    return "\n".join(lines)
-
-
 def _read(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -391,11 +378,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 def check_results(
     results: str | Path, allow_mixed: bool = False, groups: Sequence[str] = tuple(GROUPS)
 ) -> Provenance:
-    """Read and compare the manifests of ``groups`` in a results folder.
-
-    Raises :class:`MixedSettingsError` (naming keys, values, runs and the way out) when a group mixes
-    settings that must agree, unless ``allow_mixed``; then the returned :class:`Provenance` says so.
-    """
+    """Read and compare the manifests of ``groups`` in a results folder (refuse_unless_allowed)."""
     results = Path(results)
     read = {
         group: [(label, path, _read(results / path)) for label, path in records]
@@ -410,9 +393,8 @@ def check_results(
 def load_provenance(
     results: str | Path, allow_mixed: bool = False, groups: Sequence[str] = tuple(GROUPS)
 ) -> Provenance:
-    """The check of ``groups`` in a results folder, as :func:`check_results` returns it: read from
-    ``provenance.json`` (rule provenance) when that file lists exactly the manifests there are now and none
-    is newer than it; else checked now. Refuses mixed settings the same way unless ``allow_mixed``."""
+    """:func:`check_results`, read from ``provenance.json`` (rule provenance) while it lists exactly the
+    manifests there are and none is newer (docs/workflow.md, "Provenance"); else checked now."""
     results = Path(results)
     saved = results / PROVENANCE_FILE
     if saved.is_file():
@@ -429,8 +411,7 @@ def load_provenance(
 
 
 def write_provenance(results: str | Path, allow_mixed: bool) -> Provenance:
-    """Check every group and write ``provenance.json`` and ``provenance.md`` (the report's section) into
-    ``results``; raises :class:`MixedSettingsError` before writing anything unless ``allow_mixed``."""
+    """Check every group, then write ``provenance.json`` and ``provenance.md`` (the report's section)."""
     results = Path(results)
     provenance = check_results(results, allow_mixed)
     atomic_write_text(results / PROVENANCE_FILE, json.dumps(provenance.to_dict(), indent=2) + "\n")

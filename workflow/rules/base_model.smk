@@ -1,5 +1,4 @@
-# Stage 1: the shared base model (tiny default: built in code and SFT-warm-started once) and its evaluation
-# (step 0 of every learning curve). The SFT runs on the CPU unless base_model.resources.gpu asks for a GPU.
+# Stage 1: the shared base model (tiny: built in code, SFT-warm-started) and its evaluation (step 0).
 
 
 rule base_model:

@@ -4,42 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
+from d3s.orchestration.run_config import check_workflow_config
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
 ENV = "../../environment.yml"
-
-
-def _validate_config():
-    """config/schema.yaml, the one structural check (it also fills the defaults in); a violation ends in one
-    line naming the key and the fix, not Snakemake's dump of the schema."""
-    try:
-        validate(config, f"{workflow.basedir}/config/schema.yaml")
-    except WorkflowError as exc:
-        error = exc.__context__  # the jsonschema ValidationError that validate wraps
-        if not hasattr(error, "absolute_path"):
-            raise
-        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
-        schema = error.schema if isinstance(error.schema, dict) else {}
-        if error.validator == "enum" and "title" in schema:
-            valid = ", ".join(map(str, schema["enum"]))
-            message = f"unknown {schema['title']} {error.instance!r}; valid {schema['title']}s: {valid}"
-        elif error.validator == "additionalProperties":
-            unknown = sorted(set(error.instance) - set(schema.get("properties", {})))
-            message = f"unknown key(s) {unknown}; valid: {', '.join(schema.get('properties', {}))}"
-        elif error.validator == "not" and "description" in schema:
-            message = schema["description"]
-        elif error.validator == "anyOf" and "description" in schema:
-            message = f"{error.instance!r}: expected {schema['description']}"
-        else:
-            message = error.message
-        raise ValueError(f"config {key or '(top level)'}: {message}".replace("\n", " ")) from None
-
-
-_validate_config()
-RESULTS = f"results/{config['experiment']}"
 ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"  # accelerate configs of GPU training jobs
+# The schema (filling the defaults in) and what it cannot express; a bad config ends in one line, no job.
+check_workflow_config(config, ACCELERATE_DIR, f"{workflow.basedir}/config/schema.yaml")
+RESULTS = f"results/{config['experiment']}"
 METHODS = config["methods"]
 SEEDS = config["seeds"]
 TRAINER = config["train"]["trainer"]
@@ -54,30 +26,6 @@ ANALYSIS = config["analysis"]
 INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
 
 
-def _check_config():
-    """What the schema cannot express, at every parse (pure and fast: no data, network, model or TRL
-    import, so `snakemake -n` stays offline). Data, models and trainer settings: checks.smk."""
-    from d3s.orchestration.run_config import check_workflow_config
-    from d3s.memory_plan import check_fit
-
-    # A cross-key relation: the claims' reference must be one of the methods run.
-    if ANALYSIS["reference"] not in METHODS:
-        reference = ANALYSIS["reference"]
-        raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {METHODS}")
-    # Cross-key relations of launch and batch (GPUs, vLLM server, prompts_per_step) and the accelerate file.
-    try:
-        check_workflow_config(config, ACCELERATE_DIR)
-    except ValueError as exc:
-        raise ValueError(f"config {exc}") from None
-    # The memory plan (model x batch x GPUs) from the cached traces in d3s/memory_plan_cache.json.
-    problem = check_fit(config)
-    if problem:
-        raise ValueError(f"config {problem}")
-
-
-_check_config()
-
-
 def base_model_path():
     """The model every run starts from: built by rule base_model (kind tiny) or a given path / hub id."""
     if config["base_model"]["kind"] == "tiny":
@@ -88,9 +36,7 @@ def base_model_path():
 def model_param(wildcards, input):
     """The model path as a rule parameter (derived from the input for the built tiny model, as
     `snakemake --lint` asks of a path prefix of an input)."""
-    if config["base_model"]["kind"] == "tiny":
-        return str(Path(input[0]).parent)
-    return config["base_model"]["path"]
+    return str(Path(input[0]).parent) if config["base_model"]["kind"] == "tiny" else base_model_path()
 
 
 def base_model_input():

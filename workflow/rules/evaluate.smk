@@ -1,16 +1,7 @@
-# Stage 3: `d3s eval`, one job per evaluated model, so evaluations run in parallel and fail alone:
-# evaluate_checkpoint, every intermediate checkpoint (learning curves: eval.checkpoint_samples per problem on
-# eval.checkpoint_limit problems), and evaluate_final, the final model (eval.samples per problem: Pass@1 ..
-# Pass@k). A killed or failed job resumes where it stopped: the declared output is only summary.json, which
-# `d3s eval` writes last, so the samples.jsonl beside it are not outputs and Snakemake never deletes them
-# before a re-run (a directory() output would be deleted whole). workflow/scripts/evaluate.py moves an
-# evaluation aside, never deletes it, when the model or the settings it was made with changed. With eval.kl,
-# both rules also measure the KL to the initial policy (params.reference) on the run's training prompts
-# (input.train_config) and write kl.json beside summary.json (d3s.evaluation.kl).
+# Stage 3: `d3s eval`, one job per evaluated model (every intermediate checkpoint, the final model); only
+# summary.json is declared, so a killed job resumes its samples (docs/workflow.md, "Evaluation resumes").
 EV = config["eval"]
-# rule: (evaluated point, its model in the run's folder, samples per problem, Pass@k values, problems). A
-# checkpoint-<step> folder is not a declared output of rule train (see train.smk): evaluate.py stops with the
-# fix when it is missing.
+# rule: (evaluated point, its model in the run's folder, samples per problem, Pass@k values, problems).
 EVAL_POINTS = {
     "evaluate_checkpoint": (
         "step{step}",

@@ -1,6 +1,4 @@
-# Stage 2: one RL run per (method, seed) with `d3s train` (metrics.jsonl, anatomy.jsonl, checkpoints,
-# resolved_config.yaml, final/). CPU jobs run in parallel with train.threads torch threads each; a job with
-# resources.gpu runs under `accelerate launch` on GPUs assigned to it (docs/gpu.md).
+# Stage 2: one RL run per (method, seed) with `d3s train`, on the CPU or on GPUs of its own (docs/gpu.md).
 
 
 rule train:
@@ -10,10 +8,7 @@ rule train:
         config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
         final=directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/final"),
-    # Checkpoints and the logs (metrics.jsonl, anatomy.jsonl) are not declared outputs: Snakemake deletes a
-    # job's outputs before re-running it, and a killed job re-run with --rerun-incomplete resumes from the
-    # checkpoint and cuts the logs back to it (`d3s train`, resume: auto). A job whose configuration changed
-    # starts over and moves them aside, never deletes them (workflow/scripts/train_run.py).
+    # Checkpoints and logs are not outputs: a killed job resumes (docs/workflow.md, "The run logs ...").
     params:
         model=model_param,
         train=config["train"],

@@ -1,34 +1,22 @@
-"""Build the shared base model of the tiny default: tiny Qwen2 model + SFT warm start, saved to a folder
-(called by base_model.py, the script of rule base_model).
-
-The SFT runs on ``device``: the CPU (the tiny default), or CUDA for models built larger through ``model``
-(config/gpu-smoke.yaml's ~100M parameters). The weights stay fp32 on either and are saved as such.
-"""
+"""The shared base model of the tiny default: a tiny Qwen2 model built in code and SFT-warm-started, on the
+CPU or (models built larger, config/gpu-smoke.yaml) on CUDA; fp32 weights either way."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
 def build_base(
-    out: Path,
-    sft_steps: int,
-    sft_problems: int,
-    min_ops: int,
-    max_ops: int,
-    max_operand: int,
-    seed: int,
-    threads: int,
-    model_kwargs: dict,
-    learning_rate: float = 3e-3,
-    device: str = "cpu",
-    bounded: bool = False,
-    sft_box_error: tuple[float, float] = (0.0, 0.0),
+    out: Path, cfg: Mapping[str, Any], task: Mapping[str, Any], threads: int, device: str = "cpu"
 ) -> dict:
+    """Build, warm-start and save the model of ``cfg`` (the base_model section, with the schema's defaults) on
+    the synthetic ``task``; returns the summary written to ``out``/base_summary.json."""
     from d3s.data.synthetic import arithmetic_problems, demonstrations
     from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
@@ -40,41 +28,28 @@ def build_base(
         )
     torch.set_num_threads(threads)
     start = time.perf_counter()
+    seed, box_error = int(cfg["seed"]), tuple(float(v) for v in cfg["sft_box_error"])
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=seed, **model_kwargs)
+    model = build_model(tokenizer, seed=seed, **cfg["model"])
     model.to(device)  # initialised on the CPU, so the initial weights are the same on every device
-    problems = arithmetic_problems(
-        sft_problems,
-        seed=1000 + seed,
-        min_ops=min_ops,
-        max_ops=max_ops,
-        max_operand=max_operand,
-        bounded=bounded,
-    )
+    options = {key: task[key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
+    problems = arithmetic_problems(cfg["sft_problems"], seed=1000 + seed, **options)
     losses = sft_warm_start(
         model,
         tokenizer,
-        demonstrations(problems, sft_box_error, seed=seed),
-        steps=sft_steps,
+        demonstrations(problems, box_error, seed=seed),
+        steps=cfg["sft_steps"],
         seed=seed,
-        learning_rate=learning_rate,
+        learning_rate=cfg["learning_rate"],
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    summary = {
-        "sft_steps": sft_steps,
-        "sft_problems": sft_problems,
-        "min_ops": min_ops,
-        "max_ops": max_ops,
-        "max_operand": max_operand,
-        "bounded": bounded,
-        "sft_box_error": list(sft_box_error),
-        "seed": seed,
+    settings = ("sft_steps", "sft_problems", "seed", "learning_rate", "model")
+    summary = {key: cfg[key] for key in settings} | options | {"sft_box_error": list(box_error)}
+    summary |= {
         "threads": threads,
         "device": device,
-        "learning_rate": learning_rate,
-        "model": model_kwargs,
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "seconds": time.perf_counter() - start,

@@ -1,20 +1,7 @@
-"""The workflow's input check (workflow/rules/checks.smk), run before any job of a `snakemake` run starts.
-
-    python workflow/scripts/check_inputs.py OUT.json LOG < request.json
-
-The request (JSON on stdin): {"config": the workflow config, "task": the synthetic task, "accelerate_dir":
-workflow/accelerate, "checks": names from CHECKS below}. The checks:
-
-- trainer_settings: every method's trainer settings as its training job resolves them
-  (d3s.orchestration.run_config.resolved_trainer_configs: trainer fields, kept rows per micro-batch at every N of the
-  schedule, the method's TRL settings);
-- base_model: a local directory with config.json, or a hub id the local Hugging Face cache holds or the
-  Hub can serve (the kind tiny model is built by rule base_model);
-- train_dataset, eval_benchmarks: a local copy under the data directory, or the Hub.
-
-Every problem is collected and printed on one line of its own, naming the fix (stderr and LOG); the exit
-code is then 1. Otherwise OUT.json records where each input was found.
-"""
+"""The workflow's input check before any job of a `snakemake` run starts (docs/workflow.md, "What is
+checked where"): `python check_inputs.py OUT.json LOG < request.json`, the request {"config", "task",
+"accelerate_dir", "checks": names in CHECKS}. Each problem is one line naming the fix (exit code 1); else
+OUT.json records where each input was found."""
 
 import json
 import sys

@@ -1,10 +1,5 @@
-"""Snakemake script of rule provenance: compare every run's and evaluation's manifest before the analysis.
-
-Writes provenance.json (the check, which the notebooks, loaders and report read) and provenance.md (the
-report's provenance section). Results whose settings must agree but differ stop the workflow here with
-d3s.provenance.settings_check's message (keys, values, runs, and how to proceed; in the log and on the
-terminal), unless analysis.allow_mixed_settings is true.
-"""
+"""Snakemake script of rule provenance: compare every manifest before the analysis (provenance.json, .md);
+mixed settings stop it here unless analysis.allow_mixed_settings (docs/workflow.md, "Provenance")."""
 
 from pathlib import Path
 
