@@ -19,9 +19,8 @@ from d3s.orchestration.processes import signals_raise_system_exit
 GPU_RESOURCE = "gpu"
 
 
-def job_gpus(resources: Mapping[str, Any] | None, section: str = "") -> int:
-    """The GPU count a job declares (``resources.gpu``; config/schema.yaml types it and refuses ``gpus``).
-    ``section`` is unused: the caller's config section, kept for callers that pass it."""
+def job_gpus(resources: Mapping[str, Any] | None) -> int:
+    """The GPU count a job declares (``resources.gpu``; config/schema.yaml types it and refuses ``gpus``)."""
     return int(dict(resources or {}).get(GPU_RESOURCE, 0))
 
 

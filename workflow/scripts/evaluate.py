@@ -2,7 +2,6 @@
 STEPS in order inside one GPU lease; resumes only the same model and sample settings (docs/workflow.md,
 "Evaluation resumes" and "eval.kl")."""
 
-import contextlib
 import json
 import os
 import time
@@ -15,8 +14,7 @@ import yaml
 
 from d3s.cli import main as d3s_main
 from d3s.evaluation.kl import KL_FILE, KLProbeSettings, measure_checkpoint_kl
-from d3s.orchestration.gpu_slots import assign_gpus, job_gpus
-from d3s.orchestration.processes import signals_raise_system_exit
+from d3s.orchestration.gpu_slots import gpu_job
 from d3s.provenance.config_change import EVALUATION_PER_ATTEMPT, keep_or_move_aside
 from d3s.provenance.manifest import atomic_write_text, model_files, sha256_file
 
@@ -24,7 +22,7 @@ RESUME_KEY_FILE = "resume_key.json"
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 ev, task = smk.params.eval, smk.params.task
-gpus = job_gpus({"gpu": int(getattr(smk.resources, "gpu", 0) or 0)}, "eval")
+gpus = int(getattr(smk.resources, "gpu", 0) or 0)  # what Snakemake granted
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(smk.threads))
 
@@ -111,13 +109,7 @@ if smk.rule == "evaluate_checkpoint" and not (Path(model) / "config.json").is_fi
     )
 out = Path(smk.output.summary).parent
 limit = int(smk.params.limit) if smk.params.limit else None
-with (
-    open(smk.log[0], "a") as log,
-    contextlib.redirect_stdout(log),
-    contextlib.redirect_stderr(log),
-    signals_raise_system_exit(),
-    assign_gpus(gpus, label=f"{smk.rule} {dict(smk.wildcards)}") as gpu_ids,
-):
+with gpu_job(smk.log[0], gpus, label=f"{smk.rule} {dict(smk.wildcards)}", mode="a") as gpu_ids:
     print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {smk.rule} {model}", flush=True)
     if gpus:  # before vLLM or torch touch CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
