@@ -51,23 +51,23 @@ def pass_at_k_across_seeds(evals: pd.DataFrame, methods=None) -> pd.DataFrame:
     return df.sort_values(["order", "benchmark", "k"]).drop(columns="order").reset_index(drop=True)
 
 
+def cell(mean: float, half: float = math.nan, digits: int = 1) -> str:
+    """``mean ± half`` to ``digits`` decimals (no ± without a half-width; "n/a" without a mean)."""
+    if pd.isna(mean):
+        return "n/a"
+    return f"{mean:.{digits}f}" + ("" if pd.isna(half) else f" ± {half:.{digits}f}")
+
+
 def paper_layout(table: pd.DataFrame, ks=(1, 8)) -> pd.DataFrame:
     """The paper's layout: one row per method, one column per benchmark, cells "P@1 ± ci / P@k ± ci"."""
     if table.empty:
         return table
     cells = {}
     for (method, bench), group in table.groupby(["method", "benchmark"], sort=False):
-        parts = []
-        for k in ks:
-            row = group[group["k"] == k]
-            if row.empty:
-                parts.append("n/a")
-                continue
-            mean, half = row["mean"].iloc[0], row["ci95"].iloc[0]
-            parts.append(f"{mean:.1f}" + ("" if math.isnan(half) else f" ± {half:.1f}"))
+        at = group.drop_duplicates("k").set_index("k")
+        parts = [cell(at.at[k, "mean"], at.at[k, "ci95"]) if k in at.index else "n/a" for k in ks]
         cells.setdefault(method, {})[bench] = " / ".join(parts)
-    order = list(dict.fromkeys(table["method"]))
-    out = pd.DataFrame.from_dict(cells, orient="index").loc[order]
+    out = pd.DataFrame.from_dict(cells, orient="index").loc[list(dict.fromkeys(table["method"]))]
     out.index.name = "method"
     return out
 
@@ -77,14 +77,9 @@ def summarise_dynamics(metrics: pd.DataFrame, columns) -> pd.DataFrame:
     rows = []
     for method, group in metrics.groupby("method"):
         row = {"method": method}
-        per_seed = group.groupby("seed")
-        for col in columns:
-            if col not in group:
-                continue
-            mean, half, n = mean_ci(per_seed[col].mean())
-            row[col] = mean
-            row[f"{col}_ci95"] = half
-            row["seeds"] = n
+        for col in (c for c in columns if c in group):
+            mean, half, n = mean_ci(group.groupby("seed")[col].mean())
+            row |= {col: mean, f"{col}_ci95": half, "seeds": n}
         rows.append(row)
     return pd.DataFrame(rows)
 
