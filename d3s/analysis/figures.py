@@ -53,9 +53,8 @@ def band(ax, df: pd.DataFrame, x: str, y: str, methods, smooth: int = 1, colors=
             wide = wide.rolling(smooth, min_periods=1).mean()
         mean, std = wide.mean(axis=1), wide.std(axis=1).fillna(0)
         ax.plot(mean.index, mean.values, label=method, color=colors[method], lw=1.4)
-        ax.fill_between(
-            mean.index, (mean - std).values, (mean + std).values, color=colors[method], alpha=0.18
-        )
+        low, high = (mean - std).values, (mean + std).values
+        ax.fill_between(mean.index, low, high, color=colors[method], alpha=0.18)
 
 
 def training_dynamics(metrics: pd.DataFrame, methods, smooth: int = 5):
@@ -80,19 +79,13 @@ def training_dynamics(metrics: pd.DataFrame, methods, smooth: int = 5):
 def kl_figure(kl: pd.DataFrame, methods):
     """KL to the initial policy at the evaluated checkpoints (d3s.evaluation.kl): k1 and k3 token means
     against the step, mean and band (+- one standard deviation) across seeds per method."""
-    panels = [
-        ("k1", "KL to the initial policy, k1 (per token)"),
-        ("k3", "KL to the initial policy, k3 (per token)"),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(4.6 * 2, 3.4), squeeze=False)
     colors = _colors(methods)
-    for ax, (col, label) in zip(axes.flat, panels, strict=True):
+    for ax, col in zip(axes.flat, ("k1", "k3"), strict=True):
         band(ax, kl, "step", col, methods, colors=colors)
-        for line in ax.get_lines():
-            line.set_marker("o")
-            line.set_markersize(3)
+        plt.setp(ax.get_lines(), marker="o", markersize=3)
         ax.axhline(0.0, color="grey", lw=0.6)
-        ax.set_title(label, fontsize=10)
+        ax.set_title(f"KL to the initial policy, {col} (per token)", fontsize=10)
         ax.set_xlabel("step")
     axes.flat[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -123,13 +116,8 @@ def learning_curve_figure(
                 continue
             agg = sub.groupby("step").agg(x=(x, "mean"), y=("value", "mean"), s=("value", "std")).fillna(0)
             ax.plot(agg["x"], 100 * agg["y"], marker="o", ms=3, label=method, color=colors[method])
-            ax.fill_between(
-                agg["x"],
-                100 * (agg["y"] - agg["s"]),
-                100 * (agg["y"] + agg["s"]),
-                alpha=0.15,
-                color=colors[method],
-            )
+            low, high = 100 * (agg["y"] - agg["s"]), 100 * (agg["y"] + agg["s"])
+            ax.fill_between(agg["x"], low, high, alpha=0.15, color=colors[method])
         ax.set_xlabel(labels.get(x, x))
         ax.set_ylabel("held-out Pass@1 (%)")
         if x == "update_tokens_cumulative":
@@ -148,16 +136,8 @@ def pass_at_k_figure(table: pd.DataFrame, methods):
         rows = sub[sub["method"] == method].groupby("k", as_index=False)[["mean", "ci95"]].mean()
         if rows.empty:
             continue
-        ax.errorbar(
-            rows["k"],
-            rows["mean"],
-            yerr=rows["ci95"].fillna(0),
-            marker="o",
-            ms=3,
-            capsize=2,
-            label=method,
-            color=colors[method],
-        )
+        style = {"marker": "o", "ms": 3, "capsize": 2, "label": method, "color": colors[method]}
+        ax.errorbar(rows["k"], rows["mean"], yerr=rows["ci95"].fillna(0), **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("Pass@k (%)")
@@ -200,21 +180,10 @@ def token_scores_figure(example: dict, max_tokens: int = 48):
     cmap = plt.get_cmap("viridis")
     for i, tok in enumerate(tokens):
         r, c = divmod(i, per_row)
-        ax.add_patch(
-            plt.Rectangle(
-                (c, -r), 0.95, 0.9, color=cmap(norm(score[i])), ec="red" if selected[i] else "none", lw=2
-            )
-        )
+        edge, ink = "red" if selected[i] else "none", "white" if norm(score[i]) < 0.6 else "black"
+        ax.add_patch(plt.Rectangle((c, -r), 0.95, 0.9, color=cmap(norm(score[i])), ec=edge, lw=2))
         text = tok.replace(" ", "␣").replace("\n", "⏎").replace("$", r"\$")
-        ax.text(
-            c + 0.47,
-            -r + 0.45,
-            text,
-            ha="center",
-            va="center",
-            fontsize=8,
-            color="white" if norm(score[i]) < 0.6 else "black",
-        )
+        ax.text(c + 0.47, -r + 0.45, text, ha="center", va="center", fontsize=8, color=ink)
         if i < len(entropy):
             ax.text(
                 c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="white"
