@@ -22,6 +22,7 @@ COLUMNS = (
 )
 ENTROPY = "lower policy entropy than the reference (run mean; the paper's Qwen runs, Llama rises)"
 REACH = "reaches 99 % of the reference's best Pass@1 in"
+Curve = tuple[np.ndarray, np.ndarray]  # (seeds, steps) arrays of Pass@1 and of the time axis
 NO_INTERVAL = {"ci_low": math.nan, "ci_high": math.nan, "p_value": math.nan, "mde": math.nan}
 
 
@@ -196,7 +197,7 @@ def shared_seeds(curves: pd.DataFrame, method: str, reference: str) -> list:
     return sorted(set.intersection(*seeds))
 
 
-def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> tuple[np.ndarray, np.ndarray]:
+def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> Curve:
     """(seeds, steps) arrays of Pass@1 and of ``x`` for ``method``'s trained checkpoints (step > 0)."""
     rows = curves[(curves["method"] == method) & (curves["step"] > 0)]  # step 0 is the base model
     value = rows.pivot_table(index="seed", columns="step", values="value").reindex(seeds)
@@ -212,12 +213,7 @@ def _first_reach(value: np.ndarray, at: np.ndarray, target: float) -> float:
     return float(at[hit[0]]) if hit.size else math.inf
 
 
-def speedup(
-    method: tuple[np.ndarray, np.ndarray],
-    reference: tuple[np.ndarray, np.ndarray],
-    draw: np.ndarray,
-    fraction: float,
-) -> float:
+def speedup(method: Curve, reference: Curve, draw: np.ndarray, fraction: float) -> float:
     """Reference time / method time to ``fraction`` of the reference's best seed-mean Pass@1, for the seeds
     ``draw`` (indices, repeats allowed); 0 when the method never reaches it."""
     ref_value, ref_at = (a[draw].mean(axis=0) for a in reference)
@@ -315,16 +311,10 @@ def claims_table(
     final = per_seed_pass_at_k(evals, 1)
     base = per_seed_pass_at_k(evals, 1, step0=True)
     final_k = per_seed_pass_at_k(evals, int(evals.loc[evals["final"].astype(bool), "k"].max()))
-    rows = [
-        difference_row(
-            CLAIMS["gain_over_base"],
-            pd.concat([final[final["method"] == m], base[base["method"] == m].assign(method="base")]),
-            m,
-            "base",
-            100,
-        )
-        for m in methods
-    ]
+    rows = []
+    for m in methods:
+        pairs = pd.concat([final[final["method"] == m], base[base["method"] == m].assign(method="base")])
+        rows.append(difference_row(CLAIMS["gain_over_base"], pairs, m, "base", 100))
     run_means = metrics.groupby(["method", "seed"], as_index=False).mean(numeric_only=True)
 
     def per_seed(column: str) -> pd.DataFrame:

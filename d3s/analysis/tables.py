@@ -13,6 +13,9 @@ from d3s.analysis.claims import curve_arrays, shared_seeds, speedup, t_interval
 from d3s.provenance.manifest import atomic_write_text
 from d3s.provenance.settings_check import Provenance
 
+KEYS = ["method", "seed", "step"]
+SPEEDUPS = {"step": "steps", "update_tokens_cumulative": "tokens", "wall_clock": "time"}  # x: column suffix
+
 
 def mean_ci(values) -> tuple[float, float, int]:
     """Mean and half-width of the 95 % t-interval across seeds (half-width NaN for one seed)."""
@@ -88,16 +91,12 @@ def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1) -> p
     """Pass@k (mean over benchmarks) per method, seed, step, with the update tokens and training wall-clock
     reached at that step (from metrics.jsonl; 0 at step 0)."""
     ev = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
-    curve = ev.groupby(["method", "seed", "step"], as_index=False)["value"].mean()
+    curve = ev.groupby(KEYS, as_index=False)["value"].mean()
     extra = ["update_tokens_cumulative", "wall_clock"]
-    have = [c for c in extra if c in metrics]
-    if have:
-        curve = curve.merge(
-            metrics[["method", "seed", "step", *have]], on=["method", "seed", "step"], how="left"
-        )
+    if have := [c for c in extra if c in metrics]:
+        curve = curve.merge(metrics[[*KEYS, *have]], on=KEYS, how="left")
     for col in extra:
-        if col not in curve:
-            curve[col] = np.nan
+        curve[col] = curve.get(col, np.nan)
         curve.loc[curve["step"] == 0, col] = 0.0
     return curve.sort_values(["method", "seed", "step"]).reset_index(drop=True)
 
@@ -120,31 +119,28 @@ def speedups(
 def efficiency_table(
     curves: pd.DataFrame, metrics: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99
 ):
-    """The paper's Table 3 layout plus our costs: final and best Pass@1 (seed mean), gain over the
-    reference, update tokens per step, seconds per step, and speedups to reach ``fraction`` of the
-    reference's best accuracy measured in steps, update tokens and wall-clock."""
+    """The paper's Table 3 layout plus our costs: final Pass@1 (seed mean), its gain over the reference,
+    update tokens and seconds per step, and the speedups to ``fraction`` of the reference's best Pass@1 in
+    steps, update tokens and wall-clock."""
     final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()]
     per_method = final.groupby("method")["value"].agg(["mean", "std", "count"])
     ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
-    speed = {
-        x: speedups(curves, reference, fraction, x)
-        for x in ("step", "update_tokens_cumulative", "wall_clock")
-    }
+    speed = {label: speedups(curves, reference, fraction, x) for x, label in SPEEDUPS.items()}
+    costs = {"update_tokens_per_step": "selection/update_tokens", "seconds_per_step": "step_time"}
     rows = []
     for method, summary in per_method.iterrows():
         m = metrics[metrics["method"] == method]
-        row = {
-            "method": method,
-            "final_pass1": 100 * summary["mean"],
-            "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
-            "gain_vs_reference_pct": 100 * (summary["mean"] / ref_final - 1) if ref_final else float("nan"),
-            "update_tokens_per_step": m["selection/update_tokens"].mean()
-            if "selection/update_tokens" in m
-            else np.nan,
-            "seconds_per_step": m["step_time"].mean() if "step_time" in m else np.nan,
-            "seeds": int(summary["count"]),
-        }
-        for x, label in (("step", "steps"), ("update_tokens_cumulative", "tokens"), ("wall_clock", "time")):
-            row[f"speedup_{label}"] = speed[x].get(method, np.nan)
-        rows.append(row)
+        rows.append(
+            {
+                "method": method,
+                "final_pass1": 100 * summary["mean"],
+                "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
+                "gain_vs_reference_pct": 100 * (summary["mean"] / ref_final - 1)
+                if ref_final
+                else float("nan"),
+            }
+            | {name: m[column].mean() if column in m else np.nan for name, column in costs.items()}
+            | {"seeds": int(summary["count"])}
+            | {f"speedup_{label}": values.get(method, np.nan) for label, values in speed.items()}
+        )
     return pd.DataFrame(rows)
