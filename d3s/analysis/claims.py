@@ -203,9 +203,8 @@ def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> Curv
     value = rows.pivot_table(index="seed", columns="step", values="value").reindex(seeds)
     if x == "step":
         return value.to_numpy(), np.broadcast_to(value.columns.to_numpy(float), value.shape)
-    return value.to_numpy(), rows.pivot_table(index="seed", columns="step", values=x).reindex(seeds).to_numpy(
-        float
-    )
+    at = rows.pivot_table(index="seed", columns="step", values=x).reindex(seeds)
+    return value.to_numpy(), at.to_numpy(float)
 
 
 def _first_reach(value: np.ndarray, at: np.ndarray, target: float) -> float:
@@ -337,13 +336,10 @@ def claims_table(
         ]
     rows += [ordering_row(final, scores, source) for source, scores in (paper or {}).items()]
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    table["protocol"] = [
-        pods_protocol(m, r, generations) for m, r in zip(table["method"], table["reference"], strict=True)
-    ]
-    rejected = holm(table["p_value"])
-    table["verdict_holm"] = [
-        v if r else "inconclusive" for v, r in zip(table["verdict"], rejected, strict=True)
-    ]
+    pairs = zip(table["method"], table["reference"], strict=True)
+    table["protocol"] = [pods_protocol(m, r, generations) for m, r in pairs]
+    verdicts = zip(table["verdict"], holm(table["p_value"]), strict=True)
+    table["verdict_holm"] = [v if rejected else "inconclusive" for v, rejected in verdicts]
     return table
 
 
