@@ -23,7 +23,7 @@ RUN = "{method}/seed{seed}"
 RUNS = {"method": METHODS, "seed": SEEDS}
 TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{RUN}/train_summary.json", **RUNS)
 EVALS = expand(f"{RESULTS}/eval/{RUN}/final/summary.json", **RUNS)
-EVALS += expand(f"{RESULTS}/eval/{RUN}/step{{step}}/summary.json", step=CKPT_STEPS, **RUNS)
+EVALS += expand(f"{RESULTS}/eval/{RUN}/step{{step}}/summary.json", **RUNS, step=CKPT_STEPS)
 EVALS.append(f"{RESULTS}/eval/base/summary.json")
 PROVENANCE = f"{RESULTS}/provenance.json"
 # eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
