@@ -25,11 +25,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """Every training step of every run: method, seed, step and the trainer's logged metrics.
-
-    Adds ``wall_clock`` (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``.
-    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.provenance.settings_check).
-    """
+    """Every training step of every run: method, seed, step, the trainer's logged metrics, ``wall_clock``
+    (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``."""
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("training",))
     frames = []
@@ -90,12 +87,8 @@ def _run_points(results: Path, file: str = "summary.json") -> Iterator[tuple[lay
 
 
 def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """Every evaluation: method, seed, step (0 = the shared base model), final flag, benchmark, k, value.
-
-    Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
-    0 so learning curves start from it. Refuses evaluations with differing settings (final and base
-    models; checkpoints) unless ``allow_mixed`` (d3s.provenance.settings_check).
-    """
+    """Every evaluation: method, seed, step, final flag, benchmark, k, value (Pass@k on [0, 1]); the base model
+    is copied under every method and seed at step 0 so learning curves start from it."""
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("final", "checkpoints"))
     rows = [
@@ -116,12 +109,9 @@ def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
 
 
 def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """KL to the initial policy at every evaluated checkpoint (``kl.json`` of d3s.evaluation.kl), by step.
-
-    One row per (method, seed, checkpoint) with KL_COLUMNS, the probe's settings and hash and the file read;
-    the final model's step as in ``load_evals``. Refuses files measured with different probe settings, or one
-    run's checkpoints measured on different probe prompts (MixedSettingsError), unless ``allow_mixed``.
-    """
+    """KL to the initial policy (``kl.json`` of d3s.evaluation.kl): one row per (method, seed, step) with
+    KL_COLUMNS, the probe's settings and hash and the file read. Refuses different probe settings, or one
+    run's checkpoints measured on different probe prompts, unless ``allow_mixed``."""
     results = Path(results)
     rows = []
     for point, labels in _run_points(results, KL_FILE):
@@ -170,13 +160,9 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
 
 
 def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:
-    """Selection anatomy records (``anatomy.jsonl``, written when the trainer's anatomy_every > 0).
-
-    Returns (groups, token_records): one row per (method, seed, step, group) with rewards, advantages, kept
-    flags, ``n_kept``, the unbiased variances ``var_kept`` and ``var_all`` of the kept and of all advantages
-    and their ratio ``var_ratio`` (Lemma 1; docs/workflow.md, "Notebooks"); and the token records (method,
-    seed, step, token_keep_ratio, examples). Refuses differing training settings unless ``allow_mixed``.
-    """
+    """(groups, token_records) of ``anatomy.jsonl`` (trainer.anatomy_every > 0): a row per (method, seed, step,
+    group) with rewards, advantages, kept, ``n_kept``, ``var_kept``, ``var_all`` and ``var_ratio`` (Lemma 1;
+    docs/workflow.md, "Notebooks"); the token records (method, seed, step, token_keep_ratio, examples)."""
     load_provenance(results, allow_mixed, groups=("training",))
     groups, tokens = [], []
     for method, seed, run in layout.runs(Path(results)):

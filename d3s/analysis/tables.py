@@ -26,10 +26,8 @@ def mean_ci(values) -> tuple[float, float, int]:
 def write_table(
     table: pd.DataFrame, path: str | os.PathLike[str], provenance: Provenance, index: bool = False
 ) -> None:
-    """Write ``table`` as CSV (atomically) and its provenance sidecar ``<name>.provenance.json``.
-
-    ``provenance`` is the check of what the table was made from (``Provenance.select("training", ...)``).
-    """
+    """Write ``table`` as CSV (atomically) and the sidecar ``<name>.provenance.json`` of ``provenance``, the
+    check of what it was made from."""
     atomic_write_text(path, table.to_csv(index=index))
     provenance.write_sidecar(path)
 
