@@ -120,10 +120,8 @@ def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
 
 
 def pods_protocol(method: str, reference: str, generations: Mapping[str, int] | None) -> str:
-    """Which PODS comparison a row of a PODS-family method (re-normalised down-sampling) belongs to.
-
-    D3S's "GRPO+PODS" generates the reference's G and trains G/4; PODS's own protocol generates n = 4m and
-    trains the m rollouts the reference generates and trains (PODS Table 1). Empty for other methods."""
+    """The PODS comparison (docs/fidelity.md, "PODS: two protocols") of a row of a PODS-family method (one
+    that re-normalises after down-sampling); empty for other methods."""
     from d3s.methods import METHODS
 
     entry = METHODS.get(method)  # None for "base" and the ordering rows
@@ -303,10 +301,8 @@ def claims_table(
     generations: Mapping[str, int] | None = None,
 ) -> pd.DataFrame:
     """Every claim for every method against ``reference`` (or its own baseline in ``references``, where that
-    ran), each method's gain over the base model, and the agreement of our ordering of the methods with each
-    ``paper`` table (name -> method -> Pass@1); ``generations`` (method -> num_generations) names the PODS
-    protocols. ``evals``: io.load_evals; ``curves``: tables.learning_curves; ``metrics``: io.load_metrics.
-    """
+    ran), each method's gain over the base model, and our ordering's agreement with each ``paper`` table
+    (name -> method -> Pass@1); ``generations`` (method -> num_generations) names the PODS protocols."""
     final = per_seed_pass_at_k(evals, 1)
     base = per_seed_pass_at_k(evals, 1, step0=True)
     final_k = per_seed_pass_at_k(evals, int(evals.loc[evals["final"].astype(bool), "k"].max()))

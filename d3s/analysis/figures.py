@@ -191,12 +191,9 @@ def token_scores_figure(example: dict, max_tokens: int = 48):
     ax.set_xlim(0, per_row)
     ax.set_ylim(-rows + 0.9, 1)
     ax.axis("off")
-    adv = example.get("advantage")
-    ax.set_title(
-        f"token score |A|·H (colour), selected tokens outlined red; A = {adv:+.2f}"
-        if adv is not None
-        else "token score",
-        fontsize=9,
-    )
+    title = "token score"
+    if (adv := example.get("advantage")) is not None:
+        title = f"token score |A|·H (colour), selected tokens outlined red; A = {adv:+.2f}"
+    ax.set_title(title, fontsize=9)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.02, pad=0.01)
     return fig

@@ -87,8 +87,8 @@ def _run_points(results: Path, file: str = "summary.json") -> Iterator[tuple[lay
 
 
 def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """Every evaluation: method, seed, step, final flag, benchmark, k, value (Pass@k on [0, 1]); the base model
-    is copied under every method and seed at step 0 so learning curves start from it."""
+    """Every evaluation: method, seed, step, final flag, benchmark, k, value (Pass@k on [0, 1]); the base
+    model is copied under every method and seed at step 0 so learning curves start from it."""
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("final", "checkpoints"))
     rows = [
@@ -160,9 +160,10 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
 
 
 def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:
-    """(groups, token_records) of ``anatomy.jsonl`` (trainer.anatomy_every > 0): a row per (method, seed, step,
-    group) with rewards, advantages, kept, ``n_kept``, ``var_kept``, ``var_all`` and ``var_ratio`` (Lemma 1;
-    docs/workflow.md, "Notebooks"); the token records (method, seed, step, token_keep_ratio, examples)."""
+    """(groups, token_records) of ``anatomy.jsonl`` (trainer.anatomy_every > 0): a row per (method, seed,
+    step, group) with rewards, advantages, kept, ``n_kept``, ``var_kept``, ``var_all`` and ``var_ratio``
+    (Lemma 1; docs/workflow.md, "Notebooks"); the token records (method, seed, step, token_keep_ratio,
+    examples)."""
     load_provenance(results, allow_mixed, groups=("training",))
     groups, tokens = [], []
     for method, seed, run in layout.runs(Path(results)):
