@@ -80,14 +80,6 @@ def _paper_averages(paper_dir: Path) -> pd.DataFrame:
     return both[both["benchmark"] == "average"]
 
 
-def paper_pass_at_1(paper_dir: Path) -> dict[str, dict[str, float]]:
-    """The papers' average Pass@1 by method, per table (D3S Table 1 on Qwen2.5-Math-7B, Table 2)."""
-    return {
-        table: dict(zip(rows["method"], rows["pass_at_1"].astype(float), strict=True))
-        for table, rows in _paper_averages(paper_dir).groupby("table", sort=False)
-    }
-
-
 def _analysis(config: dict) -> tuple[dict, bool]:
     """The config's analysis section and its allow_mixed_settings."""
     analysis = config.get("analysis") or {}
@@ -99,6 +91,10 @@ def write_claims(results: Path, paper_dir: Path, config: dict) -> pd.DataFrame:
     analysis, allow_mixed = _analysis(config)
     metrics = load_metrics(results, allow_mixed=allow_mixed)
     evals = load_evals(results, allow_mixed=allow_mixed)
+    paper = {  # table -> method -> Pass@1
+        table: dict(zip(rows["method"], rows["pass_at_1"].astype(float), strict=True))
+        for table, rows in _paper_averages(paper_dir).groupby("table", sort=False)
+    }
     table = claims_table(
         evals,
         learning_curves(evals, metrics, k=1),
@@ -106,7 +102,7 @@ def write_claims(results: Path, paper_dir: Path, config: dict) -> pd.DataFrame:
         [m for m in config["methods"] if m in set(evals["method"])],
         analysis.get("reference", "grpo"),
         analysis.get("target_fraction", 0.99),
-        paper_pass_at_1(paper_dir),
+        paper,
         analysis.get("references", {"gspo_d3s": "gspo"}),
         method_generations(config),
     )
@@ -253,7 +249,8 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
     files += [f"notebooks/{p.name}" for p in sorted((results / "notebooks").glob("*.ipynb"))]
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         {key: trainer.get(key) for key in ("per_device_train_batch_size", "num_generations")}
-        | {key: ev.get(key) for key in ("temperature", "top_p", "checkpoint_samples")},
+        | {key: ev.get(key) for key in ("temperature", "top_p", "checkpoint_samples")}
+        | {name: getattr(platform, name)() for name in ("machine", "system", "python_version")},
         experiment=config["experiment"],
         banner=f"{provenance.banner()}\n\n" if provenance.mixed else "",  # stated before anything else
         claims=_md(claims_summary(claims, headline, reference)),
@@ -267,10 +264,7 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         benchmarks=", ".join(ev["benchmarks"]),
         samples=ev["samples"],
         save_steps=trainer.get("save_steps", trainer["max_steps"]),
-        machine=platform.machine(),
         cpus=os.cpu_count(),
-        system=platform.system(),
-        python=platform.python_version(),
         commit=_git_commit(),
         sources=textwrap.indent(provenance.summary(), "  "),
         main=_md(main),
