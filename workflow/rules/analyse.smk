@@ -48,12 +48,6 @@ NOTEBOOKS = {
 }
 
 
-
-def reported_table(stem):
-    """tables/<stem>.csv, in Snakemake's HTML report with the caption workflow/report/tables/<stem>.rst"""
-    return report(f"{RESULTS}/tables/{stem}.csv", caption=f"../report/tables/{stem}.rst", category="Tables")
-
-
 # Every run's and evaluation's manifest compared, once, before any notebook runs: a mix of settings fails
 # here, with the keys, values and runs in the error; provenance.json is what the notebooks and report read.
 rule provenance:
@@ -91,7 +85,12 @@ for notebook, (category, figures, tables, reads_evals) in NOTEBOOKS.items():
                 for stem in figures
             ],
             pdfs=[f"{RESULTS}/figures/{stem}.pdf" for stem in figures],
-            tables=[reported_table(stem) for stem in tables],
+            tables=[
+                report(
+                    f"{RESULTS}/tables/{stem}.csv", caption=f"../report/tables/{stem}.rst", category="Tables"
+                )
+                for stem in tables
+            ],
             sidecars=[f"{RESULTS}/tables/{stem}.provenance.json" for stem in tables],
         log:
             f"{RESULTS}/logs/notebooks/{notebook}.log",

@@ -12,7 +12,9 @@ rule report:
         base=f"{RESULTS}/base_model/base_summary.json" if config["base_model"]["kind"] == "tiny" else [],
     output:
         report_md=f"{RESULTS}/report.md",
-        claims=reported_table("claims"),
+        claims=report(
+            f"{RESULTS}/tables/claims.csv", caption="../report/tables/claims.rst", category="Tables"
+        ),
         claims_sidecar=f"{RESULTS}/tables/claims.provenance.json",
     params:
         results=lambda wildcards, output: str(Path(output.report_md).parent),
