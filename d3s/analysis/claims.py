@@ -60,13 +60,9 @@ CLAIMS = {
 
 def verdict(low: float, high: float, direction: int, null: float) -> str:
     """``supported`` / ``refuted`` / ``inconclusive`` from the interval alone."""
-    if math.isnan(low) or math.isnan(high):
+    if math.isnan(low) or math.isnan(high) or low <= null <= high:
         return "inconclusive"
-    if low > null:
-        return "supported" if direction > 0 else "refuted"
-    if high < null:
-        return "supported" if direction < 0 else "refuted"
-    return "inconclusive"
+    return "supported" if (low > null) == (direction > 0) else "refuted"
 
 
 def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = POWER) -> float:
