@@ -37,17 +37,11 @@ def pass_at_k_across_seeds(evals: pd.DataFrame, methods=None) -> pd.DataFrame:
     half-width across seeds, seeds; methods in the order given (default: sorted)."""
     final = evals[evals["final"].astype(bool)]
     methods = list(methods) if methods is not None else sorted(final["method"].unique())
-    rows = []
-    for (method, bench, k), group in final[final["method"].isin(methods)].groupby(
-        ["method", "benchmark", "k"]
-    ):
-        mean, half, n = mean_ci(group["value"] * 100)
-        rows.append(
-            {"method": method, "benchmark": bench, "k": int(k), "mean": mean, "ci95": half, "seeds": n}
-        )
-    df = pd.DataFrame(rows)
-    if df.empty:
-        return df
+    groups = final[final["method"].isin(methods)].groupby(["method", "benchmark", "k"])["value"]
+    rows = [(method, bench, int(k), *mean_ci(values * 100)) for (method, bench, k), values in groups]
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows, columns=["method", "benchmark", "k", "mean", "ci95", "seeds"])
     df["order"] = df["method"].map({m: i for i, m in enumerate(methods)})
     return df.sort_values(["order", "benchmark", "k"]).drop(columns="order").reset_index(drop=True)
 
