@@ -151,14 +151,10 @@ def var_after_figure(groups: pd.DataFrame, methods):
     some reward variance (Lemma 1: >= 1 for a max-variance subset of a standardised group)."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     sub = groups[(groups["n_kept"] >= 2) & (groups["reward_std"] > 0)]
-    data, names = [], []
-    for method in methods:
-        values = sub[sub["method"] == method]["var_ratio"].dropna()
-        if len(values):
-            data.append(values.to_numpy())
-            names.append(method)
-    if data:
-        ax.boxplot(data, tick_labels=names, showfliers=True)
+    ratios = {m: sub.loc[sub["method"] == m, "var_ratio"].dropna().to_numpy() for m in methods}
+    ratios = {m: values for m, values in ratios.items() if len(values)}
+    if ratios:
+        ax.boxplot(list(ratios.values()), tick_labels=list(ratios), showfliers=True)
     ax.axhline(1.0, color="red", lw=1, ls="--", label="Lemma 1 bound")
     ax.set_ylabel("Var(A) kept / Var(A) group")
     ax.tick_params(axis="x", rotation=30)

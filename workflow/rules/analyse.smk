@@ -7,11 +7,7 @@ PAPERMILL = f"{sys.executable} -m papermill"
 
 # analysis.allow_mixed_settings: combine results that differ in settings that must agree, stating the mix
 ALLOW_MIXED = ANALYSIS["allow_mixed_settings"]
-NB_YAML = {
-    "headline": ANALYSIS.get("headline", METHODS),
-    "ablation": ANALYSIS.get("ablation", METHODS),
-    "allow_mixed": ALLOW_MIXED,
-}
+NB_YAML = {key: ANALYSIS.get(key, METHODS) for key in ("headline", "ablation")} | {"allow_mixed": ALLOW_MIXED}
 NB_PARAMS = (
     f"-p results_dir {RESULTS} -p out_dir {RESULTS} -p paper_dir results/paper "
     f"-p reference {ANALYSIS['reference']} -p target_fraction {ANALYSIS['target_fraction']} "
