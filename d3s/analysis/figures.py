@@ -41,6 +41,13 @@ def _colors(methods):
     return {m: cmap(i % 10) for i, m in enumerate(methods)}
 
 
+def _laid_out(fig, ax, **legend):
+    """``fig`` after a legend on ``ax`` and a tight layout."""
+    ax.legend(**legend)
+    fig.tight_layout()
+    return fig
+
+
 def band(ax, df: pd.DataFrame, x: str, y: str, methods, smooth: int = 1, colors=None):
     """Mean across seeds with a band of +- one standard deviation, per method."""
     colors = colors or _colors(methods)
@@ -87,9 +94,7 @@ def kl_figure(kl: pd.DataFrame, methods):
         ax.axhline(0.0, color="grey", lw=0.6)
         ax.set_title(f"KL to the initial policy, {col} (per token)", fontsize=10)
         ax.set_xlabel("step")
-    axes.flat[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, axes.flat[0], fontsize=7, ncol=2)
 
 
 def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
@@ -97,9 +102,7 @@ def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
     band(ax, metrics, "step", "grad_norm", methods, smooth=smooth)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, ax, fontsize=8, ncol=2)
 
 
 def learning_curve_figure(
@@ -122,9 +125,7 @@ def learning_curve_figure(
         ax.set_ylabel("held-out Pass@1 (%)")
         if x == "update_tokens_cumulative":
             ax.set_xscale("symlog", linthresh=1000)
-    axes.flat[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, axes.flat[0], fontsize=7, ncol=2)
 
 
 def pass_at_k_figure(table: pd.DataFrame, methods):
@@ -141,9 +142,7 @@ def pass_at_k_figure(table: pd.DataFrame, methods):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("Pass@k (%)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, ax, fontsize=7, ncol=2)
 
 
 def var_after_figure(groups: pd.DataFrame, methods):
@@ -158,9 +157,7 @@ def var_after_figure(groups: pd.DataFrame, methods):
     ax.axhline(1.0, color="red", lw=1, ls="--", label="Lemma 1 bound")
     ax.set_ylabel("Var(A) kept / Var(A) group")
     ax.tick_params(axis="x", rotation=30)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, ax, fontsize=8)
 
 
 def token_scores_figure(example: dict, max_tokens: int = 48):
