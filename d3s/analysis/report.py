@@ -204,24 +204,17 @@ def _base_note(results: Path, ks: list) -> str:
     return "Base model before RL: " + ", ".join(f"Pass@{k} {v:.1f} %" for k, v in mean.items()) + "."
 
 
-def _side_by_side(paper_dir: Path, main: pd.DataFrame, methods: list, kmax: int) -> str:
-    """The papers' average Pass@1 / Pass@8 next to ours."""
-    paper, rows = _paper_averages(paper_dir), []
-    for method in methods:
-        p, row = paper[paper["method"] == method], main[main["method"] == method]
-        if p.empty or row.empty:
-            continue
-        rows.append(
-            {
-                "method": method,
-                "paper Pass@1 / Pass@8 (Qwen2.5-Math-7B, avg) [N]": (
-                    f"{p['pass_at_1'].iloc[0]} / {p['pass_at_8'].iloc[0]}"
-                ),
-                "paper source": p["table"].iloc[0],
-                f"ours Pass@1 / Pass@{kmax}": " / ".join(row[f"Pass@{k} (%)"].iloc[0] for k in (1, kmax)),
-            }
-        )
-    return _md(pd.DataFrame(rows)) if rows else "(no method in common with the paper tables)"
+def _side_by_side(paper_dir: Path, main: pd.DataFrame, kmax: int) -> str:
+    """The papers' average Pass@1 / Pass@8 next to ours, for the methods in both (in our order)."""
+    paper = _paper_averages(paper_dir).drop_duplicates("method")
+    both = main.merge(paper, on="method") if "method" in main else main  # no row of ours: no columns
+    if both.empty:
+        return "(no method in common with the paper tables)"
+    paper = both["pass_at_1"].astype(str) + " / " + both["pass_at_8"].astype(str)
+    table = {"method": both["method"], "paper Pass@1 / Pass@8 (Qwen2.5-Math-7B, avg) [N]": paper}
+    table["paper source"] = both["table"]
+    table[f"ours Pass@1 / Pass@{kmax}"] = both["Pass@1 (%)"] + " / " + both[f"Pass@{kmax} (%)"]
+    return _md(pd.DataFrame(table))
 
 
 def write_report(results: Path, paper_dir: Path, config: dict) -> str:
@@ -272,7 +265,7 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         reference=reference,
         fraction=f"{analysis.get('target_fraction', 0.99):.0%}",
         base_note=_base_note(results, ks),
-        side_by_side=_side_by_side(paper_dir, main, methods, max(ks)),
+        side_by_side=_side_by_side(paper_dir, main, max(ks)),
         ordering=ordering,
         table3=_md(pd.read_csv(paper_dir / "d3s_table3.csv")[PAPER_TABLE3]),
         ours3=_optional(tables / "table3_layout.csv", "Ours, Table 3 layout:", 2),
