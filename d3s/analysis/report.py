@@ -138,24 +138,19 @@ def claims_summary(table: pd.DataFrame, headline: list[str], reference: str) -> 
         | (table["method"].isin(headline) & (table["reference"] == reference))
         | (table["claim"] == "ordering_agrees_with_paper")
     ]
-    columns = zip(shown["method"], shown["reference"], shown["protocol"].fillna(""), strict=True)
-    detectable = zip(shown["min_detectable_effect"], shown["verdict"], strict=True)
-    noise = zip(shown["seed_sd"], shown["eval_se"], strict=True)
+    protocol = [f" ({p})" if p else "" for p in shown["protocol"].fillna("")]
+    detectable = shown["verdict"].eq("inconclusive") & shown["min_detectable_effect"].notna()
+    noise = shown["seed_sd"].map("{:.1f}".format) + " / " + shown["eval_se"].map("{:.1f}".format)
     return pd.DataFrame(
         {
             "claim": shown["statement"],
-            "method vs reference": [f"{m} vs {r}" + (f" ({p})" if p else "") for m, r, p in columns],
+            "method vs reference": shown["method"] + " vs " + shown["reference"] + protocol,
             "estimate [95 % CI]": shown.apply(_interval, axis=1),
             "unit": shown["unit"],
             "verdict": shown["verdict"],
             "Holm": shown["verdict_holm"],
-            "min. detectable": [
-                f"{v:.2f}" if not math.isnan(v) and verdict == "inconclusive" else ""
-                for v, verdict in detectable
-            ],
-            "noise: seeds / evaluation": [
-                f"{s:.1f} / {e:.1f}" if not math.isnan(e) else "" for s, e in noise
-            ],
+            "min. detectable": shown["min_detectable_effect"].map("{:.2f}".format).where(detectable, ""),
+            "noise: seeds / evaluation": noise.where(shown["eval_se"].notna(), ""),
             "seeds": shown["seeds"],
         }
     )
