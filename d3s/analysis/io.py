@@ -98,11 +98,10 @@ def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     ]
     base = results / "eval" / "base"
     if (base / "summary.json").is_file():
+        manifest = _rel(base / layout.MANIFEST, results)
         for method, seed in sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]:
-            labels = {"method": method, "seed": seed, "step": 0, "final": False}
-            rows += _summary_rows(
-                base / "summary.json", **labels, manifest=_rel(base / layout.MANIFEST, results)
-            )
+            labels = {"method": method, "seed": seed, "step": 0, "final": False, "manifest": manifest}
+            rows += _summary_rows(base / "summary.json", **labels)
     if not rows:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
     return pd.DataFrame(rows).sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)

@@ -13,8 +13,7 @@ NB_PARAMS = (
     f"-p reference {ANALYSIS['reference']} -p target_fraction {ANALYSIS['target_fraction']} "
     f"-y '{json.dumps(NB_YAML)}'"
 )
-# metrics.jsonl and anatomy.jsonl are not outputs of rule train (train.smk): its train_summary.json stands
-# for the run's logs.
+# a run's train_summary.json stands for its logs (docs/workflow.md, "The run logs are not declared outputs")
 RUN = "{method}/seed{seed}"
 RUNS = {"method": METHODS, "seed": SEEDS}
 TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{RUN}/train_summary.json", **RUNS)
@@ -24,9 +23,8 @@ EVALS.append(f"{RESULTS}/eval/base/summary.json")
 PROVENANCE = f"{RESULTS}/provenance.json"
 # eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
 KL = ["kl"] if config["eval"].get("kl") else []
-# notebook: (report category of its figures, figures, tables, whether it reads the evaluations). Figures are
-# figures/<stem>.png (in the HTML report, caption workflow/report/<stem>.rst) and .pdf; tables are
-# tables/<stem>.csv (caption workflow/report/tables/<stem>.rst) with tables/<stem>.provenance.json.
+# notebook: (report category of its figures, figures/<stem>.png|pdf, tables/<stem>.csv with .provenance.json,
+# whether it reads the evaluations); HTML report captions: workflow/report/<stem>.rst and tables/<stem>.rst
 NOTEBOOKS = {
     "training_dynamics": (
         "Training dynamics", ["training_dynamics", "grad_norm", *KL], ["dynamics", *KL], False
