@@ -122,14 +122,13 @@ def efficiency_table(
     rows = []
     for method, summary in per_method.iterrows():
         m = metrics[metrics["method"] == method]
+        gain = 100 * (summary["mean"] / ref_final - 1) if ref_final else float("nan")
         rows.append(
             {
                 "method": method,
                 "final_pass1": 100 * summary["mean"],
                 "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
-                "gain_vs_reference_pct": 100 * (summary["mean"] / ref_final - 1)
-                if ref_final
-                else float("nan"),
+                "gain_vs_reference_pct": gain,
             }
             | {name: m[column].mean() if column in m else np.nan for name, column in costs.items()}
             | {"seeds": int(summary["count"])}
