@@ -276,9 +276,8 @@ def per_seed_pass_at_k(evals: pd.DataFrame, k: int, step0: bool = False) -> pd.D
     benchmark's 95 % problem-bootstrap interval, where there is one)."""
     rows = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
     rows = rows[rows["step"] == 0] if step0 else rows[rows["final"].astype(bool)]
-    rows = rows.assign(
-        variance=((rows.get("ci_high", np.nan) - rows.get("ci_low", np.nan)) / (2 * 1.96)) ** 2
-    )
+    width = rows.get("ci_high", np.nan) - rows.get("ci_low", np.nan)
+    rows = rows.assign(variance=(width / (2 * 1.96)) ** 2)
     out = rows.groupby(["method", "seed"], as_index=False).agg(
         value=("value", "mean"), variance=("variance", "mean"), n=("value", "size")
     )

@@ -178,9 +178,7 @@ def token_scores_figure(example: dict, max_tokens: int = 48):
         text = tok.replace(" ", "␣").replace("\n", "⏎").replace("$", r"\$")
         ax.text(c + 0.47, -r + 0.45, text, ha="center", va="center", fontsize=8, color=ink)
         if i < len(entropy):
-            ax.text(
-                c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="white"
-            )
+            ax.text(c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="w")
     ax.set_xlim(0, per_row)
     ax.set_ylim(-rows + 0.9, 1)
     ax.axis("off")

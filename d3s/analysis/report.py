@@ -114,10 +114,8 @@ def method_generations(config: dict) -> dict[str, int]:
     """num_generations of each method's runs as the workflow resolves them (trainer, method_overrides)."""
     train = config.get("train") or {}
     trainer, overrides = train.get("trainer") or {}, train.get("method_overrides") or {}
-    return {
-        m: int((overrides.get(m) or {}).get("num_generations", trainer.get("num_generations", 8)))
-        for m in config["methods"]
-    }
+    default = trainer.get("num_generations", 8)
+    return {m: int((overrides.get(m) or {}).get("num_generations", default)) for m in config["methods"]}
 
 
 def _interval(row) -> str:
