@@ -177,11 +177,8 @@ def ratio_row(claim: Claim, per_seed: pd.DataFrame, method: str, reference: str)
     pairs = _paired(per_seed, method, reference)
     pairs = pairs[(pairs[method] > 0) & (pairs[reference] > 0)]
     logs = paired_t(np.log(pairs[method] / pairs[reference]))
-    result = {k: math.exp(logs[k]) for k in ("estimate", "ci_low", "ci_high")} | {
-        "p_value": logs["p_value"],
-        "n": logs["n"],
-        "mde": 1 - math.exp(-logs["mde"]),  # the detectable ratio below 1 (NaN stays NaN)
-    }
+    result = logs | {k: math.exp(logs[k]) for k in ("estimate", "ci_low", "ci_high")}
+    result["mde"] = 1 - math.exp(-logs["mde"])  # the detectable ratio below 1 (NaN stays NaN)
     return _row(claim, method, reference, result, "geometric mean of the per-seed ratios")
 
 
