@@ -15,26 +15,14 @@ from scipy import optimize, stats
 LEVEL = 0.95
 POWER = 0.80
 BOOTSTRAP_RESAMPLES = 2000
-COLUMNS = [
-    "claim",
-    "method",
-    "reference",
-    "estimate",
-    "ci_low",
-    "ci_high",
-    "seeds",
-    "verdict",
-    "min_detectable_effect",
-    "unit",
-    "null",
-    "p_value",
-    "verdict_holm",
-    "seed_sd",
-    "eval_se",
-    "statement",
-    "note",
-    "protocol",
-]
+COLUMNS = (
+    ["claim", "method", "reference", "estimate", "ci_low", "ci_high", "seeds", "verdict"]
+    + ["min_detectable_effect", "unit", "null", "p_value", "verdict_holm", "seed_sd", "eval_se", "statement"]
+    + ["note", "protocol"]
+)
+ENTROPY = "lower policy entropy than the reference (run mean; the paper's Qwen runs, Llama rises)"
+REACH = "reaches 99 % of the reference's best Pass@1 in"
+Curve = tuple[np.ndarray, np.ndarray]  # (seeds, steps) arrays of Pass@1 and of the time axis
 NO_INTERVAL = {"ci_low": math.nan, "ci_high": math.nan, "p_value": math.nan, "mde": math.nan}
 
 
@@ -55,52 +43,26 @@ class Claim:
 
 
 CLAIMS = {
-    c.name: c
-    for c in (
-        Claim(
-            "gain_over_base",
-            "training lifts held-out Pass@1 above the base model",
-            "points",
-            +1,
-            "difference",
-        ),
-        Claim("pass_at_1", "higher held-out Pass@1 than the reference", "points", +1, "difference"),
-        Claim("pass_at_k", "higher held-out Pass@k than the reference", "points", +1, "difference"),
-        Claim(
-            "grad_norm", "larger policy-gradient norm than the reference (run mean)", "norm", +1, "difference"
-        ),
-        Claim(
-            "entropy",
-            "lower policy entropy than the reference (run mean; the paper's Qwen runs, Llama rises)",
-            "nats",
-            -1,
-            "difference",
-        ),
-        Claim("update_tokens", "fewer tokens in the update per step", "ratio", -1, "ratio"),
-        Claim("step_time", "less wall-clock per training step", "ratio", -1, "ratio"),
-        Claim(
-            "speedup_steps", "reaches 99 % of the reference's best Pass@1 in fewer steps", "x", +1, "speedup"
-        ),
-        Claim(
-            "speedup_wall_clock",
-            "reaches 99 % of the reference's best Pass@1 in less wall-clock",
-            "x",
-            +1,
-            "speedup",
-        ),
-    )
+    name: Claim(name, statement, unit, direction, kind)
+    for name, statement, unit, direction, kind in [
+        ("gain_over_base", "training lifts held-out Pass@1 above the base model", "points", +1, "difference"),
+        ("pass_at_1", "higher held-out Pass@1 than the reference", "points", +1, "difference"),
+        ("pass_at_k", "higher held-out Pass@k than the reference", "points", +1, "difference"),
+        ("grad_norm", "larger policy-gradient norm than the reference (run mean)", "norm", +1, "difference"),
+        ("entropy", ENTROPY, "nats", -1, "difference"),
+        ("update_tokens", "fewer tokens in the update per step", "ratio", -1, "ratio"),
+        ("step_time", "less wall-clock per training step", "ratio", -1, "ratio"),
+        ("speedup_steps", f"{REACH} fewer steps", "x", +1, "speedup"),
+        ("speedup_wall_clock", f"{REACH} less wall-clock", "x", +1, "speedup"),
+    ]
 }
 
 
 def verdict(low: float, high: float, direction: int, null: float) -> str:
     """``supported`` / ``refuted`` / ``inconclusive`` from the interval alone."""
-    if math.isnan(low) or math.isnan(high):
+    if math.isnan(low) or math.isnan(high) or low <= null <= high:
         return "inconclusive"
-    if low > null:
-        return "supported" if direction > 0 else "refuted"
-    if high < null:
-        return "supported" if direction < 0 else "refuted"
-    return "inconclusive"
+    return "supported" if (low > null) == (direction > 0) else "refuted"
 
 
 def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = POWER) -> float:
@@ -154,10 +116,8 @@ def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
 
 
 def pods_protocol(method: str, reference: str, generations: Mapping[str, int] | None) -> str:
-    """Which PODS comparison a row of a PODS-family method (re-normalised down-sampling) belongs to.
-
-    D3S's "GRPO+PODS" generates the reference's G and trains G/4; PODS's own protocol generates n = 4m and
-    trains the m rollouts the reference generates and trains (PODS Table 1). Empty for other methods."""
+    """The PODS comparison (docs/fidelity.md, "PODS: two protocols") of a row of a PODS-family method (one
+    that re-normalises after down-sampling); empty for other methods."""
     from d3s.methods import METHODS
 
     entry = METHODS.get(method)  # None for "base" and the ordering rows
@@ -181,19 +141,17 @@ def _paired(per_seed: pd.DataFrame, method: str, reference: str, values: str = "
 
 
 def _row(claim: Claim, method: str, reference: str, result: Mapping[str, float], note: str = "") -> dict:
-    return {
+    """A row of the claims table from ``result``: estimate, ci_low, ci_high, p_value, n and mde."""
+    low, high = result["ci_low"], result["ci_high"]
+    return {key: result[key] for key in ("estimate", "ci_low", "ci_high", "p_value")} | {
         "claim": claim.name,
         "method": method,
         "reference": reference,
-        "estimate": result["estimate"],
-        "ci_low": result["ci_low"],
-        "ci_high": result["ci_high"],
         "seeds": int(result["n"]),
-        "verdict": verdict(result["ci_low"], result["ci_high"], claim.direction, claim.null),
+        "verdict": verdict(low, high, claim.direction, claim.null),
         "min_detectable_effect": result["mde"],
         "unit": claim.unit,
         "null": claim.null,
-        "p_value": result["p_value"],
         "statement": claim.statement,
         "note": note,
     }
@@ -202,8 +160,8 @@ def _row(claim: Claim, method: str, reference: str, result: Mapping[str, float],
 def difference_row(
     claim: Claim, per_seed: pd.DataFrame, method: str, reference: str, scale: float = 1.0
 ) -> dict:
-    """A paired-difference claim from one value per (method, seed); ``scale`` (e.g. 100 for points). With an
-    ``se`` column it also gives ``seed_sd`` and ``eval_se`` apart (docs/workflow.md, "Noise, both kinds")."""
+    """A paired-difference claim from one value per (method, seed), times ``scale``; an ``se`` column adds
+    ``seed_sd`` and ``eval_se`` (docs/workflow.md, "Noise, both kinds")."""
     pairs = _paired(per_seed, method, reference)
     differences = scale * (pairs[method] - pairs[reference])
     row = _row(claim, method, reference, paired_t(differences))
@@ -219,33 +177,25 @@ def ratio_row(claim: Claim, per_seed: pd.DataFrame, method: str, reference: str)
     pairs = _paired(per_seed, method, reference)
     pairs = pairs[(pairs[method] > 0) & (pairs[reference] > 0)]
     logs = paired_t(np.log(pairs[method] / pairs[reference]))
-    result = {k: math.exp(logs[k]) for k in ("estimate", "ci_low", "ci_high")} | {
-        "p_value": logs["p_value"],
-        "n": logs["n"],
-        # detectable ratio below 1 (the claimed side of a cost), from the detectable log ratio
-        "mde": 1 - math.exp(-logs["mde"]) if not math.isnan(logs["mde"]) else math.nan,
-    }
+    result = logs | {k: math.exp(logs[k]) for k in ("estimate", "ci_low", "ci_high")}
+    result["mde"] = 1 - math.exp(-logs["mde"])  # the detectable ratio below 1 (NaN stays NaN)
     return _row(claim, method, reference, result, "geometric mean of the per-seed ratios")
 
 
 def shared_seeds(curves: pd.DataFrame, method: str, reference: str) -> list:
     """The seeds on which both ``method`` and ``reference`` have a curve, sorted."""
-    return sorted(
-        set.intersection(*(set(curves.loc[curves["method"] == m, "seed"]) for m in (method, reference)))
-    )
+    seeds = (set(curves.loc[curves["method"] == m, "seed"]) for m in (method, reference))
+    return sorted(set.intersection(*seeds))
 
 
-def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> tuple[np.ndarray, np.ndarray]:
+def curve_arrays(curves: pd.DataFrame, method: str, seeds: list, x: str) -> Curve:
     """(seeds, steps) arrays of Pass@1 and of ``x`` for ``method``'s trained checkpoints (step > 0)."""
     rows = curves[(curves["method"] == method) & (curves["step"] > 0)]  # step 0 is the base model
     value = rows.pivot_table(index="seed", columns="step", values="value").reindex(seeds)
-    where = rows.pivot_table(index="seed", columns="step", values=x) if x != "step" else None
-    at = (
-        where.reindex(seeds).to_numpy()
-        if where is not None
-        else np.broadcast_to(value.columns.to_numpy(float), value.shape)
-    )
-    return value.to_numpy(), np.asarray(at, dtype=float)
+    if x == "step":
+        return value.to_numpy(), np.broadcast_to(value.columns.to_numpy(float), value.shape)
+    at = rows.pivot_table(index="seed", columns="step", values=x).reindex(seeds)
+    return value.to_numpy(), at.to_numpy(float)
 
 
 def _first_reach(value: np.ndarray, at: np.ndarray, target: float) -> float:
@@ -253,12 +203,7 @@ def _first_reach(value: np.ndarray, at: np.ndarray, target: float) -> float:
     return float(at[hit[0]]) if hit.size else math.inf
 
 
-def speedup(
-    method: tuple[np.ndarray, np.ndarray],
-    reference: tuple[np.ndarray, np.ndarray],
-    draw: np.ndarray,
-    fraction: float,
-) -> float:
+def speedup(method: Curve, reference: Curve, draw: np.ndarray, fraction: float) -> float:
     """Reference time / method time to ``fraction`` of the reference's best seed-mean Pass@1, for the seeds
     ``draw`` (indices, repeats allowed); 0 when the method never reaches it."""
     ref_value, ref_at = (a[draw].mean(axis=0) for a in reference)
@@ -300,41 +245,36 @@ def speedup_row(
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> dict:
-    """Speedup to ``fraction`` of the reference's best, with a percentile bootstrap over seeds (paired: a
-    resample draws whole seeds, the same for both methods). ``x``: "step" or "wall_clock"."""
+    """Speedup to ``fraction`` of the reference's best (``x``: "step" or "wall_clock"), with a percentile
+    bootstrap over whole seeds, the same draw for both methods."""
     seeds = shared_seeds(curves, method, reference)
     if not seeds:
         return _row(claim, method, reference, NO_INTERVAL | {"estimate": math.nan, "n": 0})
     arrays = curve_arrays(curves, method, seeds, x), curve_arrays(curves, reference, seeds, x)
     estimate = speedup(*arrays, np.arange(len(seeds)), fraction)
     result = NO_INTERVAL | {"estimate": estimate, "n": len(seeds)}
-    note = "never reached the target (speedup 0)" if estimate == 0 else ""
+    notes = ["never reached the target (speedup 0)"] if estimate == 0 else []
     if len(seeds) > 1:
         interval, draws = seed_bootstrap(
             lambda draw: speedup(*arrays, draw, fraction), len(seeds), resamples, seed
         )
         result["ci_low"], result["ci_high"], result["p_value"] = *interval, bootstrap_p_value(draws, 1.0)
         if (draws > 0).all():  # detectable speedup from the bootstrap spread of log speedups
-            spread = float(np.log(draws).std(ddof=1))
             z = stats.norm.ppf(1 - (1 - LEVEL) / 2) + stats.norm.ppf(POWER)
-            result["mde"] = math.exp(z * spread) - 1
-        never = float((draws == 0).mean())
-        if never:
-            note = "; ".join(
-                filter(None, [note, f"never reached in {never:.0%} of bootstrap resamples (counted as 0)"])
-            )
-    return _row(claim, method, reference, result, note)
+            result["mde"] = math.exp(z * float(np.log(draws).std(ddof=1))) - 1
+        if never := float((draws == 0).mean()):
+            notes.append(f"never reached in {never:.0%} of bootstrap resamples (counted as 0)")
+    return _row(claim, method, reference, result, "; ".join(notes))
 
 
 def per_seed_pass_at_k(evals: pd.DataFrame, k: int, step0: bool = False) -> pd.DataFrame:
-    """method, seed, value, se: Pass@k averaged over benchmarks of the final models (or of the base model,
-    which ``load_evals`` files under every method and seed at step 0), and its evaluation standard error (from
-    the 95 % problem-bootstrap interval of each benchmark's summary, where there is one)."""
+    """method, seed, value, se: Pass@k averaged over benchmarks of the final models (of the base model, filed
+    under every method and seed at step 0, with ``step0``) and its evaluation standard error (from each
+    benchmark's 95 % problem-bootstrap interval, where there is one)."""
     rows = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
     rows = rows[rows["step"] == 0] if step0 else rows[rows["final"].astype(bool)]
-    rows = rows.assign(
-        variance=((rows.get("ci_high", np.nan) - rows.get("ci_low", np.nan)) / (2 * 1.96)) ** 2
-    )
+    width = rows.get("ci_high", np.nan) - rows.get("ci_low", np.nan)
+    rows = rows.assign(variance=(width / (2 * 1.96)) ** 2)
     out = rows.groupby(["method", "seed"], as_index=False).agg(
         value=("value", "mean"), variance=("variance", "mean"), n=("value", "size")
     )
@@ -352,29 +292,16 @@ def claims_table(
     references: Mapping[str, str] | None = None,
     generations: Mapping[str, int] | None = None,
 ) -> pd.DataFrame:
-    """Every claim for every method against ``reference``, each method's gain over the base model, and
-    whether our ordering of the methods agrees with each of the ``paper``'s tables (name -> method -> Pass@1).
-    ``references`` gives a method its own baseline instead (e.g. ``{"gspo_d3s": "gspo"}``), where it ran.
-    ``generations`` (method -> num_generations) names the protocol of every PODS row (``pods_protocol``).
-
-    ``evals``: d3s.analysis.io.load_evals (final models, and the base model at step 0); ``curves``:
-    d3s.analysis.tables.learning_curves (Pass@1 by method, seed, step; wall_clock); ``metrics``:
-    d3s.analysis.io.load_metrics (grad_norm, entropy, selection/update_tokens, step_time per step).
-    """
-    default_reference = reference
+    """Every claim for every method against ``reference`` (or its own baseline in ``references``, where that
+    ran), each method's gain over the base model, and our ordering's agreement with each ``paper`` table
+    (name -> method -> Pass@1); ``generations`` (method -> num_generations) names the PODS protocols."""
     final = per_seed_pass_at_k(evals, 1)
     base = per_seed_pass_at_k(evals, 1, step0=True)
     final_k = per_seed_pass_at_k(evals, int(evals.loc[evals["final"].astype(bool), "k"].max()))
-    rows = [
-        difference_row(
-            CLAIMS["gain_over_base"],
-            pd.concat([final[final["method"] == m], base[base["method"] == m].assign(method="base")]),
-            m,
-            "base",
-            100,
-        )
-        for m in methods
-    ]
+    rows = []
+    for m in methods:
+        pairs = pd.concat([final[final["method"] == m], base[base["method"] == m].assign(method="base")])
+        rows.append(difference_row(CLAIMS["gain_over_base"], pairs, m, "base", 100))
     run_means = metrics.groupby(["method", "seed"], as_index=False).mean(numeric_only=True)
 
     def per_seed(column: str) -> pd.DataFrame:
@@ -382,30 +309,26 @@ def claims_table(
             return pd.DataFrame(columns=["method", "seed", "value"])
         return run_means[["method", "seed", column]].rename(columns={column: "value"})
 
-    for method in (m for m in methods if m != default_reference):
-        # a method's own baseline where the paper has one (GSPO+D3S against GSPO), if it ran
-        reference = (references or {}).get(method, default_reference)
-        reference = reference if reference in methods else default_reference
+    for method in (m for m in methods if m != reference):
+        baseline = (references or {}).get(method, reference)
+        baseline = baseline if baseline in methods else reference
         rows += [
-            difference_row(CLAIMS["pass_at_1"], final, method, reference, 100),
-            difference_row(CLAIMS["pass_at_k"], final_k, method, reference, 100),
-            difference_row(CLAIMS["grad_norm"], per_seed("grad_norm"), method, reference),
-            difference_row(CLAIMS["entropy"], per_seed("entropy"), method, reference),
-            ratio_row(CLAIMS["update_tokens"], per_seed("selection/update_tokens"), method, reference),
-            ratio_row(CLAIMS["step_time"], per_seed("step_time"), method, reference),
-            speedup_row(CLAIMS["speedup_steps"], curves, method, reference, "step", fraction),
-            speedup_row(CLAIMS["speedup_wall_clock"], curves, method, reference, "wall_clock", fraction),
+            difference_row(CLAIMS["pass_at_1"], final, method, baseline, 100),
+            difference_row(CLAIMS["pass_at_k"], final_k, method, baseline, 100),
+            difference_row(CLAIMS["grad_norm"], per_seed("grad_norm"), method, baseline),
+            difference_row(CLAIMS["entropy"], per_seed("entropy"), method, baseline),
+            ratio_row(CLAIMS["update_tokens"], per_seed("selection/update_tokens"), method, baseline),
+            ratio_row(CLAIMS["step_time"], per_seed("step_time"), method, baseline),
+            speedup_row(CLAIMS["speedup_steps"], curves, method, baseline, "step", fraction),
+            speedup_row(CLAIMS["speedup_wall_clock"], curves, method, baseline, "wall_clock", fraction),
         ]
-    for source, scores in (paper or {}).items():
-        rows.append(ordering_row(final, scores, source))
-    for row in rows:
-        row["protocol"] = pods_protocol(row["method"], row["reference"], generations)
-    table = pd.DataFrame(rows).reindex(columns=[c for c in COLUMNS if c != "verdict_holm"])
-    rejected = holm(table["p_value"])
-    table["verdict_holm"] = [
-        v if r else "inconclusive" for v, r in zip(table["verdict"], rejected, strict=True)
-    ]
-    return table[COLUMNS]
+    rows += [ordering_row(final, scores, source) for source, scores in (paper or {}).items()]
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    pairs = zip(table["method"], table["reference"], strict=True)
+    table["protocol"] = [pods_protocol(m, r, generations) for m, r in pairs]
+    verdicts = zip(table["verdict"], holm(table["p_value"]), strict=True)
+    table["verdict_holm"] = [v if rejected else "inconclusive" for v, rejected in verdicts]
+    return table
 
 
 def ordering_row(
@@ -415,11 +338,8 @@ def ordering_row(
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> dict:
-    """Does our ordering of methods agree with the paper's? The fraction of method pairs that our seed-mean
-    Pass@1 orders as the paper's Pass@1 does (0.5: chance), with a seed-bootstrap interval.
-
-    ``final``: method, seed, value (final Pass@1); ``paper``: method -> Pass@1 in the paper's ``source``.
-    """
+    """The fraction of method pairs that our seed-mean Pass@1 (``final``: method, seed, value) orders as the
+    ``paper``'s Pass@1 (method -> Pass@1 in its table ``source``) does (0.5: chance), seed-bootstrapped."""
     wide = final.pivot_table(index="seed", columns="method", values="value")
     methods = [m for m in paper if m in wide]
     wide = wide[methods].dropna()
@@ -435,17 +355,8 @@ def ordering_row(
             return float((np.sign(mean[first] - mean[second]) == claimed).mean())
 
         (low, high), draws = seed_bootstrap(agreement, len(wide), resamples, seed)
-        result |= {
-            "estimate": agreement(np.arange(len(wide))),
-            "ci_low": low,
-            "ci_high": high,
-            "p_value": bootstrap_p_value(draws, 0.5),
-        }
-    claim = Claim(
-        "ordering_agrees_with_paper",
-        f"orders the methods as {source} does (pairs agreeing)",
-        "fraction of pairs",
-        +1,
-        "ordering",
-    )
+        result |= {"estimate": agreement(np.arange(len(wide))), "ci_low": low, "ci_high": high}
+        result["p_value"] = bootstrap_p_value(draws, 0.5)
+    statement = f"orders the methods as {source} does (pairs agreeing)"
+    claim = Claim("ordering_agrees_with_paper", statement, "fraction of pairs", +1, "ordering")
     return _row(claim, ",".join(methods), source, result, f"{len(pairs)} method pairs; 0.5 = chance")

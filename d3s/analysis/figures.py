@@ -41,6 +41,13 @@ def _colors(methods):
     return {m: cmap(i % 10) for i, m in enumerate(methods)}
 
 
+def _laid_out(fig, ax, **legend):
+    """``fig`` after a legend on ``ax`` and a tight layout."""
+    ax.legend(**legend)
+    fig.tight_layout()
+    return fig
+
+
 def band(ax, df: pd.DataFrame, x: str, y: str, methods, smooth: int = 1, colors=None):
     """Mean across seeds with a band of +- one standard deviation, per method."""
     colors = colors or _colors(methods)
@@ -53,9 +60,8 @@ def band(ax, df: pd.DataFrame, x: str, y: str, methods, smooth: int = 1, colors=
             wide = wide.rolling(smooth, min_periods=1).mean()
         mean, std = wide.mean(axis=1), wide.std(axis=1).fillna(0)
         ax.plot(mean.index, mean.values, label=method, color=colors[method], lw=1.4)
-        ax.fill_between(
-            mean.index, (mean - std).values, (mean + std).values, color=colors[method], alpha=0.18
-        )
+        low, high = (mean - std).values, (mean + std).values
+        ax.fill_between(mean.index, low, high, color=colors[method], alpha=0.18)
 
 
 def training_dynamics(metrics: pd.DataFrame, methods, smooth: int = 5):
@@ -80,23 +86,15 @@ def training_dynamics(metrics: pd.DataFrame, methods, smooth: int = 5):
 def kl_figure(kl: pd.DataFrame, methods):
     """KL to the initial policy at the evaluated checkpoints (d3s.evaluation.kl): k1 and k3 token means
     against the step, mean and band (+- one standard deviation) across seeds per method."""
-    panels = [
-        ("k1", "KL to the initial policy, k1 (per token)"),
-        ("k3", "KL to the initial policy, k3 (per token)"),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(4.6 * 2, 3.4), squeeze=False)
     colors = _colors(methods)
-    for ax, (col, label) in zip(axes.flat, panels, strict=True):
+    for ax, col in zip(axes.flat, ("k1", "k3"), strict=True):
         band(ax, kl, "step", col, methods, colors=colors)
-        for line in ax.get_lines():
-            line.set_marker("o")
-            line.set_markersize(3)
+        plt.setp(ax.get_lines(), marker="o", markersize=3)
         ax.axhline(0.0, color="grey", lw=0.6)
-        ax.set_title(label, fontsize=10)
+        ax.set_title(f"KL to the initial policy, {col} (per token)", fontsize=10)
         ax.set_xlabel("step")
-    axes.flat[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, axes.flat[0], fontsize=7, ncol=2)
 
 
 def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
@@ -104,9 +102,7 @@ def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
     band(ax, metrics, "step", "grad_norm", methods, smooth=smooth)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, ax, fontsize=8, ncol=2)
 
 
 def learning_curve_figure(
@@ -123,20 +119,13 @@ def learning_curve_figure(
                 continue
             agg = sub.groupby("step").agg(x=(x, "mean"), y=("value", "mean"), s=("value", "std")).fillna(0)
             ax.plot(agg["x"], 100 * agg["y"], marker="o", ms=3, label=method, color=colors[method])
-            ax.fill_between(
-                agg["x"],
-                100 * (agg["y"] - agg["s"]),
-                100 * (agg["y"] + agg["s"]),
-                alpha=0.15,
-                color=colors[method],
-            )
+            low, high = 100 * (agg["y"] - agg["s"]), 100 * (agg["y"] + agg["s"])
+            ax.fill_between(agg["x"], low, high, alpha=0.15, color=colors[method])
         ax.set_xlabel(labels.get(x, x))
         ax.set_ylabel("held-out Pass@1 (%)")
         if x == "update_tokens_cumulative":
             ax.set_xscale("symlog", linthresh=1000)
-    axes.flat[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, axes.flat[0], fontsize=7, ncol=2)
 
 
 def pass_at_k_figure(table: pd.DataFrame, methods):
@@ -148,22 +137,12 @@ def pass_at_k_figure(table: pd.DataFrame, methods):
         rows = sub[sub["method"] == method].groupby("k", as_index=False)[["mean", "ci95"]].mean()
         if rows.empty:
             continue
-        ax.errorbar(
-            rows["k"],
-            rows["mean"],
-            yerr=rows["ci95"].fillna(0),
-            marker="o",
-            ms=3,
-            capsize=2,
-            label=method,
-            color=colors[method],
-        )
+        style = {"marker": "o", "ms": 3, "capsize": 2, "label": method, "color": colors[method]}
+        ax.errorbar(rows["k"], rows["mean"], yerr=rows["ci95"].fillna(0), **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("Pass@k (%)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, ax, fontsize=7, ncol=2)
 
 
 def var_after_figure(groups: pd.DataFrame, methods):
@@ -171,20 +150,14 @@ def var_after_figure(groups: pd.DataFrame, methods):
     some reward variance (Lemma 1: >= 1 for a max-variance subset of a standardised group)."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     sub = groups[(groups["n_kept"] >= 2) & (groups["reward_std"] > 0)]
-    data, names = [], []
-    for method in methods:
-        values = sub[sub["method"] == method]["var_ratio"].dropna()
-        if len(values):
-            data.append(values.to_numpy())
-            names.append(method)
-    if data:
-        ax.boxplot(data, tick_labels=names, showfliers=True)
+    ratios = {m: sub.loc[sub["method"] == m, "var_ratio"].dropna().to_numpy() for m in methods}
+    ratios = {m: values for m, values in ratios.items() if len(values)}
+    if ratios:
+        ax.boxplot(list(ratios.values()), tick_labels=list(ratios), showfliers=True)
     ax.axhline(1.0, color="red", lw=1, ls="--", label="Lemma 1 bound")
     ax.set_ylabel("Var(A) kept / Var(A) group")
     ax.tick_params(axis="x", rotation=30)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _laid_out(fig, ax, fontsize=8)
 
 
 def token_scores_figure(example: dict, max_tokens: int = 48):
@@ -200,34 +173,18 @@ def token_scores_figure(example: dict, max_tokens: int = 48):
     cmap = plt.get_cmap("viridis")
     for i, tok in enumerate(tokens):
         r, c = divmod(i, per_row)
-        ax.add_patch(
-            plt.Rectangle(
-                (c, -r), 0.95, 0.9, color=cmap(norm(score[i])), ec="red" if selected[i] else "none", lw=2
-            )
-        )
+        edge, ink = "red" if selected[i] else "none", "white" if norm(score[i]) < 0.6 else "black"
+        ax.add_patch(plt.Rectangle((c, -r), 0.95, 0.9, color=cmap(norm(score[i])), ec=edge, lw=2))
         text = tok.replace(" ", "␣").replace("\n", "⏎").replace("$", r"\$")
-        ax.text(
-            c + 0.47,
-            -r + 0.45,
-            text,
-            ha="center",
-            va="center",
-            fontsize=8,
-            color="white" if norm(score[i]) < 0.6 else "black",
-        )
+        ax.text(c + 0.47, -r + 0.45, text, ha="center", va="center", fontsize=8, color=ink)
         if i < len(entropy):
-            ax.text(
-                c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="white"
-            )
+            ax.text(c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="w")
     ax.set_xlim(0, per_row)
     ax.set_ylim(-rows + 0.9, 1)
     ax.axis("off")
-    adv = example.get("advantage")
-    ax.set_title(
-        f"token score |A|·H (colour), selected tokens outlined red; A = {adv:+.2f}"
-        if adv is not None
-        else "token score",
-        fontsize=9,
-    )
+    title = "token score"
+    if (adv := example.get("advantage")) is not None:
+        title = f"token score |A|·H (colour), selected tokens outlined red; A = {adv:+.2f}"
+    ax.set_title(title, fontsize=9)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.02, pad=0.01)
     return fig

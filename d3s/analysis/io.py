@@ -4,6 +4,7 @@ refuses mixed settings (MixedSettingsError) unless ``allow_mixed=True``; rows na
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -13,16 +14,8 @@ from d3s.provenance import layout
 from d3s.provenance.settings_check import MixedSettingsError, load_provenance
 
 # What load_kl reads of each kl.json (d3s.evaluation.kl)
-KL_COLUMNS = [
-    "k1",
-    "k3",
-    "k1_per_sequence",
-    "tokens",
-    "sequences",
-    "mean_completion_tokens",
-    "truncated_fraction",
-    "seconds",
-]
+KL_COLUMNS = ["k1", "k3", "k1_per_sequence", "tokens", "sequences", "mean_completion_tokens"]
+KL_COLUMNS += ["truncated_fraction", "seconds"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -32,11 +25,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """Every training step of every run: method, seed, step and the trainer's logged metrics.
-
-    Adds ``wall_clock`` (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``.
-    Refuses runs with differing training settings unless ``allow_mixed`` (d3s.provenance.settings_check).
-    """
+    """Every training step of every run: method, seed, step, the trainer's logged metrics, ``wall_clock``
+    (cumulative ``step_time``, seconds of training) and ``update_tokens_cumulative``."""
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("training",))
     frames = []
@@ -65,22 +55,14 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
 
 
 def _summary_rows(path: Path, **labels) -> list[dict]:
+    """One row per benchmark and k of an evaluation summary (and the average, over several benchmarks)."""
     summary = json.loads(path.read_text())
     rows = []
     for bench, info in summary.get("benchmarks", {}).items():
         for k, value in (info.get("pass_at_k") or {}).items():
             ci = (info.get("ci") or {}).get(k) or [None, None]
-            rows.append(
-                labels
-                | {
-                    "benchmark": bench,
-                    "k": int(k),
-                    "value": value,
-                    "ci_low": ci[0],
-                    "ci_high": ci[1],
-                    "n_problems": info.get("n_problems"),
-                }
-            )
+            at = {"benchmark": bench, "k": int(k), "value": value, "ci_low": ci[0], "ci_high": ci[1]}
+            rows.append(labels | at | {"n_problems": info.get("n_problems")})
     if len(summary.get("benchmarks", {})) > 1:
         rows += [
             labels | {"benchmark": "average", "k": int(k), "value": value}
@@ -89,69 +71,55 @@ def _summary_rows(path: Path, **labels) -> list[dict]:
     return rows
 
 
-def _steps_of(results: Path) -> dict[tuple[str, int], int]:
-    """(method, seed) -> the run's step count (train_summary.json): the step of its final model."""
-    return {
+def _run_points(results: Path, file: str = "summary.json") -> Iterator[tuple[layout.EvalPoint, dict]]:
+    """Every evaluation of a run holding ``file``, with its labels: method, seed, step and final (the final
+    model's step is the run's step count, from train_summary.json)."""
+    steps_of = {
         (method, seed): int(json.loads((run / "train_summary.json").read_text()).get("steps", 0))
         for method, seed, run in layout.runs(results)
         if (run / "train_summary.json").is_file()
     }
+    for point in layout.eval_points(results, file=file):
+        if point.method != "base":
+            final = point.name == "final"
+            step = steps_of.get((point.method, point.seed)) if final else point.step
+            yield point, {"method": point.method, "seed": point.seed, "step": step, "final": final}
 
 
 def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """Every evaluation: method, seed, step (0 = the shared base model), final flag, benchmark, k, value.
-
-    Values are fractions (Pass@k on [0, 1]); the base model is copied under every method and seed at step
-    0 so learning curves start from it. Refuses evaluations with differing settings (final and base
-    models; checkpoints) unless ``allow_mixed`` (d3s.provenance.settings_check).
-    """
+    """Every evaluation: method, seed, step, final flag, benchmark, k, value (Pass@k on [0, 1]); the base
+    model is copied under every method and seed at step 0 so learning curves start from it."""
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("final", "checkpoints"))
-    rows: list[dict] = []
-    steps_of = _steps_of(results)
-    base = None
-    for point in layout.eval_points(results):
-        if point.method == "base":
-            base = point
-            continue
-        final = point.name == "final"
-        step = steps_of.get((point.method, point.seed)) if final else point.step
-        labels = {"method": point.method, "seed": point.seed, "step": step, "final": final}
-        rows += _summary_rows(point.summary, **labels, manifest=_rel(point.manifest, results))
-    if base is not None:
+    rows = [
+        row
+        for point, labels in _run_points(results)
+        for row in _summary_rows(point.summary, **labels, manifest=_rel(point.manifest, results))
+    ]
+    base = results / "eval" / "base"
+    if (base / "summary.json").is_file():
+        manifest = _rel(base / layout.MANIFEST, results)
         for method, seed in sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]:
-            labels = {"method": method, "seed": seed, "step": 0, "final": False}
-            rows += _summary_rows(base.summary, **labels, manifest=_rel(base.manifest, results))
+            labels = {"method": method, "seed": seed, "step": 0, "final": False, "manifest": manifest}
+            rows += _summary_rows(base / "summary.json", **labels)
     if not rows:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
     return pd.DataFrame(rows).sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
 
 
 def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
-    """KL to the initial policy at every evaluated checkpoint (``kl.json`` of d3s.evaluation.kl), by step.
-
-    One row per (method, seed, checkpoint): ``k1`` and ``k3`` (token means), ``k1_per_sequence``, ``tokens``,
-    ``sequences``, ``seconds`` and the file read. The final model's row gets the run's step count (as in
-    ``load_evals``). Files measured with different probe settings, or one run's checkpoints measured on
-    different probe prompts, are refused with MixedSettingsError unless ``allow_mixed``.
-    """
+    """KL to the initial policy (``kl.json`` of d3s.evaluation.kl): one row per (method, seed, step) with
+    KL_COLUMNS, the probe's settings and hash and the file read. Refuses different probe settings, or one
+    run's checkpoints measured on different probe prompts, unless ``allow_mixed``."""
     results = Path(results)
-    steps_of = _steps_of(results)
-    rows: list[dict] = []
-    for point in layout.eval_points(results, file=KL_FILE):
-        if point.method == "base":
-            continue
+    rows = []
+    for point, labels in _run_points(results, KL_FILE):
         record = json.loads((point.directory / KL_FILE).read_text())
-        final = point.name == "final"
-        step = steps_of.get((point.method, point.seed)) if final else point.step
         rows.append(
-            {"method": point.method, "seed": point.seed, "step": step, "final": final}
+            labels
             | {key: record.get(key) for key in KL_COLUMNS}
-            | {
-                "settings": json.dumps(record.get("settings"), sort_keys=True),
-                "probe_sha256": record.get("probe_sha256"),
-                "file": _rel(point.directory / KL_FILE, results),
-            }
+            | {"settings": json.dumps(record.get("settings"), sort_keys=True)}
+            | {"probe_sha256": record.get("probe_sha256"), "file": _rel(point.directory / KL_FILE, results)}
         )
     columns = ["method", "seed", "step", "final", *KL_COLUMNS, "settings", "probe_sha256", "file"]
     df = pd.DataFrame(rows, columns=columns)
@@ -166,12 +134,11 @@ def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
         problems.append(f"checkpoints of {runs} were measured on different probe prompts")
     if problems and not allow_mixed:
         raise MixedSettingsError(
-            "KL files of " + str(results) + ": " + "; ".join(problems) + ". Re-run their evaluation with one "
-            "eval.kl setting, or pass allow_mixed=True (analysis.allow_mixed_settings) to combine them"
+            f"KL files of {results}: {'; '.join(problems)}. Re-run their evaluation with one eval.kl "
+            "setting, or pass allow_mixed=True (analysis.allow_mixed_settings) to combine them"
         )
-    df = df.drop_duplicates(
-        ["method", "seed", "step"], keep="last"
-    )  # the final model may also be a checkpoint
+    # the final model may also be a checkpoint
+    df = df.drop_duplicates(["method", "seed", "step"], keep="last")
     return df.sort_values(["method", "seed", "step"]).reset_index(drop=True)
 
 
@@ -192,16 +159,10 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
 
 
 def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:
-    """Selection anatomy records (``anatomy.jsonl``, written when the trainer's anatomy_every > 0).
-
-    Returns (groups, token_records): one row per (method, seed, step, group) with rewards, advantages,
-    kept flags, the number kept, the unbiased variance of the kept advantages ``var_kept``, that of the
-    whole group ``var_all`` (1 up to TRL's epsilon: TRL standardises with the unbiased standard deviation)
-    and their ratio ``var_ratio`` (Lemma 1: >= 1 for a max-variance subset; with population variances the
-    bound fails for odd subset sizes, e.g. 5 of a group with 4 correct of 8 gives 0.96); and the token
-    records (method, seed, step, token_keep_ratio, examples). Refuses runs with differing training settings
-    unless ``allow_mixed``.
-    """
+    """(groups, token_records) of ``anatomy.jsonl`` (trainer.anatomy_every > 0): a row per (method, seed,
+    step, group) with rewards, advantages, kept, ``n_kept``, ``var_kept``, ``var_all`` and ``var_ratio``
+    (Lemma 1; docs/workflow.md, "Notebooks"); the token records (method, seed, step, token_keep_ratio,
+    examples)."""
     load_provenance(results, allow_mixed, groups=("training",))
     groups, tokens = [], []
     for method, seed, run in layout.runs(Path(results)):
@@ -219,14 +180,9 @@ def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.Dat
                     labels
                     | {key: record.get(key) for key in ("keep_per_prompt", "num_generations")}
                     | {key: group[key] for key in ("rewards", "advantages", "kept")}
-                    | {
-                        "group": index,
-                        "n_kept": len(kept),
-                        "var_kept": var_kept,
-                        "var_all": var_all,
-                        "var_ratio": var_kept / var_all if var_all > 0 else float("nan"),
-                        "reward_std": _var(group["rewards"]) ** 0.5,
-                    }
+                    | {"group": index, "n_kept": len(kept), "var_kept": var_kept, "var_all": var_all}
+                    | {"var_ratio": var_kept / var_all if var_all > 0 else float("nan")}
+                    | {"reward_std": _var(group["rewards"]) ** 0.5}
                 )
     return pd.DataFrame(groups), tokens
 

@@ -13,6 +13,9 @@ from d3s.analysis.claims import curve_arrays, shared_seeds, speedup, t_interval
 from d3s.provenance.manifest import atomic_write_text
 from d3s.provenance.settings_check import Provenance
 
+KEYS = ["method", "seed", "step"]
+SPEEDUPS = {"step": "steps", "update_tokens_cumulative": "tokens", "wall_clock": "time"}  # x: column suffix
+
 
 def mean_ci(values) -> tuple[float, float, int]:
     """Mean and half-width of the 95 % t-interval across seeds (half-width NaN for one seed)."""
@@ -23,10 +26,8 @@ def mean_ci(values) -> tuple[float, float, int]:
 def write_table(
     table: pd.DataFrame, path: str | os.PathLike[str], provenance: Provenance, index: bool = False
 ) -> None:
-    """Write ``table`` as CSV (atomically) and its provenance sidecar ``<name>.provenance.json``.
-
-    ``provenance`` is the check of what the table was made from (``Provenance.select("training", ...)``).
-    """
+    """Write ``table`` as CSV (atomically) and the sidecar ``<name>.provenance.json`` of ``provenance``, the
+    check of what it was made from."""
     atomic_write_text(path, table.to_csv(index=index))
     provenance.write_sidecar(path)
 
@@ -36,19 +37,20 @@ def pass_at_k_across_seeds(evals: pd.DataFrame, methods=None) -> pd.DataFrame:
     half-width across seeds, seeds; methods in the order given (default: sorted)."""
     final = evals[evals["final"].astype(bool)]
     methods = list(methods) if methods is not None else sorted(final["method"].unique())
-    rows = []
-    for (method, bench, k), group in final[final["method"].isin(methods)].groupby(
-        ["method", "benchmark", "k"]
-    ):
-        mean, half, n = mean_ci(group["value"] * 100)
-        rows.append(
-            {"method": method, "benchmark": bench, "k": int(k), "mean": mean, "ci95": half, "seeds": n}
-        )
-    df = pd.DataFrame(rows)
-    if df.empty:
-        return df
+    groups = final[final["method"].isin(methods)].groupby(["method", "benchmark", "k"])["value"]
+    rows = [(method, bench, int(k), *mean_ci(values * 100)) for (method, bench, k), values in groups]
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows, columns=["method", "benchmark", "k", "mean", "ci95", "seeds"])
     df["order"] = df["method"].map({m: i for i, m in enumerate(methods)})
     return df.sort_values(["order", "benchmark", "k"]).drop(columns="order").reset_index(drop=True)
+
+
+def cell(mean: float, half: float = math.nan, digits: int = 1) -> str:
+    """``mean ± half`` to ``digits`` decimals (no ± without a half-width; "n/a" without a mean)."""
+    if pd.isna(mean):
+        return "n/a"
+    return f"{mean:.{digits}f}" + ("" if pd.isna(half) else f" ± {half:.{digits}f}")
 
 
 def paper_layout(table: pd.DataFrame, ks=(1, 8)) -> pd.DataFrame:
@@ -57,17 +59,10 @@ def paper_layout(table: pd.DataFrame, ks=(1, 8)) -> pd.DataFrame:
         return table
     cells = {}
     for (method, bench), group in table.groupby(["method", "benchmark"], sort=False):
-        parts = []
-        for k in ks:
-            row = group[group["k"] == k]
-            if row.empty:
-                parts.append("n/a")
-                continue
-            mean, half = row["mean"].iloc[0], row["ci95"].iloc[0]
-            parts.append(f"{mean:.1f}" + ("" if math.isnan(half) else f" ± {half:.1f}"))
+        at = group.drop_duplicates("k").set_index("k")
+        parts = [cell(at.at[k, "mean"], at.at[k, "ci95"]) if k in at.index else "n/a" for k in ks]
         cells.setdefault(method, {})[bench] = " / ".join(parts)
-    order = list(dict.fromkeys(table["method"]))
-    out = pd.DataFrame.from_dict(cells, orient="index").loc[order]
+    out = pd.DataFrame.from_dict(cells, orient="index").loc[list(dict.fromkeys(table["method"]))]
     out.index.name = "method"
     return out
 
@@ -77,14 +72,9 @@ def summarise_dynamics(metrics: pd.DataFrame, columns) -> pd.DataFrame:
     rows = []
     for method, group in metrics.groupby("method"):
         row = {"method": method}
-        per_seed = group.groupby("seed")
-        for col in columns:
-            if col not in group:
-                continue
-            mean, half, n = mean_ci(per_seed[col].mean())
-            row[col] = mean
-            row[f"{col}_ci95"] = half
-            row["seeds"] = n
+        for col in (c for c in columns if c in group):
+            mean, half, n = mean_ci(group.groupby("seed")[col].mean())
+            row |= {col: mean, f"{col}_ci95": half, "seeds": n}
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -93,16 +83,12 @@ def learning_curves(evals: pd.DataFrame, metrics: pd.DataFrame, k: int = 1) -> p
     """Pass@k (mean over benchmarks) per method, seed, step, with the update tokens and training wall-clock
     reached at that step (from metrics.jsonl; 0 at step 0)."""
     ev = evals[(evals["k"] == k) & (evals["benchmark"] != "average")]
-    curve = ev.groupby(["method", "seed", "step"], as_index=False)["value"].mean()
+    curve = ev.groupby(KEYS, as_index=False)["value"].mean()
     extra = ["update_tokens_cumulative", "wall_clock"]
-    have = [c for c in extra if c in metrics]
-    if have:
-        curve = curve.merge(
-            metrics[["method", "seed", "step", *have]], on=["method", "seed", "step"], how="left"
-        )
+    if have := [c for c in extra if c in metrics]:
+        curve = curve.merge(metrics[[*KEYS, *have]], on=KEYS, how="left")
     for col in extra:
-        if col not in curve:
-            curve[col] = np.nan
+        curve[col] = curve.get(col, np.nan)
         curve.loc[curve["step"] == 0, col] = 0.0
     return curve.sort_values(["method", "seed", "step"]).reset_index(drop=True)
 
@@ -125,31 +111,27 @@ def speedups(
 def efficiency_table(
     curves: pd.DataFrame, metrics: pd.DataFrame, reference: str = "grpo", fraction: float = 0.99
 ):
-    """The paper's Table 3 layout plus our costs: final and best Pass@1 (seed mean), gain over the
-    reference, update tokens per step, seconds per step, and speedups to reach ``fraction`` of the
-    reference's best accuracy measured in steps, update tokens and wall-clock."""
+    """The paper's Table 3 layout plus our costs: final Pass@1 (seed mean), its gain over the reference,
+    update tokens and seconds per step, and the speedups to ``fraction`` of the reference's best Pass@1 in
+    steps, update tokens and wall-clock."""
     final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()]
     per_method = final.groupby("method")["value"].agg(["mean", "std", "count"])
     ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
-    speed = {
-        x: speedups(curves, reference, fraction, x)
-        for x in ("step", "update_tokens_cumulative", "wall_clock")
-    }
+    speed = {label: speedups(curves, reference, fraction, x) for x, label in SPEEDUPS.items()}
+    costs = {"update_tokens_per_step": "selection/update_tokens", "seconds_per_step": "step_time"}
     rows = []
     for method, summary in per_method.iterrows():
         m = metrics[metrics["method"] == method]
-        row = {
-            "method": method,
-            "final_pass1": 100 * summary["mean"],
-            "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
-            "gain_vs_reference_pct": 100 * (summary["mean"] / ref_final - 1) if ref_final else float("nan"),
-            "update_tokens_per_step": m["selection/update_tokens"].mean()
-            if "selection/update_tokens" in m
-            else np.nan,
-            "seconds_per_step": m["step_time"].mean() if "step_time" in m else np.nan,
-            "seeds": int(summary["count"]),
-        }
-        for x, label in (("step", "steps"), ("update_tokens_cumulative", "tokens"), ("wall_clock", "time")):
-            row[f"speedup_{label}"] = speed[x].get(method, np.nan)
-        rows.append(row)
+        gain = 100 * (summary["mean"] / ref_final - 1) if ref_final else float("nan")
+        rows.append(
+            {
+                "method": method,
+                "final_pass1": 100 * summary["mean"],
+                "final_pass1_ci95": 100 * mean_ci(final[final["method"] == method]["value"])[1],
+                "gain_vs_reference_pct": gain,
+            }
+            | {name: m[column].mean() if column in m else np.nan for name, column in costs.items()}
+            | {"seeds": int(summary["count"])}
+            | {f"speedup_{label}": values.get(method, np.nan) for label, values in speed.items()}
+        )
     return pd.DataFrame(rows)

@@ -1,43 +1,38 @@
-# Stage 4: the provenance check, once, then the analysis notebooks (notebooks/*.ipynb), one rule each,
-# executed headless with papermill; they read only the logged files (through d3s.analysis) and the check's
-# provenance.json, and write tables/*.csv (each with a .provenance.json naming the manifests it came from)
-# and figures/*.png|pdf.
+# Stage 4: the provenance check, once, then the analysis notebooks (notebooks/*.ipynb), one rule each, run
+# with papermill on the logged files and provenance.json (docs/workflow.md, "Stages").
 import sys
 
 # papermill of the Python running Snakemake (works without an activated virtual environment)
 PAPERMILL = f"{sys.executable} -m papermill"
 
-# analysis.allow_mixed_settings: combine results whose manifests differ in settings that must agree
-# (d3s.provenance.settings_check), stating the mix in tables and report, instead of refusing.
+# analysis.allow_mixed_settings: combine results that differ in settings that must agree, stating the mix
 ALLOW_MIXED = ANALYSIS["allow_mixed_settings"]
-NB_YAML = {
-    "headline": ANALYSIS.get("headline", METHODS),
-    "ablation": ANALYSIS.get("ablation", METHODS),
-    "allow_mixed": ALLOW_MIXED,
-}
+NB_YAML = {key: ANALYSIS.get(key, METHODS) for key in ("headline", "ablation")} | {"allow_mixed": ALLOW_MIXED}
 NB_PARAMS = (
     f"-p results_dir {RESULTS} -p out_dir {RESULTS} -p paper_dir results/paper "
     f"-p reference {ANALYSIS['reference']} -p target_fraction {ANALYSIS['target_fraction']} "
     f"-y '{json.dumps(NB_YAML)}'"
 )
-# metrics.jsonl and anatomy.jsonl are not outputs of rule train (train.smk): its train_summary.json stands
-# for the run's logs.
-TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json", method=METHODS, seed=SEEDS)
-STEP_EVALS = expand(
-    f"{RESULTS}/eval/{{method}}/seed{{seed}}/step{{step}}/summary.json", method=METHODS, seed=SEEDS, step=CKPT_STEPS
-)
-FINAL_EVALS = expand(f"{RESULTS}/eval/{{method}}/seed{{seed}}/final/summary.json", method=METHODS, seed=SEEDS)
-EVALS = [*FINAL_EVALS, *STEP_EVALS, f"{RESULTS}/eval/base/summary.json"]
+# a run's train_summary.json stands for its logs (docs/workflow.md, "The run logs are not declared outputs")
+RUN = "{method}/seed{seed}"
+RUNS = {"method": METHODS, "seed": SEEDS}
+TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{RUN}/train_summary.json", **RUNS)
+EVALS = expand(f"{RESULTS}/eval/{RUN}/final/summary.json", **RUNS)
+EVALS += expand(f"{RESULTS}/eval/{RUN}/step{{step}}/summary.json", **RUNS, step=CKPT_STEPS)
+EVALS.append(f"{RESULTS}/eval/base/summary.json")
 PROVENANCE = f"{RESULTS}/provenance.json"
 # eval.kl: the KL to the initial policy, measured by the evaluation jobs, plotted by training_dynamics
 KL = ["kl"] if config["eval"].get("kl") else []
-# notebook: (report category of its figures, figures, tables, whether it reads the evaluations). Figures are
-# figures/<stem>.png (in the HTML report, caption workflow/report/<stem>.rst) and .pdf; tables are
-# tables/<stem>.csv (caption workflow/report/tables/<stem>.rst) with tables/<stem>.provenance.json.
+# notebook: (report category of its figures, figures/<stem>.png|pdf, tables/<stem>.csv with .provenance.json,
+# whether it reads the evaluations); HTML report captions: workflow/report/<stem>.rst and tables/<stem>.rst
 NOTEBOOKS = {
-    "training_dynamics": ("Training dynamics", ["training_dynamics", "grad_norm", *KL], ["dynamics", *KL], False),
+    "training_dynamics": (
+        "Training dynamics", ["training_dynamics", "grad_norm", *KL], ["dynamics", *KL], False
+    ),
     "pass_at_k": ("Pass@k", ["pass_at_k"], ["pass_at_k", "table1_layout", "table2_layout"], True),
-    "efficiency": ("Efficiency", ["learning_curves"], ["learning_curves", "efficiency", "table3_layout"], True),
+    "efficiency": (
+        "Efficiency", ["learning_curves"], ["learning_curves", "efficiency", "table3_layout"], True
+    ),
     "selection_anatomy": (
         "Selection anatomy",
         ["var_after_selection", "token_selection_example"],
@@ -85,7 +80,9 @@ for notebook, (category, figures, tables, reads_evals) in NOTEBOOKS.items():
             ],
             pdfs=[f"{RESULTS}/figures/{stem}.pdf" for stem in figures],
             tables=[
-                report(f"{RESULTS}/tables/{stem}.csv", caption=f"../report/tables/{stem}.rst", category="Tables")
+                report(
+                    f"{RESULTS}/tables/{stem}.csv", caption=f"../report/tables/{stem}.rst", category="Tables"
+                )
                 for stem in tables
             ],
             sidecars=[f"{RESULTS}/tables/{stem}.provenance.json" for stem in tables],

@@ -1,6 +1,5 @@
-# Stage 5: tables/claims.csv (every claim: paired interval, verdict), report.md, the paper's numbers (results/paper/) and ours side by side, the claims checked,
-# every figure linked, and the manifests everything came from (refused if settings are mixed, unless
-# analysis.allow_mixed_settings). `snakemake --report report.html` builds Snakemake's HTML report as well.
+# Stage 5: tables/claims.csv (every claim: paired interval, verdict) and report.md (d3s.analysis.report);
+# `snakemake --report report.html` builds Snakemake's HTML report as well.
 
 
 report: "../report/workflow.rst"
@@ -13,7 +12,9 @@ rule report:
         base=f"{RESULTS}/base_model/base_summary.json" if config["base_model"]["kind"] == "tiny" else [],
     output:
         report_md=f"{RESULTS}/report.md",
-        claims=report(f"{RESULTS}/tables/claims.csv", caption="../report/tables/claims.rst", category="Tables"),
+        claims=report(
+            f"{RESULTS}/tables/claims.csv", caption="../report/tables/claims.rst", category="Tables"
+        ),
         claims_sidecar=f"{RESULTS}/tables/claims.provenance.json",
     params:
         results=lambda wildcards, output: str(Path(output.report_md).parent),

@@ -1,5 +1,4 @@
-"""Snakemake script of rule report: tables/claims.csv, then results/<experiment>/report.md
-(see d3s.analysis.report)."""
+"""Snakemake script of rule report: tables/claims.csv, then report.md (d3s.analysis.report)."""
 
 from pathlib import Path
 
