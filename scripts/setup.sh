@@ -9,7 +9,8 @@ command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet -c constraints.txt)
 
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+torch_pinned='import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")'
+if ! .venv/bin/python -c "$torch_pinned" 2>/dev/null; then
   if [ "${D3S_GPU:-0}" = 1 ]; then
     "${pip[@]}" torch==2.13.0
   elif .venv/bin/python - <<'PY' 2>/dev/null
@@ -28,11 +29,11 @@ extras=test
 [ "${D3S_GPU:-0}" = 1 ] && extras=test,gpu
 "${pip[@]}" -e ".[${extras}]"
 if [ "${D3S_GPU:-0}" != 1 ]; then
-  # DeepSpeed on the CPU JIT-builds its shared-memory op at first use (1-2 min, needs a C++ compiler); build it
-  # here, once, so the ZeRO tests find it in ~/.cache/torch_extensions (rebuilt only when its source changes).
-  if ! .venv/bin/python -c 'from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder as B; B().load()' \
-    >/dev/null 2>&1; then
-    echo "warning: DeepSpeed's CPU op did not build (is a C++ compiler installed?); the ZeRO tests will try again"
+  # DeepSpeed on the CPU JIT-builds its shared-memory op at first use (1-2 min, needs a C++ compiler):
+  # build it here, once, so the ZeRO tests find it in ~/.cache/torch_extensions.
+  build_op='from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder as B; B().load()'
+  if ! .venv/bin/python -c "$build_op" >/dev/null 2>&1; then
+    echo "warning: DeepSpeed's CPU op did not build (is a C++ compiler installed?); the ZeRO tests retry"
   fi
 fi
 .venv/bin/python -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.version.cuda)'

@@ -66,8 +66,9 @@ def main() -> None:
         equal += [log["frac_reward_zero_std"] for log in steps[: args.first_steps]]
         lengths += [log["completions/mean_length"] for log in steps if "completions/mean_length" in log]
     print(
-        f"\nPrompts whose {resolved['trainer']['num_generations']} rollouts all got the same reward, first "
-        f"{args.first_steps} steps of every run: {100 * sum(equal) / len(equal):.0f} % (of {len(equal)} steps)"
+        f"\nPrompts whose {resolved['trainer']['num_generations']} rollouts all got the same reward, "
+        f"first {args.first_steps} steps of every run: {100 * sum(equal) / len(equal):.0f} % "
+        f"(of {len(equal)} steps)"
     )
     print(f"Mean completion length in training: {sum(lengths) / len(lengths):.1f} tokens")
     curves = args.results / "tables" / "learning_curves.csv"

@@ -91,15 +91,16 @@ def train_launch(
         preset = [name for name in SERVER_FIELDS_SET_BY_WORKFLOW if name in trainer]
         if preset:
             raise ValueError(
-                f"trainer.{preset[0]} is set, but the workflow starts the vLLM server on a free port of the job's "
-                f"node and sets {', '.join(SERVER_FIELDS_SET_BY_WORKFLOW)} itself: remove it (or set "
+                f"trainer.{preset[0]} is set, but the workflow starts the vLLM server on a free port of the "
+                f"job's node and sets {', '.join(SERVER_FIELDS_SET_BY_WORKFLOW)} itself: remove it (or set "
                 "trainer.vllm_server_base_url to use a server you run)"
             )
         if gpus < server.gpus + 1:
             raise ValueError(
-                f"train.resources.gpu = {gpus}, but vLLM server mode needs {server.gpus} GPU(s) for trl vllm-serve "
-                f"(train.launch.vllm_server tensor_parallel_size x data_parallel_size) plus at least one for "
-                f"training: raise train.resources.gpu to {server.gpus + 1} or more, or use trainer.vllm_mode: colocate"
+                f"train.resources.gpu = {gpus}, but vLLM server mode needs {server.gpus} GPU(s) for trl "
+                "vllm-serve (train.launch.vllm_server tensor_parallel_size x data_parallel_size) plus at "
+                f"least one for training: raise train.resources.gpu to {server.gpus + 1} or more, or use "
+                "trainer.vllm_mode: colocate"
             )
     if gpus == 0 and trainer.get("use_vllm"):
         raise ValueError(
@@ -140,9 +141,10 @@ def batch_settings(
     rollouts = prompts_per_step * generations
     if rollouts % (micro * processes):
         raise ValueError(
-            f"train.prompts_per_step x num_generations = {prompts_per_step} x {generations} = {rollouts} rollouts "
-            f"per step is not a multiple of per_device_train_batch_size x training processes = {micro} x "
-            f"{processes}: change train.prompts_per_step, trainer.per_device_train_batch_size or the job's GPUs"
+            f"train.prompts_per_step x num_generations = {prompts_per_step} x {generations} = {rollouts} "
+            "rollouts per step is not a multiple of per_device_train_batch_size x training processes = "
+            f"{micro} x {processes}: change train.prompts_per_step, trainer.per_device_train_batch_size or "
+            "the job's GPUs"
         )
     trainer["gradient_accumulation_steps"] = rollouts // (micro * processes)
     return trainer

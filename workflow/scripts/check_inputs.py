@@ -36,9 +36,9 @@ def check_base_model(request: dict[str, Any]) -> dict[str, Any]:
         model_info(path)
     except Exception as exc:
         raise ValueError(
-            f"base_model.path {path}: not a local directory, not in the local Hugging Face cache, and the Hub "
-            f"cannot serve it ({' '.join(f'{type(exc).__name__}: {exc}'.split())}); download it where the Hub "
-            f"is reachable (hf download {path}) or set base_model.path to a local copy"
+            f"base_model.path {path}: not a local directory, not in the local Hugging Face cache, and the "
+            f"Hub cannot serve it ({' '.join(f'{type(exc).__name__}: {exc}'.split())}); download it where "
+            f"the Hub is reachable (hf download {path}) or set base_model.path to a local copy"
         ) from None
     return {"path": path, "found": "Hugging Face Hub"}
 
