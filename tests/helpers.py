@@ -35,7 +35,7 @@ REAL_COUNTS = {
 }
 
 
-# ---- the tiny trainer ----------------------------------------------------------------------------------------
+# ---- the tiny trainer --------------------------------------------------------------------------------------
 
 # D3SConfig fields of the trainer tests: 2 prompts x 8 rollouts per step on the CPU, no checkpoints.
 TINY_TRAINER_ARGS: dict[str, Any] = dict(
@@ -88,7 +88,7 @@ def make_trainer(
     )
 
 
-# ---- the workflow --------------------------------------------------------------------------------------------
+# ---- the workflow ------------------------------------------------------------------------------------------
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # Rules of the analysis stage (no GPU, run on the login/driver node)

@@ -22,7 +22,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 def _summary(path: Path, p1: float, p4: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    bench = {"pass_at_k": {"1": p1, "4": p4}, "ci": {"1": [p1 - 0.05, p1 + 0.05], "4": [p4 - 0.05, p4 + 0.05]},
+    bench = {"pass_at_k": {"1": p1, "4": p4},
+             "ci": {"1": [p1 - 0.05, p1 + 0.05], "4": [p4 - 0.05, p4 + 0.05]},
              "n_problems": 50, "unparsable_gold": 0, "timeouts": 0}  # fmt: skip
     path.write_text(json.dumps({"benchmarks": {"synthetic": bench}, "average": {"1": p1, "4": p4}}))
     _write_manifest(path.with_name("manifest.json"), _eval_manifest(str(path.parent)))
@@ -36,8 +37,8 @@ def _shared(seed: int) -> dict:
 
 
 def _train_manifest(method: str, seed: int, learning_rate: float = 3e-4) -> dict:
-    trainer = {"method": method, "seed": seed, "learning_rate": learning_rate, "num_generations": 4, "max_steps": 4,
-               "sample_rule": "none" if method == "grpo" else "max_variance"}  # fmt: skip
+    trainer = {"method": method, "seed": seed, "learning_rate": learning_rate, "num_generations": 4,
+               "max_steps": 4, "sample_rule": "none" if method == "grpo" else "max_variance"}  # fmt: skip
     config = {
         "method": method,
         "seed": seed,
@@ -53,7 +54,8 @@ def _train_manifest(method: str, seed: int, learning_rate: float = 3e-4) -> dict
 def _eval_manifest(model_path: str, temperature: float = 0.6) -> dict:
     generation = {"samples": 4, "temperature": temperature, "top_p": 0.95, "max_new_tokens": 24, "seed": 0}
     config = {"model_path": model_path, "benchmark_names": ["synthetic"],
-              "benchmarks": {"synthetic": {"generation": generation, "template": "raw", "problems_sha256": "cd" * 32}}}  # fmt: skip
+              "benchmarks": {"synthetic": {"generation": generation, "template": "raw",
+                                           "problems_sha256": "cd" * 32}}}  # fmt: skip
     return {"kind": "evaluation", "config": config, "inputs": {}} | _shared(0)
 
 
@@ -71,8 +73,9 @@ def results(tmp_path) -> Path:
             tokens = 800 if method == "grpo" else 80
             with open(run / "metrics.jsonl", "w") as fh:
                 for step in range(1, 5):
-                    row = {"step": step, "loss": 0.1, "grad_norm": 0.1 + 0.2 * m_index + 0.01 * seed, "reward": 0.1 * step,
-                           "entropy": 0.5, "step_time": 0.5 if method == "grpo" else 0.25,
+                    row = {"step": step, "loss": 0.1, "grad_norm": 0.1 + 0.2 * m_index + 0.01 * seed,
+                           "reward": 0.1 * step, "entropy": 0.5,
+                           "step_time": 0.5 if method == "grpo" else 0.25,
                            "selection/update_tokens": tokens,
                            "selection/update_tokens_cumulative": tokens * step}  # fmt: skip
                     fh.write(json.dumps(row) + "\n")

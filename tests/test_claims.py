@@ -157,8 +157,10 @@ def _table(effect_points: float, seeds: int = 6, noise: float = 0.01) -> pd.Data
     curves = _curves(per_method, {"grpo": 2.0, "d3s": 1.0})
     metrics = pd.DataFrame(
         [
-            {"method": m, "seed": s, "step": step, "grad_norm": 1.0 + (m == "d3s") * 0.5 + rng.normal(0, 0.01), "entropy": 0.5,
-             "selection/update_tokens": 100.0 if m == "grpo" else 25.0, "step_time": 2.0 if m == "grpo" else 1.0}
+            {"method": m, "seed": s, "step": step,
+             "grad_norm": 1.0 + (m == "d3s") * 0.5 + rng.normal(0, 0.01), "entropy": 0.5,
+             "selection/update_tokens": 100.0 if m == "grpo" else 25.0,
+             "step_time": 2.0 if m == "grpo" else 1.0}
             for m in ("grpo", "d3s") for s in range(seeds) for step in range(1, 5)
         ]
     )  # fmt: skip
@@ -236,8 +238,8 @@ def test_a_method_is_compared_with_its_own_baseline_where_it_ran():
     pass1 = table[table["claim"] == "pass_at_1"].set_index("method")
     assert pass1.loc["gspo_d3s", "reference"] == "gspo" and pass1.loc["gspo", "reference"] == "grpo"
     assert pass1.loc["gspo_d3s", "estimate"] == pytest.approx(5.0)
-    without_gspo = claims_table(evals[evals["method"] != "gspo"], curves, metrics, ["grpo", "gspo_d3s"], "grpo",
-                                references={"gspo_d3s": "gspo"})  # fmt: skip
+    without_gspo = claims_table(evals[evals["method"] != "gspo"], curves, metrics, ["grpo", "gspo_d3s"],
+                                "grpo", references={"gspo_d3s": "gspo"})  # fmt: skip
     assert set(without_gspo.loc[without_gspo["claim"] == "pass_at_1", "reference"]) == {"grpo"}
 
 

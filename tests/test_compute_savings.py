@@ -1,10 +1,10 @@
 """Dropped work is not paid for, and the result is unchanged.
 
-1. Rollout selection runs before TRL's old-policy, reference and importance-sampling log-prob passes: a dropped
-   rollout is never forwarded again (counted per rollout, with beta > 0 and num_iterations > 1), and the
-   selected batch, its log-probs and the losses equal TRL's order (all rollouts, then indexing).
-2. With K < 1, the gradient pass projects through the LM head only at the kept tokens: loss, token mask, logged
-   metrics and every parameter gradient equal the straightforward masked computation.
+1. Rollout selection runs before TRL's old-policy, reference and importance-sampling log-prob passes: a
+   dropped rollout is never forwarded again (counted per rollout, with beta > 0 and num_iterations > 1), and
+   the selected batch, its log-probs and the losses equal TRL's order (all rollouts, then indexing).
+2. With K < 1, the gradient pass projects through the LM head only at the kept tokens: loss, token mask,
+   logged metrics and every parameter gradient equal the straightforward masked computation.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from helpers import TINY_TRAINER_ARGS, make_trainer
 
 from d3s.trainer import D3SConfig, D3STrainer
 
-# ---- 1. selection before the log-prob passes ------------------------------------------------------------------
+# ---- 1. selection before the log-prob passes ---------------------------------------------------------------
 
 
 def _sequence(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, ...]:
@@ -120,8 +120,8 @@ def test_dropped_rollouts_are_never_forwarded_again(tmp_path, tiny_sft_model, me
     eager = _run(tmp_path, tiny_sft_model, method, defer=False, **settings)
     assert deferred.ref_model is not None and sum(deferred.generated.values()) > sum(deferred.kept.values())
 
-    # Deferred: each kept rollout is forwarded once by the old-policy pass, once by the reference pass and once
-    # per iteration by the loss; a dropped one never.
+    # Deferred: each kept rollout is forwarded once by the old-policy pass, once by the reference pass and
+    # once per iteration by the loss; a dropped one never.
     per_kept = 2 + iterations
     assert deferred.forwarded == Counter({seq: per_kept * n for seq, n in deferred.kept.items()})
     # TRL's order forwards every rollout twice more (old and reference), kept or not.
@@ -162,7 +162,7 @@ def test_deferred_importance_sampling_equals_trl(tmp_path, tiny_sft_model, mode)
     assert logged == pytest.approx([r.mean().item() for r in expected], rel=1e-6)
 
 
-# ---- 2. the LM head only at the kept tokens ---------------------------------------------------------------------
+# ---- 2. the LM head only at the kept tokens ----------------------------------------------------------------
 
 
 def _batch(vocab: int, rows: int = 16, prompt_len: int = 6, completion_len: int = 20, seed: int = 0) -> dict:

@@ -70,7 +70,8 @@ def test_every_method_resolves_to_bf16_transformers_generation(cfg):
 
 
 def test_completions_fit_in_the_generation_budget(cfg):
-    """A completion cut off at max_completion_length earns no reward: the SFT targets must fit, with the EOS."""
+    """A completion cut off at max_completion_length earns no reward: the SFT targets must fit, with the
+    EOS."""
     from d3s.data.synthetic import arithmetic_problems
     from d3s.tiny_model import build_tokenizer
 

@@ -39,7 +39,8 @@ PROBE = KLProbeSettings(
 
 @pytest.fixture(scope="module")
 def models(tiny_sft_model):
-    """(policy, the same weights loaded again, a perturbed copy, tokenizer, probe prompts of mixed lengths)."""
+    """(policy, the same weights loaded again, a perturbed copy, tokenizer, probe prompts of mixed
+    lengths)."""
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_sft_model)
     policy = AutoModelForCausalLM.from_pretrained(tiny_sft_model, dtype=torch.float32).eval()
@@ -56,7 +57,8 @@ def models(tiny_sft_model):
 
 
 def _brute_force_logps(model, prompt_ids, completion_ids) -> list[float]:
-    """Log-prob of each completion token, the sequence alone (no padding), full logits, one token at a time."""
+    """Log-prob of each completion token, the sequence alone (no padding), full logits, one token at a
+    time."""
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].double()

@@ -233,7 +233,8 @@ def _workflow_config(**train_changes):
         ({"resources": {"gpu": -1}}, r"^config train\.resources\.gpu: -1 is less than the minimum of 0"),
         (
             {"resources": {"gpu": 1}, "trainer": {"use_vllm": True, "vllm_mode": "server"}},
-            r"train\.resources\.gpu = 1, .*raise train\.resources\.gpu to 2 or more, or use trainer\.vllm_mode: colocate",
+            r"train\.resources\.gpu = 1, .*raise train\.resources\.gpu to 2 or more, "
+            r"or use trainer\.vllm_mode: colocate",
         ),
         ({"launch": {"vllm_server": {}}}, r"train\.launch\.vllm_server is set but .*vllm_mode: server"),
         (
@@ -259,7 +260,8 @@ def _workflow_config(**train_changes):
     ],
 )
 def test_bad_launch_settings_name_the_field_and_the_fix(changes, message):
-    """The schema's refusals and train_launch's (relations between keys), as the workflow's parse makes them."""
+    """The schema's refusals and train_launch's (relations between keys), as the workflow's parse makes
+    them."""
     with pytest.raises(ValueError, match=message) as error:
         check_workflow_config(_workflow_config(**changes), ACCELERATE_DIR)
     assert str(error.value).startswith("config ") and "\n" not in str(error.value)
@@ -506,7 +508,10 @@ JOB = textwrap.dedent(
     from d3s.orchestration.vllm_server import vllm_server
 
     command, port, ready = sys.argv[1].split(), int(sys.argv[2]), sys.argv[3]
-    with signals_raise_system_exit(), vllm_server(command, host="127.0.0.1", port=port, log_path=ready + ".log"):
+    with (
+        signals_raise_system_exit(),
+        vllm_server(command, host="127.0.0.1", port=port, log_path=ready + ".log"),
+    ):
         open(ready, "w").write("ready")
         time.sleep(600)
     """
@@ -547,7 +552,9 @@ FAKE_PYTHON = textwrap.dedent(
         port = args[args.index("--port") + 1]
         record = {{"argv": args, "gpus": os.environ["CUDA_VISIBLE_DEVICES"]}}
         open("{out}/server.json", "w").write(json.dumps(record))
-        os.execv(sys.executable, [sys.executable, "{server}", "--port", port, "--pid-file", "{out}/server.pid"])
+        os.execv(
+            sys.executable, [sys.executable, "{server}", "--port", port, "--pid-file", "{out}/server.pid"]
+        )
     config = yaml.safe_load(open(args[args.index("--config") + 1]))
     url = f"http://127.0.0.1:{{config['trainer']['vllm_server_port']}}/health"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({{}}))

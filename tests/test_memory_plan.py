@@ -1,4 +1,5 @@
-"""The memory plan (d3s/memory_plan.py, `d3s plan`): traced scaling, the H100 figures, the workflow's refusal."""
+"""The memory plan (d3s/memory_plan.py, `d3s plan`): traced scaling, the H100 figures, the workflow's
+refusal."""
 
 from __future__ import annotations
 

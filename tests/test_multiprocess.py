@@ -1,7 +1,7 @@
 """Selection across two processes on the CPU (gloo): same decision on every rank, no row lost.
 
-Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP and DeepSpeed ZeRO-3
-configs (workflow/accelerate/ddp.yaml and zero3.yaml, with the CPU override, built by
+Cross-group D3S runs under `accelerate launch --num_processes 2` with the workflow's own DDP and DeepSpeed
+ZeRO-3 configs (workflow/accelerate/ddp.yaml and zero3.yaml, with the CPU override, built by
 d3s.orchestration.commands.accelerate_command, as GPU training jobs are); PODS under plain torchrun.
 """
 
@@ -82,7 +82,8 @@ def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method
         total_tokens = local[0]["local_tokens"] + local[1]["local_tokens"]
         assert local[0]["num_items_in_batch"] == local[1]["num_items_in_batch"] == total_tokens
     assert ranks[0]["losses"] == ranks[1]["losses"]
-    # the token mask: ranked once per generation batch over the gathered rows of both ranks, as one process would
+    # the token mask: ranked once per generation batch over the gathered rows of both ranks, as one process
+    # would
     tokens = [r["token_decisions"] for r in ranks]
     assert tokens[0] == tokens[1] and len(tokens[0]) == (3 if method == "d3s" else 0)
     for decision in tokens[0]:

@@ -119,7 +119,7 @@ def run_trainer(model_path, tmp_path, monkeypatch, method, overrides):
     return trainer, record, probe
 
 
-# ---- the equations --------------------------------------------------------------------------------------------
+# ---- the equations -----------------------------------------------------------------------------------------
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -250,7 +250,7 @@ def test_the_applied_gradient_is_the_objectives(tmp_path, tiny_sft_model, monkey
         atol=1e-5,
     )
 
-    # -- T: the kept tokens are a top-ceil(K n) set by |A| x H over the generation batch -----------------------
+    # -- T: the kept tokens are a top-ceil(K n) set by |A| x H over the generation batch ---------------------
     initial = AutoModelForCausalLM.from_pretrained(tiny_sft_model)
     old_policy = model_with(tiny_sft_model, probe.weights[generation])
     policy = model_with(tiny_sft_model, probe.weights[step])
@@ -290,7 +290,7 @@ def test_the_applied_gradient_is_the_objectives(tmp_path, tiny_sft_model, monkey
             tokens[i]["kept"] = torch.ones_like(tokens[i]["completion"], dtype=torch.bool)
     kept_total = sum(int(tokens[i]["kept"].sum()) for i in kept)
 
-    # -- the rows of this optimizer step (TRL shuffled and split the batch) -------------------------------------
+    # -- the rows of this optimizer step (TRL shuffled and split the batch) ----------------------------------
     step_rows: list[int] = []
     for global_step, inputs in record["loss_inputs"]:
         if global_step != step:
@@ -306,7 +306,7 @@ def test_the_applied_gradient_is_the_objectives(tmp_path, tiny_sft_model, monkey
     steps_per_generation = args.steps_per_generation
     assert len(step_rows) == len(kept) * args.gradient_accumulation_steps // steps_per_generation
 
-    # -- the objective on those rows, differentiated here --------------------------------------------------------
+    # -- the objective on those rows, differentiated here ----------------------------------------------------
     low, high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
     total = torch.zeros((), dtype=torch.float64)
     denominator = (kept_total if args.token_norm == "selected" else valid_total) * (
@@ -351,7 +351,7 @@ def test_the_applied_gradient_is_the_objectives(tmp_path, tiny_sft_model, monkey
         )
 
 
-# ---- invariance: the mask and the summed gradient do not depend on how the batch is cut -----------------------
+# ---- invariance: the mask and the summed gradient do not depend on how the batch is cut --------------------
 
 
 def one_step(model_path, tmp_path, monkeypatch, micro_rollouts: int, **overrides):

@@ -268,9 +268,10 @@ def test_pods_own_protocol(config_path, resolved):
 
 @pytest.mark.parametrize("config_path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_checkpoints_resume(config_path, resolved):
-    """A cut-off paper run resumes exactly: its newest checkpoint keeps the training state (optimizer, scheduler,
-    RNG, DeepSpeed's global_step folder), which save_only_model: true would drop; the older ones are cut to
-    16-bit weights, which ZeRO-3 writes only with zero3_save_16bit_model; and Trainer deletes none of them."""
+    """A cut-off paper run resumes exactly: its newest checkpoint keeps the training state (optimizer,
+    scheduler, RNG, DeepSpeed's global_step folder), which save_only_model: true would drop; the older ones
+    are cut to 16-bit weights, which ZeRO-3 writes only with zero3_save_16bit_model; and Trainer deletes none
+    of them."""
     cfg, configs = resolved[config_path.name]
     for method, args in configs.items():
         where = f"{config_path.name} {method}"

@@ -52,15 +52,17 @@ def read(path: Path) -> dict:
 
 def eval_args(model: Path, out: Path) -> list[str]:
     return [
-        "eval", "--model", str(model), "--benchmarks", "synthetic", "--synthetic", "count=4,max_ops=1,max_operand=9",
-        "--samples", "2", "--k", "1,2", "--max-tokens", "8", "--backend", "transformers", "--template", "raw",
+        "eval", "--model", str(model), "--benchmarks", "synthetic",
+        "--synthetic", "count=4,max_ops=1,max_operand=9", "--samples", "2", "--k", "1,2", "--max-tokens", "8",
+        "--backend", "transformers", "--template", "raw",
         "--grading-workers", "1", "--no-progress", "--out", str(out),
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def real_results(tmp_path_factory, tiny_sft_model) -> Path:
-    """results/ in the workflow's layout: grpo seed 0 trained 1 step, its final model and the base evaluated."""
+    """results/ in the workflow's layout: grpo seed 0 trained 1 step, its final model and the base
+    evaluated."""
     from d3s.cli import main
     from d3s.runs.run import train
 

@@ -230,7 +230,8 @@ def test_same_seed_and_threads_give_bitwise_identical_runs(tmp_path):
 def eval_command(model: Path, out: Path) -> list[str]:
     return [
         sys.executable, "-m", "d3s.cli", "eval", "--model", str(model), "--benchmarks", "synthetic",
-        "--synthetic", "count=16,max_ops=1,max_operand=9", "--samples", "4", "--k", "1,4", "--max-tokens", "16",
+        "--synthetic", "count=16,max_ops=1,max_operand=9", "--samples", "4", "--k", "1,4",
+        "--max-tokens", "16",
         "--temperature", "1.0", "--top-p", "1.0", "--backend", "transformers", "--batch-size", "1",
         "--grading-workers", "1", "--no-progress", "--out", str(out),
     ]  # fmt: skip
@@ -289,7 +290,8 @@ def test_a_second_server_mode_attempt_with_new_ports_is_the_same_configuration(t
     """Each attempt of a server-mode job gets free ports (and a 64-thread job runs 8 threads per process):
     neither counts as a change, so the job resumes; a real change still does."""
     train_cfg = {
-        "trainer": {"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 8, "num_generations": 8},
+        "trainer": {"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 8,
+                    "num_generations": 8},
     }  # fmt: skip
     launch = TrainLaunch(9, REPO_ROOT / "workflow" / "accelerate" / "zero3.yaml", VllmServerSettings())
     gpus = [str(i) for i in range(9)]
@@ -325,7 +327,7 @@ def test_threads_are_compared_per_process(tmp_path):
     assert config_differences(tmp_path, more) == {"threads": (2, 4)}
 
 
-# ---- checkpoints are moved aside, never deleted; only resumable ones are resumed -------------------------------
+# ---- checkpoints are moved aside, never deleted; only resumable ones are resumed ---------------------------
 
 
 def _fake_checkpoint(run: Path, step: int, *, optimizer: bool = True) -> Path:

@@ -2,10 +2,10 @@
 
 One uninterrupted single-process run (tiny model, max_steps 5, a checkpoint every 2 steps, so checkpoints 2, 4
 and 5: Trainer also saves the last step) is shared by every window. Each window copies it and removes what a
-kill at that point leaves missing; the reference keeps every checkpoint's full state, so a copy cut back this way
-is what the killed run would hold (with full_state_checkpoints: latest the older ones would have been cut to
-their weights, which tests/test_resume.py checks with a real SIGKILL mid-run, as tests/test_resume_workflow.py
-does under Snakemake).
+kill at that point leaves missing; the reference keeps every checkpoint's full state, so a copy cut back this
+way is what the killed run would hold (with full_state_checkpoints: latest the older ones would have been cut
+to their weights, which tests/test_resume.py checks with a real SIGKILL mid-run, as
+tests/test_resume_workflow.py does under Snakemake).
 """
 
 from __future__ import annotations

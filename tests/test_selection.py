@@ -147,7 +147,7 @@ def test_a_million_values_grouped_and_pooled():
     assert torch.equal(kept[:n_bottom], ordered[:n_bottom])
 
 
-# ---- the tie rule, in exact arithmetic ------------------------------------------------------------------------
+# ---- the tie rule, in exact arithmetic ---------------------------------------------------------------------
 
 FLOAT32_ROUNDOFF = Fraction(1, 2**24)
 FLOAT64_ROUNDOFF = Fraction(1, 2**53)
@@ -395,7 +395,7 @@ def test_cuda_picks_the_same_rows_as_the_cpu(scope):
     assert torch.equal(max_variance_subset(big, 2**14), max_variance_subset(big.to(device), 2**14).cpu())
 
 
-# ---- sample rules and scopes on hand-made batches ------------------------------------------------------------
+# ---- sample rules and scopes on hand-made batches ----------------------------------------------------------
 
 
 def grpo_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
@@ -500,7 +500,7 @@ def test_renormalize_matches_pods_formula():
     )
 
 
-# ---- token level ---------------------------------------------------------------------------------------------
+# ---- token level -------------------------------------------------------------------------------------------
 
 
 def test_token_scores_rules():
@@ -569,7 +569,7 @@ def test_token_keep_mask_bad_ratio():
             token_keep_mask(torch.rand(2, 3), torch.ones(2, 3), ratio)
 
 
-# ---- schedule ------------------------------------------------------------------------------------------------
+# ---- schedule ----------------------------------------------------------------------------------------------
 
 
 def test_linear_schedule_endpoints_and_rounding():
@@ -606,7 +606,7 @@ def test_constant_schedule():
         Schedule("cosine", 1, 1, 1.0, 1.0)
 
 
-# ---- one rounding rule for keep counts -----------------------------------------------------------------------
+# ---- one rounding rule for keep counts ---------------------------------------------------------------------
 
 
 def test_keep_counts_round_halves_up_in_the_registry_and_the_schedule():

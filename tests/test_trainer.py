@@ -18,7 +18,7 @@ def config(tmp_path, method="grpo", **overrides) -> D3SConfig:
     return D3SConfig.for_method(method, output_dir=str(tmp_path / method), **(TINY_TRAINER_ARGS | overrides))
 
 
-# ---- registry and config validation (fast) ------------------------------------------------------------------
+# ---- registry and config validation (fast) -----------------------------------------------------------------
 
 EXPECTED_METHODS = {
     "grpo",
@@ -131,7 +131,7 @@ def test_another_trl_fails_at_import_naming_the_pin_and_the_missing_name(monkeyp
         trl_contract.check_trl_contract()
 
 
-# ---- training on the tiny model (slow) ------------------------------------------------------------------------
+# ---- training on the tiny model (slow) ---------------------------------------------------------------------
 
 
 def length_reward(completions, **kwargs):

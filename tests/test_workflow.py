@@ -174,7 +174,8 @@ def test_smoke_workflow_end_to_end(tmp_path):
     assert report.startswith("# Reproduction report: smoke\n\n## The papers' claims at this scale")
     claims = pd.read_csv(out / "tables" / "claims.csv")
     assert list(claims.columns[:9]) == [
-        "claim", "method", "reference", "estimate", "ci_low", "ci_high", "seeds", "verdict", "min_detectable_effect"
+        "claim", "method", "reference", "estimate", "ci_low", "ci_high", "seeds", "verdict",
+        "min_detectable_effect",
     ]  # fmt: skip
     assert set(claims["verdict"]) <= {"supported", "refuted", "inconclusive"}
     grpo_gain = claims[(claims["claim"] == "gain_over_base") & (claims["method"] == "grpo")]

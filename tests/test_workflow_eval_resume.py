@@ -1,5 +1,6 @@
 """Evaluation under Snakemake resumes: a checkpoint evaluation killed midway keeps its samples and generates
-only the problems it had not finished; a re-run resumes only what the same model made with the same settings."""
+only the problems it had not finished; a re-run resumes only what the same model made with the same
+settings."""
 
 from __future__ import annotations
 
