@@ -224,9 +224,9 @@ def kl_to_reference(
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
     """The first ``count`` prompts of the run's training data, templated exactly as in training."""
-    from d3s.runs.run import _training_rows  # the training job's own prompt construction
+    from d3s.runs.run import training_rows  # the training job's own prompt construction
 
-    rows = _training_rows(train_config, tokenizer)
+    rows = training_rows(train_config, tokenizer)
     if len(rows) < count:
         raise ValueError(f"eval.kl.prompts is {count} but the training data has only {len(rows)} prompts")
     return [row["prompt"] for row in rows[:count]]

@@ -110,7 +110,7 @@ def _check_inputs(config: dict[str, Any]) -> None:
             raise ValueError(f"dataset.name: {err}") from None
 
 
-def _training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
+def training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
     dataset = dict(config.get("dataset") or {"name": "synthetic"})
     name = dataset.pop("name", "synthetic")
     if name == "synthetic":
@@ -305,7 +305,7 @@ def train(config: dict[str, Any]) -> Path:
     from d3s.trainer import D3STrainer
 
     model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
-    rows = _training_rows(config, tokenizer)
+    rows = training_rows(config, tokenizer)
     trainer = D3STrainer(
         model=model,
         args=args,
