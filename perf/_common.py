@@ -12,7 +12,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from torch.utils import benchmark
 from transformers import TrainerCallback
 
+from d3s.analysis.tables import markdown_table as markdown_table  # the scripts' tables
 from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -110,15 +111,6 @@ def timed_once(fn: Callable[[], Any]) -> dict[str, Any]:
     result = fn()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return {"median_s": wall, "cpu_median_s": cpu, "repeats": 1, "result": result}
-
-
-def markdown_table(rows: Iterable[Any], columns: Mapping[str, str | Callable[[Any], Any]]) -> str:
-    """A GitHub Markdown table, one column per header: its cells ``cell.format_map(row)`` or ``cell(row)``."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = (cell.format_map(row) if isinstance(cell, str) else cell(row) for cell in columns.values())
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
 
 
 def fmt_seconds(seconds: float | None) -> str:
