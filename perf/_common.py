@@ -6,7 +6,6 @@ Run the scripts as files (``python perf/<name>.py``): they import this module as
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -23,7 +22,7 @@ from torch.utils import benchmark
 from transformers import TrainerCallback
 
 from d3s.analysis.tables import markdown_table as markdown_table  # the scripts' tables
-from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions
+from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "results" / "perf"
@@ -140,7 +139,7 @@ def write_results(
     record = {"name": name, "created": now(), "machine": info, "versions": versions, "git": git}
     record |= {"settings": settings, "rows": rows, "notes": list(notes)}
     json_path, md_path = args.out / f"{name}.json", args.out / f"{name}.md"
-    atomic_write_text(json_path, json.dumps(record, indent=2, default=str) + "\n")
+    write_json(json_path, record)
     gpus = ", ".join(info["gpus"]) or "none"
     version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None and k != "d3s")
     commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")

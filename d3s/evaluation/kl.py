@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from d3s.evaluation.backends import eos_token_ids, load_model, problem_seed, truncate_at_eos
-from d3s.provenance.manifest import atomic_write_text, now
+from d3s.provenance.manifest import now, write_json
 
 if TYPE_CHECKING:  # torch is imported where it is used: the analysis reads KL_FILE without it
     import torch
@@ -273,5 +273,5 @@ def measure_checkpoint_kl(
         "written": now(),
         **result,
     }
-    atomic_write_text(out, json.dumps(record, indent=2, sort_keys=True) + "\n")  # never half a file
+    write_json(out, record, sort_keys=True)  # never half a file
     return record
