@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from d3s.methods import get_method, method_trainer
+
 GIB = 2**30
 CACHE_PATH = Path(__file__).with_name("memory_plan_cache.json")
 CACHE_VERSION = 1
@@ -225,8 +227,6 @@ def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
 
 def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
     """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N)."""
-    from d3s.methods import get_method
-
     micro = int(trainer.get("per_device_train_batch_size", 8))
     generations = int(trainer.get("num_generations", 8))
     spec = get_method(method)
@@ -253,7 +253,7 @@ def plan_training(
 
     train = config["train"]
     gpus = job_gpus(train.get("resources"))
-    trainer = dict(train["trainer"]) | dict((train.get("method_overrides") or {}).get(method) or {})
+    trainer = method_trainer(train, method)
     stage, offload = _zero_stage(config)
     server = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
     processes = max(1, gpus - (1 if server else 0))  # the planner assumes the default one-GPU server

@@ -7,6 +7,7 @@ field (`keep_per_prompt`, `token_keep_ratio`, ...) in its config.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,11 @@ METHODS: dict[str, Method] = {
         **_D3S_SCHEDULE,
     ),
 }
+
+
+def method_trainer(train: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """A method's trainer settings: ``train.trainer`` with ``train.method_overrides[method]`` on top."""
+    return dict(train.get("trainer") or {}) | dict((train.get("method_overrides") or {}).get(method) or {})
 
 
 def get_method(name: str) -> Method:

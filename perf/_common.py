@@ -6,13 +6,12 @@ Run the scripts as files (``python perf/<name>.py``): they import this module as
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ import torch
 from torch.utils import benchmark
 from transformers import TrainerCallback
 
-from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions
+from d3s.analysis.tables import markdown_table as markdown_table  # the scripts' tables
+from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "results" / "perf"
@@ -112,15 +112,6 @@ def timed_once(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"median_s": wall, "cpu_median_s": cpu, "repeats": 1, "result": result}
 
 
-def markdown_table(rows: Iterable[Any], columns: Mapping[str, str | Callable[[Any], Any]]) -> str:
-    """A GitHub Markdown table, one column per header: its cells ``cell.format_map(row)`` or ``cell(row)``."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = (cell.format_map(row) if isinstance(cell, str) else cell(row) for cell in columns.values())
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
-
-
 def fmt_seconds(seconds: float | None) -> str:
     """Seconds with a unit that keeps three significant digits (ns to s)."""
     if seconds is None:
@@ -148,7 +139,7 @@ def write_results(
     record = {"name": name, "created": now(), "machine": info, "versions": versions, "git": git}
     record |= {"settings": settings, "rows": rows, "notes": list(notes)}
     json_path, md_path = args.out / f"{name}.json", args.out / f"{name}.md"
-    atomic_write_text(json_path, json.dumps(record, indent=2, default=str) + "\n")
+    write_json(json_path, record)
     gpus = ", ".join(info["gpus"]) or "none"
     version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None and k != "d3s")
     commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")

@@ -188,12 +188,12 @@ def test_bad_settings_fail_before_any_model_loads(tmp_path):
 
 
 def test_probe_prompts_are_the_first_training_prompts(models):
-    from d3s.runs.run import _training_rows
+    from d3s.runs.run import training_rows
 
     tokenizer = models[3]
     config = {"seed": 2, "dataset": {"name": "synthetic", "count": 50, "max_ops": 1, "max_operand": 9}}
     assert probe_prompts(config, tokenizer, 5) == [
-        row["prompt"] for row in _training_rows(config, tokenizer)[:5]
+        row["prompt"] for row in training_rows(config, tokenizer)[:5]
     ]
     with pytest.raises(ValueError, match="eval.kl.prompts is 60"):
         probe_prompts(config, tokenizer, 60)

@@ -16,6 +16,7 @@ import pandas as pd
 from d3s.analysis.claims import claims_table
 from d3s.analysis.io import load_evals, load_metrics
 from d3s.analysis.tables import cell, learning_curves, mean_ci, write_table
+from d3s.methods import method_trainer
 from d3s.provenance.manifest import git_state
 from d3s.provenance.settings_check import load_provenance
 
@@ -113,9 +114,7 @@ def write_claims(results: Path, paper_dir: Path, config: dict) -> pd.DataFrame:
 def method_generations(config: dict) -> dict[str, int]:
     """num_generations of each method's runs as the workflow resolves them (trainer, method_overrides)."""
     train = config.get("train") or {}
-    trainer, overrides = train.get("trainer") or {}, train.get("method_overrides") or {}
-    default = trainer.get("num_generations", 8)
-    return {m: int((overrides.get(m) or {}).get("num_generations", default)) for m in config["methods"]}
+    return {m: int(method_trainer(train, m).get("num_generations", 8)) for m in config["methods"]}
 
 
 def _interval(row) -> str:

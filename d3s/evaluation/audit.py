@@ -9,9 +9,11 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
+from d3s.analysis.tables import markdown_table
 from d3s.data.benchmarks import (
     BENCHMARKS,
     get_benchmark,
@@ -186,12 +188,6 @@ def _columns(row_type: type) -> list[str]:
     return [f.name for f in fields(row_type) if not f.name.endswith("examples")]
 
 
-def markdown_table(columns: Sequence[str], rows: Sequence[Any]) -> str:
-    """A Markdown table of ``rows``: one column per attribute named in ``columns``."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(str(getattr(r, c)) for c in columns) + " |" for r in rows])
-
-
 def _csv_table(columns: Sequence[str], rows: Sequence[Any]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -226,7 +222,7 @@ def audit_report(
     ]
     parts, written = [], []
     for stem, columns, table_rows, title in tables:
-        markdown = markdown_table(columns, table_rows)
+        markdown = markdown_table(table_rows, {c: attrgetter(c) for c in columns})
         details = "\n".join(line for row in table_rows for line in row.details())
         parts += [part for part in (title, markdown, details) if part]
         if out_dir is not None:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from d3s.evaluation.backends import eos_token_ids, load_model, problem_seed, truncate_at_eos
-from d3s.provenance.manifest import atomic_write_text, now
+from d3s.provenance.manifest import now, write_json
 
 if TYPE_CHECKING:  # torch is imported where it is used: the analysis reads KL_FILE without it
     import torch
@@ -224,9 +224,9 @@ def kl_to_reference(
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
     """The first ``count`` prompts of the run's training data, templated exactly as in training."""
-    from d3s.runs.run import _training_rows  # the training job's own prompt construction
+    from d3s.runs.run import training_rows  # the training job's own prompt construction
 
-    rows = _training_rows(train_config, tokenizer)
+    rows = training_rows(train_config, tokenizer)
     if len(rows) < count:
         raise ValueError(f"eval.kl.prompts is {count} but the training data has only {len(rows)} prompts")
     return [row["prompt"] for row in rows[:count]]
@@ -273,5 +273,5 @@ def measure_checkpoint_kl(
         "written": now(),
         **result,
     }
-    atomic_write_text(out, json.dumps(record, indent=2, sort_keys=True) + "\n")  # never half a file
+    write_json(out, record, sort_keys=True)  # never half a file
     return record

@@ -64,9 +64,6 @@ class BenchmarkRun:
     extra_provenance: dict[str, Any] = field(default_factory=dict)
 
 
-_write_json = provenance.write_manifest  # (atomic)
-
-
 def _jsonl(records: Any) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
@@ -125,7 +122,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
             f"{out_dir / SAMPLES_FILE} exists without {RUN_FILE}, so its settings are unknown. "
             "Use a new --out directory or --overwrite."
         )
-    _write_json(run_file, identity)
+    provenance.write_json(run_file, identity)
 
 
 def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
@@ -206,7 +203,7 @@ def evaluate_benchmark(
     )
     manifest["model_run"] = _model_run(manifest["inputs"])
     manifest |= {"problems_resumed": resumed, "problems_generated": len(todo)}
-    _write_json(run.out_dir / MANIFEST_FILE, manifest)
+    provenance.write_json(run.out_dir / MANIFEST_FILE, manifest)
     started = time.perf_counter()
     bar = tqdm(
         total=len(run.problems), initial=resumed, desc=run.benchmark, unit="problem", disable=not progress
@@ -244,9 +241,9 @@ def evaluate_benchmark(
                     on_problem_done(problem)
     summary = summarize_benchmark(run, completed, config)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
-    _write_json(run.out_dir / SUMMARY_FILE, summary)
+    provenance.write_json(run.out_dir / SUMMARY_FILE, summary)
     manifest["finished"] = provenance.now()
-    _write_json(run.out_dir / MANIFEST_FILE, manifest)
+    provenance.write_json(run.out_dir / MANIFEST_FILE, manifest)
     return summary
 
 
@@ -327,7 +324,7 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
         "problems_resumed": {name: part.get("problems_resumed") for name, part in parts.items()},
         "parts": {name: f"{name}/{MANIFEST_FILE}" for name in names},
     }
-    _write_json(out_dir / MANIFEST_FILE, manifest)
+    provenance.write_json(out_dir / MANIFEST_FILE, manifest)
     return manifest
 
 
@@ -446,7 +443,7 @@ def write_overall_summary(
         "manifest": MANIFEST_FILE,
     }
     write_overall_manifest(out_dir, list(summaries))
-    _write_json(out_dir / SUMMARY_FILE, overall)
+    provenance.write_json(out_dir / SUMMARY_FILE, overall)
     return overall
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from d3s.methods import method_trainer
 from d3s.orchestration.commands import (
     DEFAULT_ACCELERATE_CONFIG,
     LOCALHOST,
@@ -152,8 +153,7 @@ def batch_settings(
 
 def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -> dict[str, Any]:
     """train.trainer with the method's overrides, its batch fixed for ``processes`` training processes."""
-    trainer = dict(train_cfg["trainer"]) | dict((train_cfg.get("method_overrides") or {}).get(method) or {})
-    return batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
+    return batch_settings(method_trainer(train_cfg, method), train_cfg.get("prompts_per_step"), processes)
 
 
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:

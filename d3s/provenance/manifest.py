@@ -160,5 +160,6 @@ def build_manifest(
     }
 
 
-def write_manifest(path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
-    atomic_write_text(path, json.dumps(manifest, indent=2, default=str) + "\n")
+def write_json(path: str | os.PathLike[str], data: Any, *, sort_keys: bool = False) -> None:
+    """``data`` as indented JSON (what JSON cannot hold as its str), written atomically."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=sort_keys, default=str) + "\n")

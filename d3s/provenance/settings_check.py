@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from d3s.methods import METHODS
 from d3s.provenance import layout
 from d3s.provenance.config_change import PER_ATTEMPT_TRAINER_KEYS, TRAINING_PER_ATTEMPT, flatten
-from d3s.provenance.manifest import atomic_write_text, stable_hash
+from d3s.provenance.manifest import atomic_write_text, stable_hash, write_json
 
 AGREE = "must agree"
 WARN = "may differ, stated"
@@ -257,7 +257,7 @@ class Provenance:
         """``<table>.provenance.json`` beside a table file: the manifests it came from and their check."""
         table = Path(table)
         path = table.with_name(f"{table.stem}.provenance.json")
-        atomic_write_text(path, json.dumps({"table": table.name} | self.to_dict(), indent=2) + "\n")
+        write_json(path, {"table": table.name} | self.to_dict())
         return path
 
     def banner(self) -> str:
@@ -414,7 +414,7 @@ def write_provenance(results: str | Path, allow_mixed: bool) -> Provenance:
     """Check every group, then write ``provenance.json`` and ``provenance.md`` (the report's section)."""
     results = Path(results)
     provenance = check_results(results, allow_mixed)
-    atomic_write_text(results / PROVENANCE_FILE, json.dumps(provenance.to_dict(), indent=2) + "\n")
+    write_json(results / PROVENANCE_FILE, provenance.to_dict())
     banner = provenance.banner()
     markdown = "# Provenance\n\n" + (banner + "\n\n" if banner else "") + provenance.markdown() + "\n"
     atomic_write_text(results / "provenance.md", markdown)

@@ -42,7 +42,7 @@ from d3s.callbacks.checkpoints import (
 )
 from d3s.methods import get_method
 from d3s.provenance.config_change import TRAINING_PER_ATTEMPT, config_changes, describe, plain
-from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_manifest
+from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_json
 from d3s.runs.config import TOP_LEVEL_KEYS, ConfigError, TinyOptions, check_model_dir, coerce_run_config
 
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
@@ -110,7 +110,7 @@ def _check_inputs(config: dict[str, Any]) -> None:
             raise ValueError(f"dataset.name: {err}") from None
 
 
-def _training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
+def training_rows(config: dict[str, Any], tokenizer) -> list[dict[str, Any]]:
     dataset = dict(config.get("dataset") or {"name": "synthetic"})
     name = dataset.pop("name", "synthetic")
     if name == "synthetic":
@@ -288,7 +288,7 @@ def train(config: dict[str, Any]) -> Path:
             if moved is not None:
                 print(f"starting over ({reason}): the previous run's files are in {moved}", flush=True)
         atomic_write_text(output_dir / "resolved_config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-        write_manifest(output_dir / "manifest.json", manifest)
+        write_json(output_dir / "manifest.json", manifest)
         if resume_from is not None:
             step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
             _cut_logs(output_dir, args.metrics_log or "metrics.jsonl", step)
@@ -305,7 +305,7 @@ def train(config: dict[str, Any]) -> Path:
     from d3s.trainer import D3STrainer
 
     model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
-    rows = _training_rows(config, tokenizer)
+    rows = training_rows(config, tokenizer)
     trainer = D3STrainer(
         model=model,
         args=args,
@@ -373,10 +373,9 @@ def _publish(output_dir: Path, manifest: dict[str, Any], *summary: Any) -> None:
     shutil.rmtree(output_dir / "final", ignore_errors=True)
     os.replace(output_dir / "final.partial", output_dir / "final")
     keys = ("train_seconds", "steps", "threads", "update_tokens_total", "resumed_from")
-    summary_json = json.dumps(dict(zip(keys, summary, strict=True)), indent=2)
-    atomic_write_text(output_dir / "train_summary.json", summary_json)
+    write_json(output_dir / "train_summary.json", dict(zip(keys, summary, strict=True)))
     manifest["finished"] = now()
-    write_manifest(output_dir / "manifest.json", manifest)
+    write_json(output_dir / "manifest.json", manifest)
 
 
 def _input_files(config: dict[str, Any]) -> dict[str, Path]:

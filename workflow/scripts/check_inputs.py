@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
-from d3s.provenance.manifest import atomic_write_text, now
+from d3s.provenance.manifest import atomic_write_text, now, write_json
 from d3s.runs.config import check_model_dir
 
 
@@ -98,7 +98,7 @@ def main(out: str, log: str) -> int:
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 1
-    atomic_write_text(out, json.dumps({"checked": now(), **found}, indent=2, default=str) + "\n")
+    write_json(out, {"checked": now(), **found})
     return 0
 
 

@@ -14,9 +14,10 @@ import yaml
 
 from d3s.cli import main as d3s_main
 from d3s.evaluation.kl import KL_FILE, KLProbeSettings, measure_checkpoint_kl
+from d3s.methods import method_trainer
 from d3s.orchestration.gpu_slots import gpu_job
 from d3s.provenance.config_change import EVALUATION_PER_ATTEMPT, keep_or_move_aside
-from d3s.provenance.manifest import atomic_write_text, model_files, sha256_file
+from d3s.provenance.manifest import model_files, sha256_file, write_json
 
 RESUME_KEY_FILE = "resume_key.json"
 
@@ -75,7 +76,7 @@ def generate_and_grade(job: EvalJob) -> None:
 def measure_kl(job: EvalJob) -> None:
     """eval.kl into <out>/kl.json; one of the same model (the resume key moved others aside) and the same
     probe settings is kept."""
-    trainer = dict(smk.params.train.get("trainer") or {})
+    trainer = method_trainer(smk.params.train, smk.wildcards.method)
     defaults = {  # the sampling settings training used, where eval.kl leaves them out
         "max_new_tokens": trainer.get("max_completion_length", 256),  # TRL's default
         "temperature": trainer.get("temperature", 1.0),
@@ -125,7 +126,7 @@ with gpu_job(smk.log[0], gpus, label=f"{smk.rule} {dict(smk.wildcards)}", mode="
     if outcome:
         print(outcome, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / RESUME_KEY_FILE, json.dumps(key, indent=2) + "\n")
+    write_json(out / RESUME_KEY_FILE, key)
     for name, step in STEPS:
         print(f"step: {name}", flush=True)
         step(job)
