@@ -23,12 +23,11 @@ def make_problem(
 ) -> ArithmeticProblem:
     if bounded:  # each next operand keeps the running value in 0..max_operand
         operands, ops = [rng.randint(0, max_operand)], []
+        value = operands[0]
         for _ in range(num_ops):
             ops.append(rng.choice("+-"))
-            value = operands[0] + sum(
-                x if op == "+" else -x for op, x in zip(ops, operands[1:], strict=False)
-            )
             operands.append(rng.randint(0, max_operand - value) if ops[-1] == "+" else rng.randint(0, value))
+            value += operands[-1] if ops[-1] == "+" else -operands[-1]
     else:
         operands = [rng.randint(0, max_operand) for _ in range(num_ops + 1)]
         ops = [rng.choice("+-") for _ in range(num_ops)]

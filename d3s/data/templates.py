@@ -27,16 +27,6 @@ def resolve_template(name: str, tokenizer: Any = None, benchmark_default: str | 
     return "qwen_math_cot" if getattr(tokenizer, "chat_template", None) else "plain"
 
 
-def chat_messages(
-    question: str, system_role: bool = True, instruction: str = QWEN_MATH_COT_INSTRUCTION
-) -> list[dict[str, str]]:
-    """The conversation of a chat template (TRL's conversational prompt format): ``instruction`` (the
-    Qwen2.5-Math CoT one by default) as the system message, or after the question without a system role."""
-    if system_role:
-        return [{"role": "system", "content": instruction}, {"role": "user", "content": question}]
-    return [{"role": "user", "content": f"{question}\n{instruction}"}]
-
-
 def build_prompt(
     question: str, template: str, tokenizer: Any = None, benchmark_default: str | None = None
 ) -> str:
@@ -55,9 +45,10 @@ def build_prompt(
             "template 'qwen_math_cot' needs a tokenizer with a chat template; this model has none: "
             "use --template plain (or auto)"
         )
-    messages = chat_messages(question, instruction=instruction)
+    # TRL's conversational prompt format: the instruction as the system message
+    messages = [{"role": "system", "content": instruction}, {"role": "user", "content": question}]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:  # e.g. templates that reject a system role (Gemma, Mistral)
-        messages = chat_messages(question, system_role=False, instruction=instruction)
+    except Exception:  # e.g. templates that reject a system role (Gemma, Mistral): after the question
+        messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -3,19 +3,19 @@ policies disagree on real completions (docs/evaluation.md, "Grader audit")."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+
+import pandas as pd
 
 from d3s.analysis.tables import markdown_table
 from d3s.data.benchmarks import (
     BENCHMARKS,
+    Problem,
     get_benchmark,
     load_benchmark,
     local_copy,
@@ -50,12 +50,9 @@ class AuditRow:
         return [f"{self.benchmark}:", *lines] if lines else []
 
 
-def audit_benchmark(
-    name: str, data_dir: str | os.PathLike[str] | None, grader: Grader, examples: int = 5
-) -> AuditRow:
-    """Audit one benchmark (all its problems)."""
+def audit_benchmark(name: str, problems: Sequence[Problem], grader: Grader, examples: int = 5) -> AuditRow:
+    """Audit one benchmark (all its ``problems``)."""
     spec = get_benchmark(name)
-    problems = load_benchmark(name, data_dir, allow_hub=False)
     # A completion that is nothing but the gold, boxed: whether the gold parses at all.
     golds = grader.grade_many([f"\\boxed{{{p.gold[0]}}}" for p in problems], [p.gold for p in problems])
     pairs = list(zip(problems, golds, strict=True))
@@ -188,13 +185,6 @@ def _columns(row_type: type) -> list[str]:
     return [f.name for f in fields(row_type) if not f.name.endswith("examples")]
 
 
-def _csv_table(columns: Sequence[str], rows: Sequence[Any]) -> str:
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerows([columns, *([getattr(row, c) for c in columns] for row in rows)])
-    return buffer.getvalue()
-
-
 def audit_report(
     data_dir: str | os.PathLike[str] | None,
     benchmarks: Sequence[str] | None,
@@ -207,10 +197,11 @@ def audit_report(
 
     ``benchmarks`` None: every benchmark with a local copy, synthetic included."""
     names = benchmarks or [n for n in BENCHMARKS if n == "synthetic" or local_copy(n, data_dir)]
-    rows = [audit_benchmark(name, data_dir, grader) for name in names]
-    policy_rows = []
-    for name in names:  # both policies on the reference solutions (human-written, some with several boxes)
+    rows, policy_rows = [], []
+    for name in names:
         problems = load_benchmark(name, data_dir, allow_hub=False)
+        rows.append(audit_benchmark(name, problems, grader))
+        # both policies on the reference solutions (human-written, some with several boxes)
         items = [(p.problem_id, p.reference_solution, p.gold) for p in problems if p.reference_solution]
         if items:
             policy_rows.append(policy_disagreement_row("reference solutions", name, items, grader))
@@ -222,12 +213,13 @@ def audit_report(
     ]
     parts, written = [], []
     for stem, columns, table_rows, title in tables:
+        table = pd.DataFrame(map(asdict, table_rows), columns=columns)
         markdown = markdown_table(table_rows, {c: attrgetter(c) for c in columns})
         details = "\n".join(line for row in table_rows for line in row.details())
         parts += [part for part in (title, markdown, details) if part]
         if out_dir is not None:
             texts = {
-                ".csv": _csv_table(columns, table_rows),
+                ".csv": table.to_csv(index=False, lineterminator="\n"),
                 ".md": markdown + "\n",
                 "_examples.txt": details + "\n",
             }

@@ -48,13 +48,6 @@ class KLProbeSettings:
             raise ValueError(f"{prefix}top_p must be in (0, 1], got {self.top_p}")
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids = eos_token_ids(model, tokenizer)
-    if not ids:
-        raise ValueError("the model and tokenizer define no EOS token: completions could not end")
-    return ids
-
-
 @contextlib.contextmanager
 def _inference(model: Any) -> Iterator[None]:
     """No gradient, eval mode (no dropout); the model's training flag is restored after."""
@@ -95,7 +88,9 @@ def probe_completions(
 
     if not prompts:
         raise ValueError("the KL probe needs at least one prompt")
-    eos_ids = _eos_ids(policy, tokenizer)
+    eos_ids = eos_token_ids(policy, tokenizer)
+    if not eos_ids:
+        raise ValueError("the model and tokenizer define no EOS token: completions could not end")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     # Every sampling setting explicit: a model's own generation defaults (top_k, repetition penalty) would
     # make the sampler differ from the distribution that is scored.
@@ -182,24 +177,21 @@ def per_token_kl(
 
 def kl_estimates(policy_logps: Sequence[torch.Tensor], reference_logps: Sequence[torch.Tensor]) -> dict:
     """Token means of k1 and k3 over every completion token, the sequence-level k1 mean and the counts."""
+    import torch
+
     if len(policy_logps) != len(reference_logps) or not policy_logps:
         raise ValueError("kl_estimates needs the same, non-zero number of policy and reference completions")
-    k1_sum = k3_sum = 0.0
-    tokens = 0
     for logp, ref in zip(policy_logps, reference_logps, strict=True):
         if logp.shape != ref.shape:
             raise ValueError(f"policy and reference scored different lengths: {logp.shape} vs {ref.shape}")
-        k1, k3 = per_token_kl(logp, ref)
-        k1_sum += float(k1.sum())
-        k3_sum += float(k3.sum())
-        tokens += logp.numel()
-    if tokens == 0:
+    k1, k3 = per_token_kl(torch.cat(list(policy_logps)), torch.cat(list(reference_logps)))
+    if not k1.numel():
         raise ValueError("the probe completions have no tokens")
     return {
-        "k1": k1_sum / tokens,
-        "k3": k3_sum / tokens,
-        "k1_per_sequence": k1_sum / len(policy_logps),
-        "tokens": tokens,
+        "k1": float(k1.mean()),
+        "k3": float(k3.mean()),
+        "k1_per_sequence": float(k1.sum()) / len(policy_logps),
+        "tokens": k1.numel(),
         "sequences": len(policy_logps),
     }
 
@@ -215,7 +207,7 @@ def kl_to_reference(
     scoring = {"temperature": settings.temperature, "batch_size": settings.batch_size, "pad_id": pad_id}
     policy_logps = completion_logprobs(policy, sequences, **scoring)
     reference_logps = completion_logprobs(reference, sequences, **scoring)
-    eos_ids = _eos_ids(policy, tokenizer)
+    eos_ids = eos_token_ids(policy, tokenizer)  # not empty: probe_completions checked
     result = kl_estimates(policy_logps, reference_logps)
     result["mean_completion_tokens"] = result["tokens"] / result["sequences"]
     result["truncated_fraction"] = sum(not c or c[-1] not in eos_ids for _, c in sequences) / len(sequences)
