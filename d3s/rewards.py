@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe, wait
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 AnswerExtraction = Literal["boxed_first", "boxed_only"]
 AnswerPolicy = Literal["math_verify", "last_boxed", "answer_tag"]
-ANSWER_POLICIES: tuple[AnswerPolicy, ...] = ("math_verify", "last_boxed", "answer_tag")
+ANSWER_POLICIES: tuple[AnswerPolicy, ...] = get_args(AnswerPolicy)
 # The two policies that read boxes (compared with each other in evaluation and the audit).
 BOXED_POLICIES: tuple[AnswerPolicy, AnswerPolicy] = ("math_verify", "last_boxed")
 DEFAULT_ANSWER_POLICY: AnswerPolicy = "math_verify"
@@ -327,7 +327,7 @@ class Grader:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if time_limit is not None and time_limit <= 0:
             raise ValueError(f"time_limit must be positive seconds or None, got {time_limit}")
-        if answer_extraction not in ("boxed_first", "boxed_only"):
+        if answer_extraction not in get_args(AnswerExtraction):
             raise ValueError(
                 f"answer_extraction must be 'boxed_first' or 'boxed_only', got {answer_extraction!r}"
             )

@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import get_args
 
 from d3s.data.benchmarks import (
     BENCHMARKS,
@@ -24,7 +25,7 @@ from d3s.data.benchmarks import (
 from d3s.data.templates import TEMPLATES, build_prompt
 from d3s.evaluation import audit, backends, runner
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
-from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S, Grader
+from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S, AnswerExtraction, Grader
 from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
@@ -108,7 +109,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed": (_seed, 0, "sampling and bootstrap seed (0)"),
         "--batch-size": (_positive_int, None, "problems per generate call (transformers 8, vLLM 64)"),
         "--answer-extraction": (
-            ("boxed_first", "boxed_only"),
+            get_args(AnswerExtraction),
             "boxed_first",
             "boxed_first: prefer \\boxed{}, else fall back to the last answer-like expression (default)",
         ),

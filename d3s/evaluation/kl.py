@@ -253,12 +253,11 @@ def measure_checkpoint_kl(
         del policy, ref_model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    probe_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     record = (labels or {}) | {
         "model": str(checkpoint),
         "reference": str(reference),
         "settings": asdict(settings),
-        "probe_sha256": probe_digest,
+        "probe_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
         "device": device,
         "dtype": dtype,
         "seconds": round(time.perf_counter() - started, 3),

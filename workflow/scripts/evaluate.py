@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -76,12 +76,13 @@ def generate_and_grade(job: EvalJob) -> None:
 def measure_kl(job: EvalJob) -> None:
     """eval.kl into <out>/kl.json; one of the same model (the resume key moved others aside) and the same
     probe settings is kept."""
-    trainer = method_trainer(smk.params.train, smk.wildcards.method)
-    defaults = {  # the sampling settings training used, where eval.kl leaves them out
-        "max_new_tokens": trainer.get("max_completion_length", 256),  # TRL's default
-        "temperature": trainer.get("temperature", 1.0),
-    }
-    settings = KLProbeSettings(**(defaults | dict(ev["kl"])))  # checked by measure_checkpoint_kl
+    from trl import GRPOConfig
+
+    # the sampling settings training used (TRL's defaults where it set none), where eval.kl leaves them out
+    trained = {f.name: f.default for f in fields(GRPOConfig)}
+    trained |= method_trainer(smk.params.train, smk.wildcards.method)
+    sampling = {"max_new_tokens": trained["max_completion_length"], "temperature": trained["temperature"]}
+    settings = KLProbeSettings(**(sampling | dict(ev["kl"])))  # checked by measure_checkpoint_kl
     path = job.out / KL_FILE
     if path.is_file() and json.loads(path.read_text(encoding="utf-8")).get("settings") == asdict(settings):
         print(f"KL to the initial policy: kept {path}", flush=True)
