@@ -41,11 +41,6 @@ def make_problem(
     return ArithmeticProblem(f"Q: {expression}=\nA:", completion, str(value), num_ops)
 
 
-def is_held_out(prompt: str, test_fraction: float = 0.1) -> bool:
-    """Stable hash split: a prompt is in the test split iff its CRC32 falls in the first ``test_fraction``."""
-    return zlib.crc32(prompt.encode()) % 10_000 < test_fraction * 10_000
-
-
 def arithmetic_problems(
     count: int,
     seed: int = 0,
@@ -66,7 +61,8 @@ def arithmetic_problems(
         if len(out) == count:
             return out
         problem = make_problem(rng, rng.randint(min_ops, max_ops), max_operand, bool(bounded))
-        if is_held_out(problem.prompt) == want_test:
+        held_out = zlib.crc32(problem.prompt.encode()) % 10_000 < 1_000  # a stable 10 % test split
+        if held_out == want_test:
             out.append(problem)
     raise ValueError(f"could not draw {count} {split} problems; widen max_operand or max_ops")
 

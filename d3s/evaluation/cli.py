@@ -162,10 +162,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationSettings, str]:
     """Check everything that can be checked without the model; raise ValueError saying what to change."""
     names = parse_benchmark_list(args.benchmarks)
-    audit_samples = getattr(args, "audit_samples", [])
-    if audit_samples and not args.audit:
+    if args.audit_samples and not args.audit:
         raise ValueError("--audit-samples is read by the grader audit only: add --audit, or drop it")
-    for path in audit_samples:
+    for path in args.audit_samples:
         for file in audit.samples_files(path):
             if not file.read_text(encoding="utf-8").strip():
                 raise ValueError(

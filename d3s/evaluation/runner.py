@@ -153,10 +153,10 @@ def regrade_records(
     grader: Grader,
     primary: AnswerPolicy,
 ) -> bool:
-    """Bring kept samples up to date in place: grade under every policy those written without one (older
-    files), and make ``primary`` the top-level verdict. Returns whether any record changed."""
+    """Bring the kept samples of ``problems`` up to date in place: grade under every policy those written
+    without one (older files), and make ``primary`` the top-level verdict. Returns whether any changed."""
     gold_of = {p.problem_id: p.gold for p in problems}
-    records = [record for records in completed.values() for record in records]
+    records = [record for problem_id, kept in completed.items() if problem_id in gold_of for record in kept]
     stale = [r for r in records if set(r.get("by_policy") or {}) != set(ANSWER_POLICIES)]
     if stale:  # (starting no grading worker when nothing is stale)
         _grade_records(stale, [gold_of[str(r["problem_id"])] for r in stale], grader, primary)
@@ -190,9 +190,7 @@ def evaluate_benchmark(
     samples_path = run.out_dir / SAMPLES_FILE
     completed = load_completed_samples(samples_path, run.settings.samples)
     primary = run.scoring.answer_policy
-    known = {p.problem_id for p in run.problems}
-    kept = {pid: records for pid, records in completed.items() if pid in known}
-    if regrade_records(kept, run.problems, grader, primary):  # grading is cheap; generation is not
+    if regrade_records(completed, run.problems, grader, primary):  # grading is cheap; generation is not
         provenance.atomic_write_text(
             samples_path, _jsonl(r for records in completed.values() for r in records)
         )
