@@ -101,11 +101,8 @@ class DisagreementRow:
 
     def details(self) -> list[str]:
         """The samples on which the policies disagree."""
-        return (
-            [f"{self.benchmark} ({self.source}):", *(f"  {e}" for e in self.examples)]
-            if self.examples
-            else []
-        )
+        lines = [f"  {e}" for e in self.examples]
+        return [f"{self.benchmark} ({self.source}):", *lines] if lines else []
 
 
 def policy_disagreement_row(

@@ -112,8 +112,7 @@ def load_model(model_path: str | os.PathLike[str], dtype: str, device: str) -> A
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     """Every id that ends a completion: the generation config's EOS ids and the tokenizer's."""
     eos = model.generation_config.eos_token_id
-    ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    return {*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id} - {None}
 
 
 def truncate_at_eos(token_ids: Sequence[int], eos_ids: Iterable[int]) -> list[int]:

@@ -57,8 +57,10 @@ def pass_at_k_table(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> dict[str, dict[str, float | list[float]]]:
-    """``{"1": {"value": .., "ci": [lo, hi]}, "8": ...}`` for a benchmark's (n_i, c_i) counts."""
+    """``{"1": {"value": .., "ci": [lo, hi]}, "8": ...}`` for the (n_i, c_i) counts; {} without any."""
     table: dict[str, dict[str, float | list[float]]] = {}
+    if not counts:  # no problem scored: no Pass@k (and nothing to bootstrap)
+        return table
     for k in ks:
         per_problem = [pass_at_k(n, c, k) for n, c in counts]
         low, high = bootstrap_ci(per_problem, resamples=resamples, confidence=confidence, seed=seed)

@@ -329,11 +329,7 @@ def write_overall_manifest(out_dir: Path, names: Sequence[str]) -> dict[str, Any
 def _policy_scores(counts: Sequence[tuple[int, int]], scoring: ScoringOptions) -> dict[str, Any]:
     """Pass@k with its CI and the mean accuracy for one policy's (samples, correct) counts per problem."""
     options = {"confidence": scoring.confidence, "seed": scoring.bootstrap_seed}
-    table = (
-        pass_at_k_table(counts, scoring.ks, resamples=scoring.bootstrap_resamples, **options)
-        if counts
-        else {}
-    )
+    table = pass_at_k_table(counts, scoring.ks, resamples=scoring.bootstrap_resamples, **options)
     samples = sum(n for n, _ in counts)
     return {
         "pass_at_k": {k: v["value"] for k, v in table.items()},
