@@ -4,6 +4,7 @@ as it is scored. The rules (gold, extraction, answer policies, time limit): docs
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import re
@@ -313,7 +314,7 @@ class _WorkerProcess:
         self.process.wait()
 
 
-class Grader:
+class Grader(contextlib.AbstractContextManager):
     """Grades answers in ``num_workers`` persistent subprocesses, each under ``time_limit`` s (None: in
     process, unlimited, for debugging). Thread-safe; one per process (:func:`default_grader` after a fork)."""
 
@@ -377,9 +378,6 @@ class Grader:
                 for worker in self._workers:
                     worker.kill()
                 self._workers = []
-
-    def __enter__(self) -> Grader:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
