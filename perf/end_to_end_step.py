@@ -146,11 +146,10 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
         recorder, trainer._generate_and_score_completions, "generation_phase_s", "scoring"
     )
     trainer._calculate_rewards = _wrap(recorder, trainer._calculate_rewards, "reward_s")
-    trainer.compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
     model = trainer.model
     # TRL calls the unwrapped model's generate
     model.generate = _wrap(recorder, model.generate, "generate_s", "generate")
-    compute_loss = trainer.compute_loss
+    compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
 
     def compute_loss_counting(model, inputs, *args, **kwargs):
         tokens_before = trainer.update_tokens_total  # the trainer's count of tokens that reached the gradient

@@ -16,6 +16,7 @@ from typing import Any
 
 from _common import (
     REPO_ROOT,
+    TINY_TASK,
     base_parser,
     fmt_seconds,
     markdown_table,
@@ -29,7 +30,6 @@ from _common import (
 from d3s.rewards import Grader
 
 NAME = "eval_throughput"
-TINY_EVAL_TASK = {"max_ops": 1, "max_operand": 9}  # the task the tiny model is warm-started on
 
 
 def synthetic_answers(count: int) -> tuple[list[str], list[str]]:
@@ -37,7 +37,7 @@ def synthetic_answers(count: int) -> tuple[list[str], list[str]]:
     from d3s.data.synthetic import arithmetic_problems
 
     completions, golds = [], []
-    for i, problem in enumerate(arithmetic_problems(count, split="test", **TINY_EVAL_TASK)):
+    for i, problem in enumerate(arithmetic_problems(count, split="test", **TINY_TASK)):
         text = problem.completion
         if i % 2:
             text = text.replace(f"\\boxed{{{problem.answer}}}", f"\\boxed{{{int(problem.answer) + 1}}}")
@@ -99,7 +99,7 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    benchmark = load_benchmark("synthetic", synthetic={"count": problems, **TINY_EVAL_TASK})
+    benchmark = load_benchmark("synthetic", synthetic={"count": problems, **TINY_TASK})
     prompts = [problem.question for problem in benchmark]
     seeds = list(range(len(prompts)))
     sampled = GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32)
