@@ -35,9 +35,7 @@ def base_parser(doc: str | None, tiny_model: bool = True) -> argparse.ArgumentPa
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for <name>.json and <name>.md")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: RL jobs' CPU default)")
     if tiny_model:
-        parser.add_argument(
-            "--sft-steps", type=int, default=150, help="SFT warm-start steps of the tiny model"
-        )
+        parser.add_argument("--sft-steps", type=int, default=150, help="SFT warm-start steps (tiny model)")
     return parser
 
 

@@ -319,17 +319,9 @@ def main() -> None:
                 "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: differences of "
                 "that size between methods are noise.".format_map(methods_here["gspo"])
             )
-    write_results(
-        NAME,
-        args,
-        rows,
-        "\n".join(tables),
-        notes,
-        title="End-to-end step per method",
-        methods=methods,
-        settings={s: SETTINGS[s] for s in settings},
-        batch="8 prompts x 8 rollouts, max 24 completion tokens",
-    )
+    args.methods, args.settings = methods, {s: SETTINGS[s] for s in settings}  # recorded as resolved
+    batch = "8 prompts x 8 rollouts, max 24 completion tokens"
+    write_results(NAME, args, rows, "\n".join(tables), notes, title="End-to-end step per method", batch=batch)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ def main() -> None:
     math500 = math500_answers(args.data_dir, args.math500_answers)
     if math500 is None:
         notes.append(f"MATH500 skipped: no {args.data_dir / 'math500' / 'test.jsonl'}.")
+        args.math500_answers = 0  # recorded: none graded
     else:
         answer_sets["math500 reference solutions"] = math500
     rows = grading_rows(answer_sets)
@@ -214,15 +215,7 @@ def main() -> None:
     ]
     sections = {"Grading (math-verify)": grading_table, "Generation (transformers backend)": generation_table}
     markdown = "\n\n".join(f"## {title}\n\n{table}" for title, table in sections.items())
-    write_results(
-        NAME,
-        args,
-        rows,
-        markdown,
-        notes,
-        title="Evaluation throughput",
-        math500_answers=args.math500_answers if math500 is not None else 0,
-    )
+    write_results(NAME, args, rows, markdown, notes, title="Evaluation throughput")
 
 
 if __name__ == "__main__":
