@@ -139,16 +139,15 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     """Timers on the trainer instance, the model and d3s.trainer's selection functions; undone on exit."""
     trainer.add_callback(recorder)
     restore = ExitStack()
-    for name, key in (("select_samples", "select_samples_s"), ("token_keep_mask", "token_mask_s")):
-        patch = mock.patch.object(d3s_trainer, name, _wrap(recorder, getattr(d3s_trainer, name), key))
-        restore.enter_context(patch)
-    trainer._generate_and_score_completions = _wrap(
-        recorder, trainer._generate_and_score_completions, "generation_phase_s", "scoring"
-    )
-    trainer._calculate_rewards = _wrap(recorder, trainer._calculate_rewards, "reward_s")
-    model = trainer.model
-    # TRL calls the unwrapped model's generate
-    model.generate = _wrap(recorder, model.generate, "generate_s", "generate")
+    timers = [  # object, attribute, timer key, phase
+        (d3s_trainer, "select_samples", "select_samples_s", None),
+        (d3s_trainer, "token_keep_mask", "token_mask_s", None),
+        (trainer, "_generate_and_score_completions", "generation_phase_s", "scoring"),
+        (trainer, "_calculate_rewards", "reward_s", None),
+        (trainer.model, "generate", "generate_s", "generate"),  # TRL calls the unwrapped model's generate
+    ]
+    for obj, name, key, phase in timers:
+        restore.enter_context(mock.patch.object(obj, name, _wrap(recorder, getattr(obj, name), key, phase)))
     compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
 
     def compute_loss_counting(model, inputs, *args, **kwargs):
@@ -159,9 +158,9 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
         recorder.now["backprop_tokens"] += trainer.update_tokens_total - tokens_before
         return loss
 
-    trainer.compute_loss = compute_loss_counting
-    hooks = _count_forward(recorder, model, "policy")
-    if getattr(trainer, "ref_model", None) is not None:
+    restore.enter_context(mock.patch.object(trainer, "compute_loss", compute_loss_counting))
+    hooks = _count_forward(recorder, trainer.model, "policy")
+    if trainer.ref_model is not None:  # beta > 0
         hooks += _count_forward(recorder, trainer.ref_model, "ref")
     restore.callback(lambda: [hook.remove() for hook in hooks])
     with restore:
@@ -230,8 +229,8 @@ def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path
     with instrument(trainer, recorder):
         trainer.train()
     skip = overrides["num_iterations"]  # the first generation cycle carries start-up costs
-    options = {name: getattr(trainer.args, name, None) for name in SAVINGS}
-    info = {"trainer_options": options, "kept_token_head": getattr(trainer, "kept_token_head", None)}
+    options = {name: getattr(trainer.args, name) for name in SAVINGS}
+    info = {"trainer_options": options, "kept_token_head": trainer.kept_token_head}
     return recorder.steps[skip:] or recorder.steps, info
 
 
