@@ -275,13 +275,34 @@ def main() -> None:
                     f"backprop tokens {row['backprop_tokens']:.0f}",
                     flush=True,
                 )
+    notes = [
+        "Generation phase: TRL's _generate_and_score_completions with the D3S selection (generate, rewards, "
+        "no-grad log-prob passes, selection, advantages). Update phase: the rest of the step (the gradient "
+        "forward and loss, backward, clipping, optimizer).",
+        "Per step means over the steps after the first generation cycle; with num_iterations=2 every other "
+        "step reuses the rollouts (no generation), so the mean is per optimizer step.",
+        "Tokens backpropagated: the trainer's selection/update_tokens (completion tokens with nonzero loss "
+        "weight); 'LM-head positions with gradient' counts the positions the LM head projects with gradient.",
+        "CPU time: this process plus the grading worker subprocess (the reward), from process_time and "
+        "/proc. Everything runs on 1 thread, so on this shared machine the CPU ratios are the steadier ones; "
+        "wall time also counts waiting for the cores.",
+        "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
+    ]
     tables = []
     for setting in settings:
         subset = [r for r in rows if r["setting"] == setting]
-        base = next((r for r in subset if r["method"] == "grpo"), subset[0])
+        by_method = {r["method"]: r for r in subset}
+        base = by_method.get("grpo", subset[0])
         for r in subset:
             for key, ratio in RATIOS.items():
                 r[ratio] = r[key] / (max(base[key], 1.0) if "tokens" in key else base[key])
+        if "gspo" in by_method and "grpo" in by_method:  # gspo trains on grpo's tokens: its ratio is noise
+            notes.append(
+                "Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
+                "({forward_tokens_vs_grpo:.2f}x, {backprop_tokens_vs_grpo:.2f}x), yet measures "
+                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: differences of "
+                "that size between methods are noise.".format_map(by_method["gspo"])
+            )
         overrides = SETTINGS[setting]
         tables += [
             f"## {setting}: beta={overrides['beta']}, num_iterations={overrides['num_iterations']}",
@@ -296,28 +317,6 @@ def main() -> None:
             markdown_table(subset, TOKEN_COLUMNS),
             "",
         ]
-    notes = [
-        "Generation phase: TRL's _generate_and_score_completions with the D3S selection (generate, rewards, "
-        "no-grad log-prob passes, selection, advantages). Update phase: the rest of the step (the gradient "
-        "forward and loss, backward, clipping, optimizer).",
-        "Per step means over the steps after the first generation cycle; with num_iterations=2 every other "
-        "step reuses the rollouts (no generation), so the mean is per optimizer step.",
-        "Tokens backpropagated: the trainer's selection/update_tokens (completion tokens with nonzero loss "
-        "weight); 'LM-head positions with gradient' counts the positions the LM head projects with gradient.",
-        "CPU time: this process plus the grading worker subprocess (the reward), from process_time and "
-        "/proc. Everything runs on 1 thread, so on this shared machine the CPU ratios are the steadier ones; "
-        "wall time also counts waiting for the cores.",
-        "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
-    ]
-    for setting in settings:  # gspo trains on exactly grpo's tokens here: its ratio shows the noise
-        methods_here = {r["method"]: r for r in rows if r["setting"] == setting}
-        if "gspo" in methods_here and "grpo" in methods_here:
-            notes.append(
-                "Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
-                "({forward_tokens_vs_grpo:.2f}x, {backprop_tokens_vs_grpo:.2f}x), yet measures "
-                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: differences of "
-                "that size between methods are noise.".format_map(methods_here["gspo"])
-            )
     args.methods, args.settings = methods, {s: SETTINGS[s] for s in settings}  # recorded as resolved
     batch = "8 prompts x 8 rollouts, max 24 completion tokens"
     write_results(NAME, args, rows, "\n".join(tables), notes, title="End-to-end step per method", batch=batch)
