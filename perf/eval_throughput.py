@@ -188,20 +188,18 @@ def main() -> None:
         args.math500_answers = 0  # recorded: none graded
     else:
         answer_sets["math500 reference solutions"] = math500
-    rows = grading_rows(answer_sets)
-
+    grading = grading_rows(answer_sets)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
-        rows += generation_rows(model_dir, args.problems, args.repeats)
+        generation = generation_rows(model_dir, args.problems, args.repeats)
 
-    grading = [r for r in rows if r["kind"] == "grading"]
     warm_single = {
         r["answers"]: r for r in grading if (r["mode"], r["workers"], r["phase"]) == ("subprocess", 1, "warm")
     }
     for r in grading:  # against one warm worker on the same answers
         r["vs_1_warm_worker"] = r["answers_per_s"] / warm_single[r["answers"]]["answers_per_s"]
     grading_table = markdown_table(grading, GRADING_COLUMNS)
-    generation_table = markdown_table([r for r in rows if r["kind"] == "generation"], GENERATION_COLUMNS)
+    generation_table = markdown_table(generation, GENERATION_COLUMNS)
     notes += [
         "Grading: per answer set, a cold pass (the first fifth of the answers, on freshly started workers) "
         "then a warm pass (the rest: other problems, so every gold is parsed for the first time; the grader "
@@ -215,7 +213,7 @@ def main() -> None:
     ]
     sections = {"Grading (math-verify)": grading_table, "Generation (transformers backend)": generation_table}
     markdown = "\n\n".join(f"## {title}\n\n{table}" for title, table in sections.items())
-    write_results(NAME, args, rows, markdown, notes, title="Evaluation throughput")
+    write_results(NAME, args, grading + generation, markdown, notes, title="Evaluation throughput")
 
 
 if __name__ == "__main__":
