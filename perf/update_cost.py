@@ -54,12 +54,12 @@ QWEN_1_5B = dict(
 QWEN_SMALL = QWEN_1_5B | dict(
     hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
 )
+D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}
 VARIANTS = {  # name -> (method, trainer overrides, rows it trains on)
     "grpo": ("grpo", {}, "all"),
-    "d3s": ("d3s", {"kept_token_logprobs": True}, "kept"),
-    "d3s (masked head)": ("d3s", {"kept_token_logprobs": False}, "kept"),
+    "d3s": ("d3s", D3S_OVERRIDES | {"kept_token_logprobs": True}, "kept"),
+    "d3s (masked head)": ("d3s", D3S_OVERRIDES | {"kept_token_logprobs": False}, "kept"),
 }
-D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}
 # device -> (random model, label, prompt tokens, geometries: prompts x G rollouts, completion tokens). CUDA:
 # the H100 figures' geometries (../shared/docs/gpu-device-notes.md); CPU: short prompts, as the LM head
 # (152k rows) costs seconds on a CPU.
@@ -93,8 +93,6 @@ def make_trainer(
         "gradient_checkpointing": checkpointing,
         "max_completion_length": max_completion_length,
     }
-    if method == "d3s":
-        settings |= D3S_OVERRIDES
     if device == "cuda":
         settings |= {"bf16": True, "use_cpu": False}
     trainer = build_tiny_trainer(method, model, out / variant.replace(" ", "_"), 1, **settings, **overrides)
