@@ -35,9 +35,7 @@ def base_parser(doc: str | None, tiny_model: bool = True) -> argparse.ArgumentPa
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for <name>.json and <name>.md")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: RL jobs' CPU default)")
     if tiny_model:
-        parser.add_argument(
-            "--sft-steps", type=int, default=150, help="SFT warm-start steps of the tiny model"
-        )
+        parser.add_argument("--sft-steps", type=int, default=150, help="SFT warm-start steps (tiny model)")
     return parser
 
 
@@ -171,12 +169,12 @@ TINY_TRAINER: dict[str, Any] = {
 TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
 
 
-def prepare_tiny_model(path: Path, sft_steps: int = 150, seed: int = 0) -> Path:
+def prepare_tiny_model(path: Path, sft_steps: int = 150) -> Path:
     """The tiny model as ``d3s train`` warm-starts it for ``model: tiny``, saved to ``path``."""
     from d3s.runs.run import load_run_model
 
     path.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_run_model({"model": "tiny", "seed": seed, "tiny": {"sft_steps": sft_steps}}, path)
+    model, tokenizer = load_run_model({"model": "tiny", "seed": 0, "tiny": {"sft_steps": sft_steps}}, path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -139,18 +139,16 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     """Timers on the trainer instance, the model and d3s.trainer's selection functions; undone on exit."""
     trainer.add_callback(recorder)
     restore = ExitStack()
-    for name, key in (("select_samples", "select_samples_s"), ("token_keep_mask", "token_mask_s")):
-        patch = mock.patch.object(d3s_trainer, name, _wrap(recorder, getattr(d3s_trainer, name), key))
-        restore.enter_context(patch)
-    trainer._generate_and_score_completions = _wrap(
-        recorder, trainer._generate_and_score_completions, "generation_phase_s", "scoring"
-    )
-    trainer._calculate_rewards = _wrap(recorder, trainer._calculate_rewards, "reward_s")
-    trainer.compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
-    model = trainer.model
-    # TRL calls the unwrapped model's generate
-    model.generate = _wrap(recorder, model.generate, "generate_s", "generate")
-    compute_loss = trainer.compute_loss
+    timers = [  # object, attribute, timer key, phase
+        (d3s_trainer, "select_samples", "select_samples_s", None),
+        (d3s_trainer, "token_keep_mask", "token_mask_s", None),
+        (trainer, "_generate_and_score_completions", "generation_phase_s", "scoring"),
+        (trainer, "_calculate_rewards", "reward_s", None),
+        (trainer.model, "generate", "generate_s", "generate"),  # TRL calls the unwrapped model's generate
+    ]
+    for obj, name, key, phase in timers:
+        restore.enter_context(mock.patch.object(obj, name, _wrap(recorder, getattr(obj, name), key, phase)))
+    compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
 
     def compute_loss_counting(model, inputs, *args, **kwargs):
         tokens_before = trainer.update_tokens_total  # the trainer's count of tokens that reached the gradient
@@ -160,9 +158,9 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
         recorder.now["backprop_tokens"] += trainer.update_tokens_total - tokens_before
         return loss
 
-    trainer.compute_loss = compute_loss_counting
-    hooks = _count_forward(recorder, model, "policy")
-    if getattr(trainer, "ref_model", None) is not None:
+    restore.enter_context(mock.patch.object(trainer, "compute_loss", compute_loss_counting))
+    hooks = _count_forward(recorder, trainer.model, "policy")
+    if trainer.ref_model is not None:  # beta > 0
         hooks += _count_forward(recorder, trainer.ref_model, "ref")
     restore.callback(lambda: [hook.remove() for hook in hooks])
     with restore:
@@ -231,8 +229,8 @@ def run_method(method: str, setting: str, model_dir: Path, steps: int, out: Path
     with instrument(trainer, recorder):
         trainer.train()
     skip = overrides["num_iterations"]  # the first generation cycle carries start-up costs
-    options = {name: getattr(trainer.args, name, None) for name in SAVINGS}
-    info = {"trainer_options": options, "kept_token_head": getattr(trainer, "kept_token_head", None)}
+    options = {name: getattr(trainer.args, name) for name in SAVINGS}
+    info = {"trainer_options": options, "kept_token_head": trainer.kept_token_head}
     return recorder.steps[skip:] or recorder.steps, info
 
 
@@ -277,13 +275,34 @@ def main() -> None:
                     f"backprop tokens {row['backprop_tokens']:.0f}",
                     flush=True,
                 )
+    notes = [
+        "Generation phase: TRL's _generate_and_score_completions with the D3S selection (generate, rewards, "
+        "no-grad log-prob passes, selection, advantages). Update phase: the rest of the step (the gradient "
+        "forward and loss, backward, clipping, optimizer).",
+        "Per step means over the steps after the first generation cycle; with num_iterations=2 every other "
+        "step reuses the rollouts (no generation), so the mean is per optimizer step.",
+        "Tokens backpropagated: the trainer's selection/update_tokens (completion tokens with nonzero loss "
+        "weight); 'LM-head positions with gradient' counts the positions the LM head projects with gradient.",
+        "CPU time: this process plus the grading worker subprocess (the reward), from process_time and "
+        "/proc. Everything runs on 1 thread, so on this shared machine the CPU ratios are the steadier ones; "
+        "wall time also counts waiting for the cores.",
+        "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
+    ]
     tables = []
     for setting in settings:
         subset = [r for r in rows if r["setting"] == setting]
-        base = next((r for r in subset if r["method"] == "grpo"), subset[0])
+        by_method = {r["method"]: r for r in subset}
+        base = by_method.get("grpo", subset[0])
         for r in subset:
             for key, ratio in RATIOS.items():
                 r[ratio] = r[key] / (max(base[key], 1.0) if "tokens" in key else base[key])
+        if "gspo" in by_method and "grpo" in by_method:  # gspo trains on grpo's tokens: its ratio is noise
+            notes.append(
+                "Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
+                "({forward_tokens_vs_grpo:.2f}x, {backprop_tokens_vs_grpo:.2f}x), yet measures "
+                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: differences of "
+                "that size between methods are noise.".format_map(by_method["gspo"])
+            )
         overrides = SETTINGS[setting]
         tables += [
             f"## {setting}: beta={overrides['beta']}, num_iterations={overrides['num_iterations']}",
@@ -298,39 +317,9 @@ def main() -> None:
             markdown_table(subset, TOKEN_COLUMNS),
             "",
         ]
-    notes = [
-        "Generation phase: TRL's _generate_and_score_completions with the D3S selection (generate, rewards, "
-        "no-grad log-prob passes, selection, advantages). Update phase: the rest of the step (the gradient "
-        "forward and loss, backward, clipping, optimizer).",
-        "Per step means over the steps after the first generation cycle; with num_iterations=2 every other "
-        "step reuses the rollouts (no generation), so the mean is per optimizer step.",
-        "Tokens backpropagated: the trainer's selection/update_tokens (completion tokens with nonzero loss "
-        "weight); 'LM-head positions with gradient' counts the positions the LM head projects with gradient.",
-        "CPU time: this process plus the grading worker subprocess (the reward), from process_time and "
-        "/proc. Everything runs on 1 thread, so on this shared machine the CPU ratios are the steadier ones; "
-        "wall time also counts waiting for the cores.",
-        "Tiny model: 1 thread, shared 2-core machine; compare ratios within one setting, not absolute times.",
-    ]
-    for setting in settings:  # gspo trains on exactly grpo's tokens here: its ratio shows the noise
-        methods_here = {r["method"]: r for r in rows if r["setting"] == setting}
-        if "gspo" in methods_here and "grpo" in methods_here:
-            notes.append(
-                "Noise level ({setting}): gspo forwards and backpropagates the same tokens as grpo "
-                "({forward_tokens_vs_grpo:.2f}x, {backprop_tokens_vs_grpo:.2f}x), yet measures "
-                "{step_vs_grpo:.2f}x (wall) / {step_cpu_vs_grpo:.2f}x (CPU) of its step time: differences of "
-                "that size between methods are noise.".format_map(methods_here["gspo"])
-            )
-    write_results(
-        NAME,
-        args,
-        rows,
-        "\n".join(tables),
-        notes,
-        title="End-to-end step per method",
-        methods=methods,
-        settings={s: SETTINGS[s] for s in settings},
-        batch="8 prompts x 8 rollouts, max 24 completion tokens",
-    )
+    args.methods, args.settings = methods, {s: SETTINGS[s] for s in settings}  # recorded as resolved
+    batch = "8 prompts x 8 rollouts, max 24 completion tokens"
+    write_results(NAME, args, rows, "\n".join(tables), notes, title="End-to-end step per method", batch=batch)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 from _common import (
     REPO_ROOT,
+    TINY_TASK,
     base_parser,
     fmt_seconds,
     markdown_table,
@@ -29,7 +30,6 @@ from _common import (
 from d3s.rewards import Grader
 
 NAME = "eval_throughput"
-TINY_EVAL_TASK = {"max_ops": 1, "max_operand": 9}  # the task the tiny model is warm-started on
 
 
 def synthetic_answers(count: int) -> tuple[list[str], list[str]]:
@@ -37,7 +37,7 @@ def synthetic_answers(count: int) -> tuple[list[str], list[str]]:
     from d3s.data.synthetic import arithmetic_problems
 
     completions, golds = [], []
-    for i, problem in enumerate(arithmetic_problems(count, split="test", **TINY_EVAL_TASK)):
+    for i, problem in enumerate(arithmetic_problems(count, split="test", **TINY_TASK)):
         text = problem.completion
         if i % 2:
             text = text.replace(f"\\boxed{{{problem.answer}}}", f"\\boxed{{{int(problem.answer) + 1}}}")
@@ -99,7 +99,7 @@ def generation_rows(model_dir: Path, problems: int, repeats: int) -> list[dict[s
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    benchmark = load_benchmark("synthetic", synthetic={"count": problems, **TINY_EVAL_TASK})
+    benchmark = load_benchmark("synthetic", synthetic={"count": problems, **TINY_TASK})
     prompts = [problem.question for problem in benchmark]
     seeds = list(range(len(prompts)))
     sampled = GenerationSettings(samples=8, temperature=0.6, top_p=0.95, max_new_tokens=32)
@@ -185,22 +185,21 @@ def main() -> None:
     math500 = math500_answers(args.data_dir, args.math500_answers)
     if math500 is None:
         notes.append(f"MATH500 skipped: no {args.data_dir / 'math500' / 'test.jsonl'}.")
+        args.math500_answers = 0  # recorded: none graded
     else:
         answer_sets["math500 reference solutions"] = math500
-    rows = grading_rows(answer_sets)
-
+    grading = grading_rows(answer_sets)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = prepare_tiny_model(Path(tmp) / "model", sft_steps=args.sft_steps)
-        rows += generation_rows(model_dir, args.problems, args.repeats)
+        generation = generation_rows(model_dir, args.problems, args.repeats)
 
-    grading = [r for r in rows if r["kind"] == "grading"]
     warm_single = {
         r["answers"]: r for r in grading if (r["mode"], r["workers"], r["phase"]) == ("subprocess", 1, "warm")
     }
     for r in grading:  # against one warm worker on the same answers
         r["vs_1_warm_worker"] = r["answers_per_s"] / warm_single[r["answers"]]["answers_per_s"]
     grading_table = markdown_table(grading, GRADING_COLUMNS)
-    generation_table = markdown_table([r for r in rows if r["kind"] == "generation"], GENERATION_COLUMNS)
+    generation_table = markdown_table(generation, GENERATION_COLUMNS)
     notes += [
         "Grading: per answer set, a cold pass (the first fifth of the answers, on freshly started workers) "
         "then a warm pass (the rest: other problems, so every gold is parsed for the first time; the grader "
@@ -214,15 +213,7 @@ def main() -> None:
     ]
     sections = {"Grading (math-verify)": grading_table, "Generation (transformers backend)": generation_table}
     markdown = "\n\n".join(f"## {title}\n\n{table}" for title, table in sections.items())
-    write_results(
-        NAME,
-        args,
-        rows,
-        markdown,
-        notes,
-        title="Evaluation throughput",
-        math500_answers=args.math500_answers if math500 is not None else 0,
-    )
+    write_results(NAME, args, grading + generation, markdown, notes, title="Evaluation throughput")
 
 
 if __name__ == "__main__":

@@ -47,18 +47,14 @@ def grouped_rewards(num_groups: int, group_size: int, seed: int = 0) -> tuple[to
 
 
 def pods_loop_torch(values: torch.Tensor, keep: int) -> list[torch.Tensor]:
-    """The PODS single-GPU trainer's rule, one group at a time with torch ops on the group."""
+    """The PODS single-GPU trainer's rule, one group at a time with torch ops on the group: sort, then
+    ``cross_loop_recompute`` over every split (PODS' unbiased variance has the same argmax)."""
     picks = []
     n = values.shape[1]
     for group in values:
         ordered, order = torch.sort(group, descending=True)
-        best_var, best_split = -math.inf, 0
-        for split in range(keep + 1):
-            candidate = torch.cat([ordered[:split], ordered[n - (keep - split) :]])
-            var = candidate.var().item()  # unbiased, as PODS; same argmax as the population variance
-            if var > best_var:
-                best_var, best_split = var, split
-        picks.append(torch.cat([order[:best_split], order[n - (keep - best_split) :]]))
+        _, split = cross_loop_recompute(ordered, keep, range(keep + 1))
+        picks.append(torch.cat([order[:split], order[n - (keep - split) :]]))
     return picks
 
 
@@ -114,23 +110,21 @@ def population_var(values: torch.Tensor) -> float:
     return values.double().var(unbiased=False).item()
 
 
-def tie_tolerance(values: torch.Tensor, keep: int) -> float:
-    """The variance gap max_variance_subset counts as a tie on ``values`` (d3s.selection's documented rule:
-    splits closer than this are equally good, the largest i wins), plus the loops' own float64 rounding."""
-    spread = (values.max() - values.min()).item()
-    magnitude = values.abs().max().item()
-    return variance_tie_tolerance(spread, magnitude, keep, values.dtype) + 1e-12
+def var_gap(values: torch.Tensor, loop_var: float, pick: torch.Tensor) -> float:
+    """|loop_var - Var(values[pick])| over the variance gap max_variance_subset counts as a tie on ``values``
+    (d3s.selection's documented rule: closer splits are equally good, the largest i wins) plus the loops'
+    float64 rounding: over 1 is a pick outside the rule."""
+    spread, magnitude = (values.max() - values.min()).item(), values.abs().max().item()
+    tolerance = variance_tie_tolerance(spread, magnitude, len(pick), values.dtype) + 1e-12
+    return abs(loop_var - population_var(values[pick])) / tolerance
 
 
 def check_group_picks(advantages: torch.Tensor, vectorised: torch.Tensor, loop_picks: list[Any]) -> float:
-    """Largest |Var(loop pick) - Var(vectorised pick)| over the groups the loop ran on, as a fraction of
-    the tie tolerance of each group (over 1: a pick outside the documented rule)."""
-    worst = 0.0
-    for row, pick in enumerate(loop_picks):
-        loop_var = population_var(advantages[row, torch.as_tensor(pick)])
-        gap = abs(loop_var - population_var(advantages[row, vectorised[row]]))
-        worst = max(worst, gap / tie_tolerance(advantages[row], len(pick)))
-    return worst
+    """The largest ``var_gap`` of the loop's picks over the groups it ran on."""
+    return max(
+        var_gap(advantages[row], population_var(advantages[row, torch.as_tensor(pick)]), vectorised[row])
+        for row, pick in enumerate(loop_picks)
+    )
 
 
 def tiny_step_seconds(steps: int, sft_steps: int) -> dict[str, Any]:
@@ -216,18 +210,11 @@ def main() -> None:
     python_picks = add("group", "PODS loop, plain Python", lambda: pods_loop_python(sub_lists, keep), groups)
     rows[-1]["var_gap_over_tolerance"] = check_group_picks(advantages, picks, python_picks)
 
-    batch_pick = add(
-        "batch", vectorised, lambda: select_samples(flat_a, flat_r, group_size, keep, scope="batch")
-    )
-    batch_var = population_var(flat_a[batch_pick])
-    running_pick = add(
-        "batch",
-        "split loop, running sums (Python)",
-        lambda: cross_loop_running(flat_a, batch_keep),
-        (1, "full"),
-    )
-    gap = abs(population_var(flat_a[running_pick]) - batch_var)
-    rows[-1]["var_gap_over_tolerance"] = gap / tie_tolerance(flat_a, batch_keep)
+    select_batch = functools.partial(select_samples, flat_a, flat_r, group_size, keep, scope="batch")
+    batch_pick = add("batch", vectorised, select_batch)
+    running_loop = functools.partial(cross_loop_running, flat_a, batch_keep)
+    running_pick = add("batch", "split loop, running sums (Python)", running_loop, (1, "full"))
+    rows[-1]["var_gap_over_tolerance"] = var_gap(flat_a, population_var(flat_a[running_pick]), batch_pick)
     ordered = torch.sort(flat_a.double(), descending=True).values
     stride = max(1, (batch_keep + 1) // args.loop_splits)
     sample_splits = list(range(0, batch_keep + 1, stride))[: args.loop_splits]
@@ -241,8 +228,7 @@ def main() -> None:
     small_pick = select_samples(small_flat, small_r.flatten(), group_size, keep, scope="batch")
     small_ordered = torch.sort(small_flat.double(), descending=True).values
     small_var, _ = cross_loop_recompute(small_ordered, small_keep, range(small_keep + 1))
-    gap = abs(small_var - population_var(small_flat[small_pick]))
-    rows[-1]["var_gap_over_tolerance"] = gap / tie_tolerance(small_flat, small_keep)
+    rows[-1]["var_gap_over_tolerance"] = var_gap(small_flat, small_var, small_pick)
     rows[-1]["checked_on"] = f"{small_flat.numel()} rollouts, every split"
 
     step = tiny_step_seconds(args.train_steps, args.sft_steps)
@@ -293,12 +279,8 @@ def main() -> None:
         "many groups, neighbouring splits near the optimum can differ by less than the input's rounding, and "
         "the rule then takes the largest i among them.",
     ]
-    markdown = table + "\n\n" + step_table
-    loop_splits = len(sample_splits)
-    settings = dict(
-        title="Selection overhead", rollouts=total, loop_groups=loop_groups, loop_splits=loop_splits
-    )
-    write_results(NAME, args, rows, markdown, notes, **settings)
+    settings = dict(rollouts=total, loop_groups=loop_groups, loop_splits=len(sample_splits))
+    write_results(NAME, args, rows, f"{table}\n\n{step_table}", notes, title="Selection overhead", **settings)
     bad = [r for r in rows if r.get("var_gap_over_tolerance", 0.0) > 1.0]
     if bad:
         sys.exit(f"loop and vectorised picks differ in variance by more than the tie tolerance: {bad}")

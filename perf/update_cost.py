@@ -27,6 +27,7 @@ from _common import (
     build_tiny_trainer,
     fmt_seconds,
     markdown_table,
+    parse_args,
     prepare_tiny_model,
     set_threads,
     write_results,
@@ -53,12 +54,12 @@ QWEN_1_5B = dict(
 QWEN_SMALL = QWEN_1_5B | dict(
     hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
 )
+D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}
 VARIANTS = {  # name -> (method, trainer overrides, rows it trains on)
     "grpo": ("grpo", {}, "all"),
-    "d3s": ("d3s", {"kept_token_logprobs": True}, "kept"),
-    "d3s (masked head)": ("d3s", {"kept_token_logprobs": False}, "kept"),
+    "d3s": ("d3s", D3S_OVERRIDES | {"kept_token_logprobs": True}, "kept"),
+    "d3s (masked head)": ("d3s", D3S_OVERRIDES | {"kept_token_logprobs": False}, "kept"),
 }
-D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}
 # device -> (random model, label, prompt tokens, geometries: prompts x G rollouts, completion tokens). CUDA:
 # the H100 figures' geometries (../shared/docs/gpu-device-notes.md); CPU: short prompts, as the LM head
 # (152k rows) costs seconds on a CPU.
@@ -92,8 +93,6 @@ def make_trainer(
         "gradient_checkpointing": checkpointing,
         "max_completion_length": max_completion_length,
     }
-    if method == "d3s":
-        settings |= D3S_OVERRIDES
     if device == "cuda":
         settings |= {"bf16": True, "use_cpu": False}
     trainer = build_tiny_trainer(method, model, out / variant.replace(" ", "_"), 1, **settings, **overrides)
@@ -122,9 +121,8 @@ def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(trainer.model, part)
         trainer.accelerator.backward(loss)
-    trainer.trained_tokens = (
-        trainer.update_tokens_total - tokens_before
-    )  # log-probs that reached the gradient
+    # log-probs that reached the gradient
+    trainer.trained_tokens = trainer.update_tokens_total - tokens_before
 
 
 def token_mask(trainer: Any, batch: dict) -> torch.Tensor:
@@ -147,11 +145,9 @@ def update(trainer: Any, batch: dict) -> None:
         torch.cuda.synchronize()
 
 
-def generated_batch(model_dir: Path, out: Path, prompts: int, max_tokens: int = 64) -> tuple[dict, Any]:
-    """Generate, grade and score prompts x G rollouts once with the tiny model; also return the trainer."""
-    geometry = dict(
-        num_generations=G, per_device_train_batch_size=prompts * G, max_completion_length=max_tokens
-    )
+def generated_batch(model_dir: Path, out: Path, prompts: int) -> tuple[dict, Any]:
+    """Generate, grade and score prompts x G rollouts (<= 64 tokens) with the tiny model; also return it."""
+    geometry = dict(num_generations=G, per_device_train_batch_size=prompts * G, max_completion_length=64)
     trainer = build_tiny_trainer("grpo", model_dir, out / "generate", 1, **geometry)
     trainer.model.train()
     rows = [trainer.train_dataset[i] for i in range(prompts) for _ in range(G)]
@@ -191,12 +187,12 @@ def random_batch(
     return {k: v.to(device) for k, v in full.items()}
 
 
-def qwen_model(dims: dict, tokenizer: Any, device: str, seed: int = 0) -> Any:
+def qwen_model(dims: dict, tokenizer: Any, device: str) -> Any:
     """A randomly initialised Qwen2 model with ``dims`` (built on ``device``: no 6 GB CPU initialisation)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**dims, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     with torch.device(device):
         return Qwen2ForCausalLM(config)
 
@@ -310,8 +306,7 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
 # Forward FLOPs of one token at position t in Qwen2.5-Math-1.5B: 2 x (non-embedding parameters + the LM head)
 # + 4 x layers x hidden x t (attention scores and weighted sum). The backward pass and checkpointing's
 # recompute scale both terms alike, so the ratio of FLOPs saved is the same for forward + backward.
-_BODY_PARAMS = 1_543_714_304 - QWEN_VOCAB * 1536  # Qwen2.5-Math-1.5B parameters minus the (tied) embedding
-_FLOPS_PER_TOKEN = 2 * (_BODY_PARAMS + QWEN_VOCAB * 1536)
+_FLOPS_PER_TOKEN = 2 * 1_543_714_304  # Qwen2.5-Math-1.5B parameters: the body and the (tied) LM head
 _FLOPS_PER_POSITION = 4 * 28 * 1536
 
 # A labelled MODEL of token entropies (nats) at 3,000 tokens, not a measurement. Most reasoning tokens are
@@ -326,10 +321,10 @@ ENTROPY_MODELS = {
 }
 
 
-def modelled_rollouts(scenario: str, prompts: int, max_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def modelled_rollouts(scenario: str, prompts: int, max_tokens: int) -> dict[str, torch.Tensor]:
     """Entropies, completion mask, advantages and prompt lengths of prompts x G rollouts under a scenario of
-    ``ENTROPY_MODELS``, with the lengths and rewards perf/README.md describes."""
-    gen = torch.Generator().manual_seed(seed)
+    ``ENTROPY_MODELS``, with the lengths and rewards perf/README.md describes (seed 0)."""
+    gen = torch.Generator().manual_seed(0)
     rows = prompts * G
     finished = torch.rand(rows, generator=gen) >= 0.3
     lengths = torch.where(
@@ -406,16 +401,15 @@ def truncation_rows(source: str, full: dict, micro_batch: int, rows_per_step: in
         batch = kept_rows(full, keep)
         micro_rows = batch["advantages"].shape[0] // (rows_per_step // micro_batch)
         parts = (batch[key] for key in ("entropies", "completion_mask", "advantages", "prompt_lengths"))
-        fractions = tail_after_last_selected(*parts, ratio, micro_rows)
-        mean_tokens = float(batch["completion_mask"].sum(1).float().mean())
         out.append(
             {
                 "source": source,
                 "keep_per_prompt": keep,
                 "token_keep_ratio": ratio,
                 "micro_batch_rows": micro_rows,
+                "mean_completion_tokens": float(batch["completion_mask"].sum(1).float().mean()),
+                **tail_after_last_selected(*parts, ratio, micro_rows),
             }
-            | {"mean_completion_tokens": mean_tokens, **fractions}
         )
     return out
 
@@ -475,18 +469,16 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, help="per_device_train_batch_size (cuda 32, cpu 8)")
     parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
-    args = parser.parse_args()
+    args = parse_args(parser, sft_steps=20)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU is visible; run on a GPU node or drop --device cuda")
     # options left unset take the defaults of the mode (quick, CPU or CUDA)
     args.repeats = args.repeats or (2 if args.quick else 3)
-    args.sft_steps = 20 if args.quick else args.sft_steps
     prompts = args.prompts = args.prompts or (2 if args.quick else 8)
     micro_batch = args.micro_batch = args.micro_batch or (32 if cuda else 8)
     dims, dims_label, prompt_len, default_geometries = RANDOM_MODELS[args.device]
     geometries = args.geometries or ([] if args.quick else default_geometries)
-    set_threads(args.threads)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -551,8 +543,7 @@ def main() -> None:
     )
     modelled = [r for r in truncation if r["source"].startswith("MODEL")]
     bound = max(
-        (max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"]) for r in modelled),
-        default=float("nan"),
+        max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"]) for r in modelled
     )
     decision = (
         "implement truncation: the saving is 10 % or more of the update"
@@ -575,16 +566,8 @@ def main() -> None:
     ]
     title = "Token level: what stopping each kept rollout at its last selected token saves"
     markdown = markdown_table(truncation, TRUNCATION_COLUMNS)
-    write_results(
-        "update_cost_truncation",
-        args,
-        truncation,
-        markdown,
-        notes,
-        schedule_points=SCHEDULE_POINTS,
-        **settings,
-        title=title,
-    )
+    settings = {"schedule_points": SCHEDULE_POINTS} | settings
+    write_results("update_cost_truncation", args, truncation, markdown, notes, title=title, **settings)
 
 
 if __name__ == "__main__":
