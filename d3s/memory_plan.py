@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from d3s.methods import get_method, method_trainer
+from d3s.orchestration.gpu_slots import job_gpus
 
 GIB = 2**30
 CACHE_PATH = Path(__file__).with_name("memory_plan_cache.json")
@@ -121,11 +122,10 @@ def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]
     config_file = Path(path).expanduser() / "config.json"
     if path and config_file.is_file():
         raw = json.loads(config_file.read_text())
-        family = {"qwen2": "qwen2", "llama": "llama"}.get(raw.get("model_type", ""))
-        if family is None:
+        family = raw.get("model_type")
+        if family not in ("qwen2", "llama"):
             raise PlanError(
-                f"base_model.path {path}: model_type {raw.get('model_type')!r} is not planned "
-                "(qwen2, llama); "
+                f"base_model.path {path}: model_type {family!r} is not planned (qwen2, llama); "
                 "set train.memory_plan.check: false to run without a plan"
             )
         defaults = {"tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}
@@ -229,14 +229,9 @@ def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
     """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N)."""
     micro = int(trainer.get("per_device_train_batch_size", 8))
     generations = int(trainer.get("num_generations", 8))
-    spec = get_method(method)
-    if spec.sample_rule == "none" and "keep_per_prompt" not in trainer:
-        return micro
-    n_init, n_final = spec.keep_per_prompt(generations)
-    if "keep_per_prompt" in trainer:
-        value = trainer["keep_per_prompt"]
-        n_init = n_final = int(value if not isinstance(value, (list, tuple)) else max(value))
-    return max(1, max(n_init, n_final) * micro // generations)
+    # the registry's N is G for a method that keeps every rollout (sample_rule none)
+    keep = trainer.get("keep_per_prompt") or max(get_method(method).keep_per_prompt(generations))
+    return max(1, int(keep) * micro // generations)
 
 
 def plan_training(
@@ -249,8 +244,6 @@ def plan_training(
     trace: bool = True,
 ) -> JobPlan | None:
     """The per-GPU peak of one training step of ``method`` (None: not in the cache and ``trace`` is off)."""
-    from d3s.orchestration.gpu_slots import job_gpus
-
     train = config["train"]
     gpus = job_gpus(train.get("resources"))
     trainer = method_trainer(train, method)
@@ -315,7 +308,7 @@ def plan_evaluation(
 ) -> JobPlan:
     """vLLM reserves gpu_memory_utilization of each GPU: weights (bf16) plus the KV cache it fills."""
     ev = config["eval"]
-    gpus = max(1, int(dict(ev.get("resources") or {}).get("gpu", 1)))
+    gpus = max(1, job_gpus(ev.get("resources")))
     tp = int(ev.get("tensor_parallel_size") or gpus)
     share = float(ev.get("gpu_memory_utilization", 0.9)) * float(settings["gpu_memory_gib"])
     weights = 2 * parameter_count(arch) / tp / GIB
@@ -343,8 +336,6 @@ def plan_config(
 ) -> ConfigPlan | None:
     """Every training job's and the evaluation job's plan; None for a CPU config (no GPUs asked for), or when
     ``trace`` is off and a geometry is not cached."""
-    from d3s.orchestration.gpu_slots import job_gpus
-
     settings = plan_settings(config)
     if job_gpus(config["train"].get("resources")) == 0:
         return None
@@ -361,7 +352,7 @@ def plan_config(
         else:
             jobs[geometry] = job
     jobs = list(jobs.values())
-    if int(dict(config["eval"].get("resources") or {}).get("gpu", 0)) > 0:
+    if job_gpus(config["eval"].get("resources")) > 0:
         jobs.append(plan_evaluation(config, arch, settings))
     return ConfigPlan(
         str(config["experiment"]), float(settings["gpu_memory_gib"]), float(settings["margin"]), jobs

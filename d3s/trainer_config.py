@@ -131,8 +131,7 @@ class D3SConfig(GRPOConfig):
     @classmethod
     def for_method(cls, method: str, **overrides: Any) -> D3SConfig:
         """A config for ``method`` with the method's TRL settings applied under ``overrides``."""
-        settings = {**get_method(method).trl_settings, **overrides}
-        return cls(method=method, **settings)
+        return cls(method=method, **{**get_method(method).trl_settings, **overrides})
 
     def __post_init__(self) -> None:
         method = get_method(self.method)

@@ -158,8 +158,7 @@ def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -
 
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
     """Processes of a training job: one per training GPU, or one on the CPU."""
-    launch = train_launch(train_cfg, accelerate_dir)
-    return max(1, launch.train_gpus)
+    return max(1, train_launch(train_cfg, accelerate_dir).train_gpus)
 
 
 def validate_config(config: dict[str, Any], schema: str | os.PathLike[str] = SCHEMA) -> None:
