@@ -175,11 +175,10 @@ def layer_traces(
     precision: str,
     kl: bool,
     *,
-    cache: dict[str, Any] | None = None,
+    cache: dict[str, Any],
     trace: bool = True,
 ) -> dict[str, dict[str, int]] | None:
     """The 1- and 2-layer traces of a geometry: from ``cache``, else traced (and cached) when ``trace``."""
-    cache = read_cache() if cache is None else cache
     key = trace_key(arch, rows, prompt, completion, precision, kl)
     if key in cache:
         return cache[key]
@@ -240,8 +239,8 @@ def plan_training(
     arch: Mapping[str, Any],
     settings: Mapping[str, Any],
     *,
-    cache: dict[str, Any] | None = None,
-    trace: bool = True,
+    cache: dict[str, Any],
+    trace: bool,
 ) -> JobPlan | None:
     """The per-GPU peak of one training step of ``method`` (None: not in the cache and ``trace`` is off)."""
     train = config["train"]

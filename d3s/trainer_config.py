@@ -142,8 +142,8 @@ class D3SConfig(GRPOConfig):
                     f"{name} override, or build the config with D3SConfig.for_method({self.method!r}, ...), "
                     "which sets it"
                 )
-        self._mini_batch_generation(method)
         self._resolve_from_method(method)
+        self._mini_batch_generation()
         # the trainer's one range check (the values given and the method's), before TRL's own __post_init__,
         # which divides by some of them
         for error in filter(None, (range_error(f.name, getattr(self, f.name)) for f in fields(self))):
@@ -151,10 +151,8 @@ class D3SConfig(GRPOConfig):
         super().__post_init__()
         self._validate()
 
-    def _mini_batch_generation(self, method) -> None:
+    def _mini_batch_generation(self) -> None:
         """steps_per_generation = mini-batches x gradient accumulation (before TRL derives its geometry)."""
-        if self.minibatches_per_generation is None:
-            self.minibatches_per_generation = method.minibatches_per_generation
         minibatches = self.minibatches_per_generation
         if not isinstance(minibatches, int) or minibatches < 1:
             raise ValueError(f"minibatches_per_generation must be an integer >= 1; got {minibatches!r}")
@@ -173,6 +171,7 @@ class D3SConfig(GRPOConfig):
     def _resolve_from_method(self, method) -> None:
         keep_init, keep_final = method.keep_per_prompt(self.num_generations)
         same_names = ("sample_rule", "sample_scope", "renormalize", "token_rule", "token_scope", "schedule")
+        same_names += ("minibatches_per_generation",)
         defaults = {name: getattr(method, name) for name in same_names} | {
             "keep_per_prompt": keep_init,
             "keep_per_prompt_final": keep_final,
