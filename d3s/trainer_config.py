@@ -47,14 +47,6 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def range_error(name: str, value: Any) -> str | None:
-    """``trainer.<name> must be <range>; got <value>`` for a number outside the option's range, else None."""
-    accepts, description = TRAINER_RANGES.get(name, (None, ""))
-    if accepts is None or isinstance(value, bool) or not isinstance(value, (int, float)) or accepts(value):
-        return None
-    return f"trainer.{name} must be {description}; got {value!r}"
-
-
 def _trl_choices(name: str, *choices: Any) -> Any:
     """TRL's field ``name`` (default, help) with the values it accepts as ``choices`` metadata: TRL states
     them only in its help text; HfArgumentParser and D3SConfig._validate read them from here."""
@@ -146,8 +138,11 @@ class D3SConfig(GRPOConfig):
         self._mini_batch_generation()
         # the trainer's one range check (the values given and the method's), before TRL's own __post_init__,
         # which divides by some of them
-        for error in filter(None, (range_error(f.name, getattr(self, f.name)) for f in fields(self))):
-            raise ValueError(error)
+        for name in (f.name for f in fields(self) if f.name in TRAINER_RANGES):
+            accepts, description = TRAINER_RANGES[name]
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not accepts(value):
+                raise ValueError(f"trainer.{name} must be {description}; got {value!r}")
         super().__post_init__()
         self._validate()
 
