@@ -113,12 +113,11 @@ def plan_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return MEMORY_PLAN_DEFAULTS | dict((config.get("train") or {}).get("memory_plan") or {})
 
 
-def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def architecture_of(base_model: Mapping[str, Any]) -> dict[str, Any]:
     """The architecture to plan for base_model: a known hub id, or a local directory's config.json."""
     path = str(base_model.get("path") or "")
     if path in MODEL_ARCHITECTURES:
-        name = MODEL_ARCHITECTURES[path]
-        return name, ARCHITECTURES[name]
+        return ARCHITECTURES[MODEL_ARCHITECTURES[path]]
     config_file = Path(path).expanduser() / "config.json"
     if path and config_file.is_file():
         raw = json.loads(config_file.read_text())
@@ -131,8 +130,7 @@ def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]
         defaults = {"tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}
         raw = defaults | {"num_key_value_heads": raw["num_attention_heads"]} | raw
         arch = {"family": family} | {name: raw[key] for name, key in CONFIG_KEYS.items()}
-        arch["tied"] = bool(arch["tied"])
-        return f"{family}-h{arch['hidden']}-l{arch['layers']}-v{arch['vocab']}", arch
+        return arch | {"tied": bool(arch["tied"])}
     raise PlanError(
         f"base_model.path {path!r}: unknown architecture for the memory plan (known: "
         f"{', '.join(sorted(MODEL_ARCHITECTURES))}, or a local directory with config.json); "
@@ -338,7 +336,7 @@ def plan_config(
     settings = plan_settings(config)
     if job_gpus(config["train"].get("resources")) == 0:
         return None
-    _, arch = architecture_of(config["base_model"])
+    arch = architecture_of(config["base_model"])
     cache = read_cache() if cache is None else cache
     jobs: dict[str, JobPlan] = {}
     for method in config["methods"]:
