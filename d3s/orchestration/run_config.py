@@ -302,8 +302,7 @@ def prepare_training_job(
     if len(gpu_ids) != launch.job_gpus:
         raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
     processes = launch.train_gpus
-    config = dict(run_config)
-    config["threads"] = per_process_threads(threads, processes)
+    config = dict(run_config, threads=per_process_threads(threads, processes))
     trainer = dict(config["trainer"])
     server_command = None
     if launch.server is not None:

@@ -99,8 +99,7 @@ def _check_inputs(config: dict[str, Any]) -> None:
     model = str(config.get("model", "tiny"))
     if model != "tiny":
         check_model_dir(model, "model")
-    dataset = dict(config.get("dataset") or {})
-    name = dataset.get("name", "synthetic")
+    name = (config.get("dataset") or {}).get("name", "synthetic")
     if name != "synthetic":
         from d3s.data.benchmarks import BenchmarkError, load_benchmark
 
