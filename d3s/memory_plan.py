@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from d3s.methods import get_method, method_trainer
+from d3s.orchestration.gpu_slots import job_gpus
 
 GIB = 2**30
 CACHE_PATH = Path(__file__).with_name("memory_plan_cache.json")
@@ -112,27 +113,24 @@ def plan_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return MEMORY_PLAN_DEFAULTS | dict((config.get("train") or {}).get("memory_plan") or {})
 
 
-def architecture_of(base_model: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def architecture_of(base_model: Mapping[str, Any]) -> dict[str, Any]:
     """The architecture to plan for base_model: a known hub id, or a local directory's config.json."""
     path = str(base_model.get("path") or "")
     if path in MODEL_ARCHITECTURES:
-        name = MODEL_ARCHITECTURES[path]
-        return name, ARCHITECTURES[name]
+        return ARCHITECTURES[MODEL_ARCHITECTURES[path]]
     config_file = Path(path).expanduser() / "config.json"
     if path and config_file.is_file():
         raw = json.loads(config_file.read_text())
-        family = {"qwen2": "qwen2", "llama": "llama"}.get(raw.get("model_type", ""))
-        if family is None:
+        family = raw.get("model_type")
+        if family not in ("qwen2", "llama"):
             raise PlanError(
-                f"base_model.path {path}: model_type {raw.get('model_type')!r} is not planned "
-                "(qwen2, llama); "
+                f"base_model.path {path}: model_type {family!r} is not planned (qwen2, llama); "
                 "set train.memory_plan.check: false to run without a plan"
             )
         defaults = {"tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}
         raw = defaults | {"num_key_value_heads": raw["num_attention_heads"]} | raw
         arch = {"family": family} | {name: raw[key] for name, key in CONFIG_KEYS.items()}
-        arch["tied"] = bool(arch["tied"])
-        return f"{family}-h{arch['hidden']}-l{arch['layers']}-v{arch['vocab']}", arch
+        return arch | {"tied": bool(arch["tied"])}
     raise PlanError(
         f"base_model.path {path!r}: unknown architecture for the memory plan (known: "
         f"{', '.join(sorted(MODEL_ARCHITECTURES))}, or a local directory with config.json); "
@@ -175,11 +173,10 @@ def layer_traces(
     precision: str,
     kl: bool,
     *,
-    cache: dict[str, Any] | None = None,
+    cache: dict[str, Any],
     trace: bool = True,
 ) -> dict[str, dict[str, int]] | None:
     """The 1- and 2-layer traces of a geometry: from ``cache``, else traced (and cached) when ``trace``."""
-    cache = read_cache() if cache is None else cache
     key = trace_key(arch, rows, prompt, completion, precision, kl)
     if key in cache:
         return cache[key]
@@ -229,14 +226,9 @@ def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
     """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N)."""
     micro = int(trainer.get("per_device_train_batch_size", 8))
     generations = int(trainer.get("num_generations", 8))
-    spec = get_method(method)
-    if spec.sample_rule == "none" and "keep_per_prompt" not in trainer:
-        return micro
-    n_init, n_final = spec.keep_per_prompt(generations)
-    if "keep_per_prompt" in trainer:
-        value = trainer["keep_per_prompt"]
-        n_init = n_final = int(value if not isinstance(value, (list, tuple)) else max(value))
-    return max(1, max(n_init, n_final) * micro // generations)
+    # the registry's N is G for a method that keeps every rollout (sample_rule none)
+    keep = trainer.get("keep_per_prompt") or max(get_method(method).keep_per_prompt(generations))
+    return max(1, int(keep) * micro // generations)
 
 
 def plan_training(
@@ -245,12 +237,10 @@ def plan_training(
     arch: Mapping[str, Any],
     settings: Mapping[str, Any],
     *,
-    cache: dict[str, Any] | None = None,
-    trace: bool = True,
+    cache: dict[str, Any],
+    trace: bool,
 ) -> JobPlan | None:
     """The per-GPU peak of one training step of ``method`` (None: not in the cache and ``trace`` is off)."""
-    from d3s.orchestration.gpu_slots import job_gpus
-
     train = config["train"]
     gpus = job_gpus(train.get("resources"))
     trainer = method_trainer(train, method)
@@ -315,7 +305,7 @@ def plan_evaluation(
 ) -> JobPlan:
     """vLLM reserves gpu_memory_utilization of each GPU: weights (bf16) plus the KV cache it fills."""
     ev = config["eval"]
-    gpus = max(1, int(dict(ev.get("resources") or {}).get("gpu", 1)))
+    gpus = max(1, job_gpus(ev.get("resources")))
     tp = int(ev.get("tensor_parallel_size") or gpus)
     share = float(ev.get("gpu_memory_utilization", 0.9)) * float(settings["gpu_memory_gib"])
     weights = 2 * parameter_count(arch) / tp / GIB
@@ -343,12 +333,10 @@ def plan_config(
 ) -> ConfigPlan | None:
     """Every training job's and the evaluation job's plan; None for a CPU config (no GPUs asked for), or when
     ``trace`` is off and a geometry is not cached."""
-    from d3s.orchestration.gpu_slots import job_gpus
-
     settings = plan_settings(config)
     if job_gpus(config["train"].get("resources")) == 0:
         return None
-    _, arch = architecture_of(config["base_model"])
+    arch = architecture_of(config["base_model"])
     cache = read_cache() if cache is None else cache
     jobs: dict[str, JobPlan] = {}
     for method in config["methods"]:
@@ -361,7 +349,7 @@ def plan_config(
         else:
             jobs[geometry] = job
     jobs = list(jobs.values())
-    if int(dict(config["eval"].get("resources") or {}).get("gpu", 0)) > 0:
+    if job_gpus(config["eval"].get("resources")) > 0:
         jobs.append(plan_evaluation(config, arch, settings))
     return ConfigPlan(
         str(config["experiment"]), float(settings["gpu_memory_gib"]), float(settings["margin"]), jobs

@@ -47,14 +47,6 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def range_error(name: str, value: Any) -> str | None:
-    """``trainer.<name> must be <range>; got <value>`` for a number outside the option's range, else None."""
-    accepts, description = TRAINER_RANGES.get(name, (None, ""))
-    if accepts is None or isinstance(value, bool) or not isinstance(value, (int, float)) or accepts(value):
-        return None
-    return f"trainer.{name} must be {description}; got {value!r}"
-
-
 def _trl_choices(name: str, *choices: Any) -> Any:
     """TRL's field ``name`` (default, help) with the values it accepts as ``choices`` metadata: TRL states
     them only in its help text; HfArgumentParser and D3SConfig._validate read them from here."""
@@ -131,8 +123,7 @@ class D3SConfig(GRPOConfig):
     @classmethod
     def for_method(cls, method: str, **overrides: Any) -> D3SConfig:
         """A config for ``method`` with the method's TRL settings applied under ``overrides``."""
-        settings = {**get_method(method).trl_settings, **overrides}
-        return cls(method=method, **settings)
+        return cls(method=method, **{**get_method(method).trl_settings, **overrides})
 
     def __post_init__(self) -> None:
         method = get_method(self.method)
@@ -143,19 +134,20 @@ class D3SConfig(GRPOConfig):
                     f"{name} override, or build the config with D3SConfig.for_method({self.method!r}, ...), "
                     "which sets it"
                 )
-        self._mini_batch_generation(method)
         self._resolve_from_method(method)
+        self._mini_batch_generation()
         # the trainer's one range check (the values given and the method's), before TRL's own __post_init__,
         # which divides by some of them
-        for error in filter(None, (range_error(f.name, getattr(self, f.name)) for f in fields(self))):
-            raise ValueError(error)
+        for name in (f.name for f in fields(self) if f.name in TRAINER_RANGES):
+            accepts, description = TRAINER_RANGES[name]
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not accepts(value):
+                raise ValueError(f"trainer.{name} must be {description}; got {value!r}")
         super().__post_init__()
         self._validate()
 
-    def _mini_batch_generation(self, method) -> None:
+    def _mini_batch_generation(self) -> None:
         """steps_per_generation = mini-batches x gradient accumulation (before TRL derives its geometry)."""
-        if self.minibatches_per_generation is None:
-            self.minibatches_per_generation = method.minibatches_per_generation
         minibatches = self.minibatches_per_generation
         if not isinstance(minibatches, int) or minibatches < 1:
             raise ValueError(f"minibatches_per_generation must be an integer >= 1; got {minibatches!r}")
@@ -174,6 +166,7 @@ class D3SConfig(GRPOConfig):
     def _resolve_from_method(self, method) -> None:
         keep_init, keep_final = method.keep_per_prompt(self.num_generations)
         same_names = ("sample_rule", "sample_scope", "renormalize", "token_rule", "token_scope", "schedule")
+        same_names += ("minibatches_per_generation",)
         defaults = {name: getattr(method, name) for name in same_names} | {
             "keep_per_prompt": keep_init,
             "keep_per_prompt_final": keep_final,

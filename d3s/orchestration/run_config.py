@@ -158,8 +158,7 @@ def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -
 
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
     """Processes of a training job: one per training GPU, or one on the CPU."""
-    launch = train_launch(train_cfg, accelerate_dir)
-    return max(1, launch.train_gpus)
+    return max(1, train_launch(train_cfg, accelerate_dir).train_gpus)
 
 
 def validate_config(config: dict[str, Any], schema: str | os.PathLike[str] = SCHEMA) -> None:
@@ -303,8 +302,7 @@ def prepare_training_job(
     if len(gpu_ids) != launch.job_gpus:
         raise ValueError(f"the job declares {launch.job_gpus} GPU(s) but got {len(gpu_ids)}: {list(gpu_ids)}")
     processes = launch.train_gpus
-    config = dict(run_config)
-    config["threads"] = per_process_threads(threads, processes)
+    config = dict(run_config, threads=per_process_threads(threads, processes))
     trainer = dict(config["trainer"])
     server_command = None
     if launch.server is not None:

@@ -99,8 +99,7 @@ def _check_inputs(config: dict[str, Any]) -> None:
     model = str(config.get("model", "tiny"))
     if model != "tiny":
         check_model_dir(model, "model")
-    dataset = dict(config.get("dataset") or {})
-    name = dataset.get("name", "synthetic")
+    name = (config.get("dataset") or {}).get("name", "synthetic")
     if name != "synthetic":
         from d3s.data.benchmarks import BenchmarkError, load_benchmark
 
@@ -349,13 +348,12 @@ def _finish_from_checkpoint(
                 "zero3_save_16bit_model): convert it with its zero_to_fp32.py into final/, or set "
                 "zero3_save_16bit_model: true in the accelerate config"
             )
-        skipped = set(CHECKPOINT_ONLY_FILES)
         partial = output_dir / "final.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         for path in checkpoint.iterdir():
             resume_state = any(path.match(pattern) for pattern in RESUME_STATE_PATTERNS)
-            if path.is_file() and path.name not in skipped and not resume_state:
+            if path.is_file() and path.name not in CHECKPOINT_ONLY_FILES and not resume_state:
                 shutil.copy2(path, partial / path.name)
         counters = json.loads((checkpoint / D3S_STATE_FILE).read_text(encoding="utf-8"))
         # train_seconds 0: this attempt trained nothing; the steps' time is in the earlier attempts
