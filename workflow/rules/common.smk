@@ -22,8 +22,6 @@ CKPT_STEPS = list(range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS))
 # The schema filled in the defaults; this key order keeps the jobs' params (a new order would re-run them).
 TASK = {key: config["task"][key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
 ANALYSIS = config["analysis"]
-# What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
-INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
 
 
 # The model every run starts from: built by rule base_model (kind tiny) or a given path / hub id.
@@ -57,7 +55,8 @@ def check_inputs_of_pending_jobs():
         return
     request = {"config": config, "task": TASK, "accelerate_dir": ACCELERATE_DIR, "checks": checks}
     script = f"{workflow.basedir}/workflow/scripts/check_inputs.py"
+    found = f"{RESULTS}/checks/inputs.json"  # where each input was found: a record, not a job's output
     log = f"{RESULTS}/logs/check_inputs.log"
-    done = subprocess.run([sys.executable, script, INPUT_CHECKS, log], input=json.dumps(request), text=True)
+    done = subprocess.run([sys.executable, script, found, log], input=json.dumps(request), text=True)
     if done.returncode:
         raise SystemExit(done.returncode)

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
+from d3s.orchestration.run_config import resolved_trainer_configs
 from d3s.provenance.manifest import atomic_write_text, now, write_json
 from d3s.runs.config import check_model_dir
 
 
 def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
-    from d3s.orchestration.run_config import resolved_trainer_configs
-
     config = request["config"]
     resolved_trainer_configs(config, request["accelerate_dir"], request["task"], check_inputs=False)
     return {"methods": list(config["methods"])}
