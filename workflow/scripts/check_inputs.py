@@ -5,7 +5,6 @@ OUT.json records where each input was found."""
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
@@ -92,7 +91,6 @@ def main(out: str, log: str) -> int:
                 found[name] = check(request)
             except ValueError as exc:
                 problems.extend(f"config {line}" for line in str(exc).splitlines())
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(log, "".join(line + "\n" for line in problems) or "all inputs found\n")
     if problems:
         print("\n".join(problems), file=sys.stderr)

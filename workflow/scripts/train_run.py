@@ -32,7 +32,6 @@ config = coerce_run_config(
         processes=max(1, launch.train_gpus),
     )
 )
-run_dir.mkdir(parents=True, exist_ok=True)
 # A job cut off midway resumes from its last checkpoint (resume: auto); one whose configuration really changed
 # (d3s.provenance.config_change, the one rule) starts over, its old files moved aside, never deleted.
 restart_reason = ""
