@@ -31,12 +31,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--configfile", type=Path, default=Path("config/config.yaml"), help="the workflow config"
-    )
-    parser.add_argument(
-        "--first-steps", type=int, default=5, help="steps averaged for the all-equal fraction"
-    )
+    # argparse applies ``type`` to a string default too
+    parser.add_argument("--configfile", type=Path, default="config/config.yaml", help="the workflow config")
+    parser.add_argument("--first-steps", type=int, default=5, help="steps of the all-equal fraction")
     args = parser.parse_args()
     config = yaml.safe_load(args.configfile.read_text())
     args.results = Path("results") / config["experiment"]

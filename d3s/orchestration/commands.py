@@ -25,19 +25,16 @@ CPU_OVERRIDES = ("--mixed_precision", "no")
 
 
 def accelerate_config_path(name: str, config_dir: str | os.PathLike[str]) -> Path:
-    """The accelerate YAML for a name in ACCELERATE_CONFIGS or a path to a file; clear error otherwise."""
-    if name in ACCELERATE_CONFIGS or name == SINGLE_PROCESS_CONFIG:
-        path = Path(config_dir) / f"{name}.yaml"
-        if not path.is_file():
-            raise ValueError(f"accelerate config {name!r}: {path} is missing from the checkout")
-        return path
-    path = Path(name).expanduser()
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
-    raise ValueError(
-        f"train.launch.accelerate_config: unknown accelerate config {name!r}; use one of "
-        f"{', '.join(ACCELERATE_CONFIGS)} (workflow/accelerate/) or the path of an accelerate YAML file"
-    )
+    """The accelerate YAML of a name in ACCELERATE_CONFIGS (or SINGLE_PROCESS_CONFIG), else of the path
+    ``name`` (config/schema.yaml allows only these two forms); ValueError when that file is missing."""
+    named = name in ACCELERATE_CONFIGS or name == SINGLE_PROCESS_CONFIG
+    path = Path(config_dir) / f"{name}.yaml" if named else Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"train.launch.accelerate_config {name!r}: {path} is not a file; use one of "
+            f"{', '.join(ACCELERATE_CONFIGS)} (workflow/accelerate/) or the path of an accelerate YAML file"
+        )
+    return path
 
 
 def per_process_threads(threads: int, processes: int) -> int:

@@ -60,9 +60,7 @@ class GpuSlots:
 
     def __init__(self, gpu_ids: Sequence[str], lock_dir: str | os.PathLike[str] | None = None) -> None:
         self.gpu_ids = [str(g) for g in gpu_ids]
-        default = (
-            os.environ.get("D3S_GPU_LOCK_DIR") or Path(tempfile.gettempdir()) / f"d3s-gpu-locks-{os.getuid()}"
-        )
+        default = os.environ.get("D3S_GPU_LOCK_DIR") or f"{tempfile.gettempdir()}/d3s-gpu-locks-{os.getuid()}"
         self.lock_dir = Path(lock_dir if lock_dir is not None else default)
 
     def try_acquire(self, count: int, *, label: str = "") -> GpuLease | None:

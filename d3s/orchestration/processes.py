@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from d3s.orchestration.commands import LOCALHOST
@@ -102,12 +101,6 @@ def signals_raise_system_exit() -> Iterator[None]:
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
-
-
-def _tail(path: str | os.PathLike[str], lines: int = 20) -> str:
-    if not Path(path).is_file():
-        return ""
-    return "\n".join(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
 def training_env(gpu_ids: Sequence[str], base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -33,28 +33,23 @@ def run_training_job(
         run_config, config_path, launch=launch, gpu_ids=gpu_ids, threads=threads, python=python
     )
     write_yaml(config_path, config)
-    train_ids = list(gpu_ids[: launch.train_gpus])
-    with contextlib.ExitStack() as stack:
-        if server_command is not None:
-            server_log = f"{log_path}.vllm-server.log"
-            print(
-                f"starting the vLLM server on GPU(s) {list(gpu_ids[launch.train_gpus :])}: log {server_log}",
-                flush=True,
-            )
-            stack.enter_context(
-                vllm_server(
-                    server_command,
-                    host=LOCALHOST,
-                    port=int(config["trainer"]["vllm_server_port"]),
-                    gpu_ids=gpu_ids[launch.train_gpus :],
-                    log_path=server_log,
-                    startup_timeout_s=launch.server.startup_timeout_s,
-                )
-            )
+    train_ids, server_ids = list(gpu_ids[: launch.train_gpus]), list(gpu_ids[launch.train_gpus :])
+    server: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if server_command is not None:
+        server_log = f"{log_path}.vllm-server.log"
+        print(f"starting the vLLM server on GPU(s) {server_ids}: log {server_log}", flush=True)
+        server = vllm_server(
+            server_command,
+            host=LOCALHOST,
+            port=int(config["trainer"]["vllm_server_port"]),
+            gpu_ids=server_ids,
+            log_path=server_log,
+            startup_timeout_s=launch.server.startup_timeout_s,
+        )
+    with server:  # up and answering before training starts
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"GPUs {train_ids}: {' '.join(command)}\n")
-        code = stack.enter_context(
-            process_group(command, log_path=log_path, env=training_env(train_ids))
-        ).wait()
+        with process_group(command, log_path=log_path, env=training_env(train_ids)) as training:
+            code = training.wait()
     if code != 0:
         raise RuntimeError(f"training exited with code {code}; see {log_path}")

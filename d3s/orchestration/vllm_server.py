@@ -5,11 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
-from d3s.orchestration.processes import _tail, process_group
+from d3s.orchestration.processes import process_group
+
+
+def _log_tail(path: str | os.PathLike[str], lines: int = 20) -> str:
+    """The end of a log process_group opened (so it exists)."""
+    return "\n".join(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
 @contextlib.contextmanager
@@ -35,10 +40,10 @@ def vllm_server(
             if process.poll() is not None:
                 raise RuntimeError(
                     f"the vLLM server exited with code {process.returncode} before answering {url}; "
-                    f"its log ({log_path}) ends with:\n{_tail(log_path)}"
+                    f"its log ({log_path}) ends with:\n{_log_tail(log_path)}"
                 )
             with (
-                contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError),
+                contextlib.suppress(OSError),  # URLError, refused, reset, timed out
                 opener.open(url, timeout=5) as response,
             ):
                 if response.status == 200:
@@ -47,7 +52,7 @@ def vllm_server(
                 raise TimeoutError(
                     f"the vLLM server did not answer {url} within {startup_timeout_s:g} s "
                     f"(train.launch.vllm_server.startup_timeout_s); its log ({log_path}) ends with:\n"
-                    f"{_tail(log_path)}"
+                    f"{_log_tail(log_path)}"
                 )
             time.sleep(1.0)
         yield url

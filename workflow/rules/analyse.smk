@@ -1,6 +1,5 @@
 # Stage 4: the provenance check, once, then the analysis notebooks (notebooks/*.ipynb), one rule each, run
 # with papermill on the logged files and provenance.json (docs/workflow.md, "Stages").
-import sys
 
 # papermill of the Python running Snakemake (works without an activated virtual environment)
 PAPERMILL = f"{sys.executable} -m papermill"

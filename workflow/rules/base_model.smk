@@ -21,7 +21,7 @@ rule base_model:
 
 rule evaluate_base:
     input:
-        base_model_input(),
+        BASE_MODEL_INPUT,
     output:
         summary=f"{RESULTS}/eval/base/summary.json",
     params:

@@ -18,29 +18,22 @@ TRAINER = config["train"]["trainer"]
 MAX_STEPS = TRAINER["max_steps"]
 SAVE_STEPS = TRAINER.get("save_steps", MAX_STEPS) if TRAINER.get("save_strategy") == "steps" else MAX_STEPS
 # Intermediate checkpoints evaluated for the learning curves (the last one is the final model).
-CKPT_STEPS = [s for s in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS)]
+CKPT_STEPS = list(range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS))
 # The schema filled in the defaults; this key order keeps the jobs' params (a new order would re-run them).
 TASK = {key: config["task"][key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
 ANALYSIS = config["analysis"]
-# What the input check before the jobs found, and where (checks.smk): a record, not a job's output.
-INPUT_CHECKS = f"{RESULTS}/checks/inputs.json"
 
 
-def base_model_path():
-    """The model every run starts from: built by rule base_model (kind tiny) or a given path / hub id."""
-    if config["base_model"]["kind"] == "tiny":
-        return f"{RESULTS}/base_model"
-    return config["base_model"]["path"]
+# The model every run starts from: built by rule base_model (kind tiny) or a given path / hub id.
+TINY_BASE = config["base_model"]["kind"] == "tiny"
+BASE_MODEL = f"{RESULTS}/base_model" if TINY_BASE else config["base_model"]["path"]
+BASE_MODEL_INPUT = [f"{BASE_MODEL}/config.json"] if TINY_BASE else []  # rule base_model's output
 
 
 def model_param(wildcards, input):
     """The model path as a rule parameter (derived from the input for the built tiny model, as
     `snakemake --lint` asks of a path prefix of an input)."""
-    return str(Path(input[0]).parent) if config["base_model"]["kind"] == "tiny" else base_model_path()
-
-
-def base_model_input():
-    return [f"{RESULTS}/base_model/config.json"] if config["base_model"]["kind"] == "tiny" else []
+    return str(Path(input[0]).parent) if TINY_BASE else BASE_MODEL
 
 
 # What each kind of pending job needs checked before the run starts (checks.smk; the checks are in
@@ -62,7 +55,8 @@ def check_inputs_of_pending_jobs():
         return
     request = {"config": config, "task": TASK, "accelerate_dir": ACCELERATE_DIR, "checks": checks}
     script = f"{workflow.basedir}/workflow/scripts/check_inputs.py"
+    found = f"{RESULTS}/checks/inputs.json"  # where each input was found: a record, not a job's output
     log = f"{RESULTS}/logs/check_inputs.log"
-    done = subprocess.run([sys.executable, script, INPUT_CHECKS, log], input=json.dumps(request), text=True)
+    done = subprocess.run([sys.executable, script, found, log], input=json.dumps(request), text=True)
     if done.returncode:
         raise SystemExit(done.returncode)

@@ -31,7 +31,7 @@ for name, (point, model, samples, k, limit) in EVAL_POINTS.items():
             samples=samples,
             k=k,
             limit=limit,
-            reference=base_model_path(),  # the initial policy of the KL (eval.kl)
+            reference=BASE_MODEL,  # the initial policy of the KL (eval.kl)
             train=config["train"],
         threads: EV["threads"]
         resources:

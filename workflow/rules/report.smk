@@ -9,7 +9,7 @@ rule report:
     input:
         notebooks=[f"{RESULTS}/notebooks/{notebook}.ipynb" for notebook in NOTEBOOKS],  # and their tables
         provenance=PROVENANCE,
-        base=f"{RESULTS}/base_model/base_summary.json" if config["base_model"]["kind"] == "tiny" else [],
+        base=f"{RESULTS}/base_model/base_summary.json" if TINY_BASE else [],
     output:
         report_md=f"{RESULTS}/report.md",
         claims=report(

@@ -3,7 +3,7 @@
 
 rule train:
     input:
-        base_model_input(),
+        BASE_MODEL_INPUT,
     output:
         config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",

@@ -2,20 +2,19 @@
 CPU, or on a GPU of its own with base_model.resources.gpu: 1 (config/gpu-smoke.yaml)."""
 
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_base import build_base  # noqa: E402
+# build_base.py beside this script: Snakemake's preamble puts a local script's folder on sys.path
+from build_base import build_base
 
-from d3s.orchestration.gpu_slots import gpu_job, granted_gpus, job_gpus  # noqa: E402
+from d3s.orchestration.gpu_slots import gpu_job, granted_gpus, job_gpus
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 declared = job_gpus(smk.params.cfg.get("resources"))
 if declared > 1:
     raise SystemExit(f"base_model.resources.gpu = {declared}: the SFT warm start uses one GPU; set it to 1")
 granted = granted_gpus(smk.resources, declared, "base_model")
-with gpu_job(smk.log[0], granted, f"{smk.rule}") as gpu_ids:
+with gpu_job(smk.log[0], granted, smk.rule) as gpu_ids:
     if granted:  # before torch touches CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         print(f"GPU(s) {gpu_ids}", flush=True)

@@ -42,8 +42,7 @@ def build_base(
         seed=seed,
         learning_rate=cfg["learning_rate"],
     )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out)  # makes the folder
     tokenizer.save_pretrained(out)
     settings = ("sft_steps", "sft_problems", "seed", "learning_rate", "model")
     summary = {key: cfg[key] for key in settings} | options | {"sft_box_error": list(box_error)}

@@ -5,17 +5,15 @@ OUT.json records where each input was found."""
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
+from d3s.orchestration.run_config import resolved_trainer_configs
 from d3s.provenance.manifest import atomic_write_text, now, write_json
 from d3s.runs.config import check_model_dir
 
 
 def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
-    from d3s.orchestration.run_config import resolved_trainer_configs
-
     config = request["config"]
     resolved_trainer_configs(config, request["accelerate_dir"], request["task"], check_inputs=False)
     return {"methods": list(config["methods"])}
@@ -93,7 +91,6 @@ def main(out: str, log: str) -> int:
                 found[name] = check(request)
             except ValueError as exc:
                 problems.extend(f"config {line}" for line in str(exc).splitlines())
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(log, "".join(line + "\n" for line in problems) or "all inputs found\n")
     if problems:
         print("\n".join(problems), file=sys.stderr)

@@ -32,10 +32,9 @@ config = coerce_run_config(
         processes=max(1, launch.train_gpus),
     )
 )
-run_dir.mkdir(parents=True, exist_ok=True)
 # A job cut off midway resumes from its last checkpoint (resume: auto); one whose configuration really changed
 # (d3s.provenance.config_change, the one rule) starts over, its old files moved aside, never deleted.
-restart_reason = None
+restart_reason = ""
 changes = config_differences(run_dir, config)
 if changes:
     metrics_log = config["trainer"].get("metrics_log", "metrics.jsonl")
@@ -45,22 +44,19 @@ if changes:
         f"; the previous run's files are in {moved}" if moved else ""
     )
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A fresh log, opened for appending below: on GPUs the training processes append to it too.
+Path(smk.log[0]).write_text(restart_reason + "\n" if restart_reason else "")
 
 if launch.job_gpus == 0:
     write_yaml(smk.output.config, config)
     from d3s.runs.run import train
 
-    with open(smk.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        if restart_reason:
-            print(restart_reason, flush=True)
+    with open(smk.log[0], "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         train(config)
 else:
-    Path(smk.log[0]).write_text("")  # the training processes append to the same log
     label = f"{smk.rule} {method} seed{seed}"
     with gpu_job(smk.log[0], launch.job_gpus, label, mode="a") as gpu_ids:
         print(f"{label}: GPU(s) {gpu_ids}", flush=True)
-        if restart_reason:
-            print(restart_reason, flush=True)
         run_training_job(
             config,
             smk.output.config,
