@@ -36,8 +36,6 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
         if not rows:
             continue
         df = pd.DataFrame(rows)
-        if "step" not in df:
-            df["step"] = range(1, len(df) + 1)
         df = df.sort_values("step").drop_duplicates("step", keep="last")
         df.insert(0, "seed", seed)
         df.insert(0, "method", method)
@@ -54,9 +52,11 @@ def load_metrics(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame
     return pd.concat(frames, ignore_index=True)
 
 
-def _summary_rows(path: Path, **labels) -> list[dict]:
-    """One row per benchmark and k of an evaluation summary (and the average, over several benchmarks)."""
-    summary = json.loads(path.read_text())
+def _summary_rows(evaluation: Path, results: Path, **labels) -> list[dict]:
+    """One row per benchmark and k of the evaluation in folder ``evaluation`` (and the average, over several
+    benchmarks): ``labels``, then its manifest, benchmark, k, value and interval."""
+    summary = json.loads((evaluation / "summary.json").read_text())
+    labels["manifest"] = _rel(evaluation / layout.MANIFEST, results)
     rows = []
     for bench, info in summary.get("benchmarks", {}).items():
         for k, value in (info.get("pass_at_k") or {}).items():
@@ -94,14 +94,12 @@ def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     rows = [
         row
         for point, labels in _run_points(results)
-        for row in _summary_rows(point.summary, **labels, manifest=_rel(point.manifest, results))
+        for row in _summary_rows(point.directory, results, **labels)
     ]
     base = results / "eval" / "base"
     if (base / "summary.json").is_file():
-        manifest = _rel(base / layout.MANIFEST, results)
         for method, seed in sorted({(r["method"], r["seed"]) for r in rows}) or [("base", 0)]:
-            labels = {"method": method, "seed": seed, "step": 0, "final": False, "manifest": manifest}
-            rows += _summary_rows(base / "summary.json", **labels)
+            rows += _summary_rows(base, results, method=method, seed=seed, step=0, final=False)
     if not rows:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
     return pd.DataFrame(rows).sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
@@ -151,11 +149,10 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
     when the base model was not evaluated."""
     results = Path(results)
     load_provenance(results, allow_mixed, groups=("final",))
-    path = results / "eval" / "base" / "summary.json"
-    if not path.is_file():
+    base = results / "eval" / "base"
+    if not (base / "summary.json").is_file():
         return pd.DataFrame()
-    manifest = _rel(path.with_name(layout.MANIFEST), results)
-    return pd.DataFrame(_summary_rows(path, method="base", seed=0, step=0, final=False, manifest=manifest))
+    return pd.DataFrame(_summary_rows(base, results, method="base", seed=0, step=0, final=False))
 
 
 def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:

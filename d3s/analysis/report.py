@@ -15,7 +15,7 @@ import pandas as pd
 
 from d3s.analysis.claims import claims_table
 from d3s.analysis.io import load_evals, load_metrics
-from d3s.analysis.tables import cell, learning_curves, mean_ci, write_table
+from d3s.analysis.tables import cell, learning_curves, markdown_table, mean_ci, write_table
 from d3s.methods import method_trainer
 from d3s.provenance.manifest import git_state
 from d3s.provenance.settings_check import load_provenance
@@ -62,9 +62,8 @@ def _optional(path: Path, title: str, digits: int) -> str:
 
 
 def _md(df: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
+    columns = {str(name): (lambda row, i=i: row[i]) for i, name in enumerate(df.columns)}
+    return markdown_table(df.itertuples(index=False), columns)
 
 
 def _git_commit() -> str:

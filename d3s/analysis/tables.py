@@ -52,9 +52,8 @@ def pass_at_k_across_seeds(evals: pd.DataFrame, methods=None) -> pd.DataFrame:
     rows = [(method, bench, int(k), *mean_ci(values * 100)) for (method, bench, k), values in groups]
     if not rows:
         return pd.DataFrame()
-    df = pd.DataFrame(rows, columns=["method", "benchmark", "k", "mean", "ci95", "seeds"])
-    df["order"] = df["method"].map({m: i for i, m in enumerate(methods)})
-    return df.sort_values(["order", "benchmark", "k"]).drop(columns="order").reset_index(drop=True)
+    rows.sort(key=lambda row: methods.index(row[0]))  # stable: benchmark and k stay in groupby's order
+    return pd.DataFrame(rows, columns=["method", "benchmark", "k", "mean", "ci95", "seeds"])
 
 
 def cell(mean: float, half: float = math.nan, digits: int = 1) -> str:
@@ -126,7 +125,7 @@ def efficiency_table(
     update tokens and seconds per step, and the speedups to ``fraction`` of the reference's best Pass@1 in
     steps, update tokens and wall-clock."""
     final = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()]
-    per_method = final.groupby("method")["value"].agg(["mean", "std", "count"])
+    per_method = final.groupby("method")["value"].agg(["mean", "count"])
     ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
     speed = {label: speedups(curves, reference, fraction, x) for x, label in SPEEDUPS.items()}
     costs = {"update_tokens_per_step": "selection/update_tokens", "seconds_per_step": "step_time"}

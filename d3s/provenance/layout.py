@@ -34,10 +34,6 @@ class EvalPoint:
     directory: Path
 
     @property
-    def summary(self) -> Path:
-        return self.directory / "summary.json"
-
-    @property
     def manifest(self) -> Path:
         return self.directory / MANIFEST
 

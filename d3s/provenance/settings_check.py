@@ -86,16 +86,14 @@ TRAINING_RULES: tuple[Rule, ...] = _rules(
         "batch geometry a method sets (GSPO's 4 mini-batches per generation batch; the accumulation that "
         "follows from a method's G): stated, not refused",
     ),
-    ("seed", FREE, "seeds are what the intervals are taken over"),
-    (("config.seed", TRAINER + "seed", TRAINER + "data_seed"), FREE, "seed"),
+    (("seed", "config.seed", TRAINER + "seed", TRAINER + "data_seed"), FREE, "seeds: what intervals span"),
     (
         [f"config.{key}" for key in sorted(TRAINING_PER_ATTEMPT) if not key.startswith("trainer.")]
         + [TRAINER + key for key in sorted(PER_ATTEMPT_TRAINER_KEYS)],
         FREE,
         "per-attempt value (run folder, resume policy, vLLM server address): TRAINING_PER_ATTEMPT",
     ),
-    (TRAINER + "logging_dir", FREE, "run folder"),
-    (TRAINER + "run_name", FREE, "the run's name"),
+    ((TRAINER + "logging_dir", TRAINER + "run_name"), FREE, "the run's folder and name"),
     ("config.trainer.*", FREE, "options as written (per-method overrides); resolved_trainer is compared"),
     ("config.data_dir", FREE, "a path; the dataset file's checksum is compared"),
     ("resumed_from", FREE, "the checkpoint an interrupted run resumed from"),
@@ -369,10 +367,7 @@ def _cross_group_notes(final: Sequence[Record], checkpoints: Sequence[Record]) -
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def check_results(
