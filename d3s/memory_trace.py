@@ -30,12 +30,7 @@ def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.
     else:
         raise ValueError(f"architecture family {arch['family']!r}: only qwen2 and llama are traced")
     config._attn_implementation = "sdpa"  # transformers' default, as the training jobs load it
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # fake parameters cannot be cast after construction
-    try:
-        return cls(config)
-    finally:
-        torch.set_default_dtype(previous)
+    return cls._from_config(config, dtype=dtype)  # built in dtype: fake parameters cannot be cast after
 
 
 def trace_step(
@@ -106,12 +101,7 @@ def trace_step(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
-    device_peak = next(iter(peak.values()))
-    result = {name: 0 for name in TRACKER_CATEGORIES}
-    for key, value in device_peak.items():
-        name = getattr(key, "value", str(key)).strip()
-        name = {"Total Memory": "Total"}.get(name, name)
-        if name in result or name == "Total":
-            result[name] = int(value)
-    result.setdefault("Total", sum(result[name] for name in TRACKER_CATEGORIES))
+    result = dict.fromkeys((*TRACKER_CATEGORIES, "Total"), 0)
+    for key, value in next(iter(peak.values())).items():  # the one device's _MemRefType members and "Total"
+        result[getattr(key, "value", key)] = int(value)
     return result

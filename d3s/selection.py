@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -19,11 +19,11 @@ TokenRule = Literal["adv_entropy", "entropy", "none"]
 TokenScope = Literal["batch", "micro_batch", "sequence"]
 ScheduleKind = Literal["constant", "linear"]
 
-SAMPLE_RULES: tuple[str, ...] = ("max_variance", "random", "max_reward", "none")
-SAMPLE_SCOPES: tuple[str, ...] = ("group", "batch")
-TOKEN_RULES: tuple[str, ...] = ("adv_entropy", "entropy", "none")
-TOKEN_SCOPES: tuple[str, ...] = ("batch", "micro_batch", "sequence")
-SCHEDULES: tuple[str, ...] = ("constant", "linear")
+SAMPLE_RULES: tuple[str, ...] = get_args(SampleRule)
+SAMPLE_SCOPES: tuple[str, ...] = get_args(SampleScope)
+TOKEN_RULES: tuple[str, ...] = get_args(TokenRule)
+TOKEN_SCOPES: tuple[str, ...] = get_args(TokenScope)
+SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -275,7 +275,6 @@ class Schedule:
 
     def reachable_keep_values(self) -> range:
         """Every keep_per_prompt the schedule can produce (for up-front validation)."""
-        if self.kind == "constant":
-            return range(self.keep_per_prompt_init, self.keep_per_prompt_init + 1)
-        low, high = sorted((self.keep_per_prompt_init, self.keep_per_prompt_final))
+        final = self.keep_per_prompt_init if self.kind == "constant" else self.keep_per_prompt_final
+        low, high = sorted((self.keep_per_prompt_init, final))
         return range(low, high + 1)

@@ -76,10 +76,7 @@ def build_model(
         bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return Qwen2ForCausalLM(config)  # its generation config takes pad, eos and bos from ``config``
 
 
 def sft_warm_start(
