@@ -20,17 +20,12 @@ TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "
 
 def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.nn.Module:
     """The architecture's model with ``layers`` decoder layers and random weights (call under fake mode)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     common = {key: arch[name] for name, key in CONFIG_KEYS.items()} | {"num_hidden_layers": layers}
-    if arch["family"] == "qwen2":
-        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
-    elif arch["family"] == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    else:
-        raise ValueError(f"architecture family {arch['family']!r}: only qwen2 and llama are traced")
+    config = AutoConfig.for_model(arch["family"], **common)  # the family is the model_type: qwen2, llama
     config._attn_implementation = "sdpa"  # transformers' default, as the training jobs load it
-    return cls._from_config(config, dtype=dtype)  # built in dtype: fake parameters cannot be cast after
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)  # in dtype: fake tensors cannot be cast
 
 
 def trace_step(

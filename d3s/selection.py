@@ -197,11 +197,6 @@ def token_scores(advantages: torch.Tensor, entropies: torch.Tensor, rule: TokenR
     return adv.abs().to(entropies.dtype) * entropies
 
 
-def _keep_count(token_keep_ratio: float, valid_count: torch.Tensor) -> torch.Tensor:
-    # ceil(K * n) without floating error turning 0.2 * 50 into 11
-    return torch.ceil(token_keep_ratio * valid_count.to(torch.float64) - 1e-9).long()
-
-
 def token_keep_mask(
     scores: torch.Tensor,
     valid_mask: torch.Tensor,
@@ -229,7 +224,9 @@ def token_keep_mask(
     order = torch.sort(rows, dim=1, descending=True, stable=True).indices
     positions = torch.arange(rows.shape[1], device=rows.device).expand_as(order)
     ranks = torch.empty_like(order).scatter_(1, order, positions)
-    keep = ranks < _keep_count(token_keep_ratio, valid.view_as(rows).sum(dim=1)).unsqueeze(1)
+    # ceil(K * n) without floating error turning 0.2 * 50 into 11
+    count = torch.ceil(token_keep_ratio * valid.view_as(rows).sum(dim=1).to(torch.float64) - 1e-9).long()
+    keep = ranks < count.unsqueeze(1)
     return keep.view_as(valid) & valid
 
 

@@ -138,18 +138,14 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         scores = token_scores(inputs["advantages"], entropies, self.args.token_rule)
         token_keep_ratio, scope = self._token_keep_ratio(), self.args.token_scope
-        if scope != "sequence" and self.accelerator.num_processes > 1:
-            # Rank over the rows of every rank, exactly as a single process would see them.
-            rows, cols = scores.shape
-            pad = self.accelerator.pad_across_processes
-            all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
-            all_valid = self.accelerator.gather(pad(valid.int(), dim=1, pad_index=0)).bool()  # gloo: no bool
-            rank = self.accelerator.process_index
-            keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)[
-                rank * rows : (rank + 1) * rows, :cols
-            ]
-        else:
-            keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
+        # Rank over the rows of every rank, exactly as a single process would see them (one process: as is).
+        rows, cols = scores.shape
+        pad = self.accelerator.pad_across_processes
+        all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
+        all_valid = self.accelerator.gather(pad(valid.int(), dim=1, pad_index=0)).bool()  # gloo: no bool
+        rank = self.accelerator.process_index
+        all_keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)
+        keep = all_keep[rank * rows : (rank + 1) * rows, :cols]
         if self._hook_state.anatomy_tokens_due:
             self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
             if self.accelerator.is_main_process:
