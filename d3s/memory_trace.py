@@ -79,8 +79,7 @@ def trace_step(
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
         with tracker:
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp")
-            with autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp"):
                 out = model(
                     input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
                 )

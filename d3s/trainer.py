@@ -123,11 +123,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts -------------------------------
 
     def _select_tokens(self, batch: dict, entropies: torch.Tensor | None = None) -> torch.Tensor:
-        """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T).
-
-        ``entropies``: the old-policy pass's where TRL ran one (vLLM, GSPO mini-batches, num_iterations > 1),
-        else a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
-        """
+        """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T),
+        by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
@@ -269,8 +266,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         shares = kept.view(num_processes, share)
         owners = torch.arange(num_processes, device=kept.device).unsqueeze(1)
         rank_local = bool(((shares // local_rows) == owners).all())  # identical on every rank
-
-        mine = slice(rank * share, (rank + 1) * share)
         selected = dict(output)
         for key, value in output.items():
             if isinstance(value, list) and len(value) == local_rows:
@@ -288,8 +283,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                 padded = self.accelerator.pad_across_processes(
                     value, dim=1, pad_index=pad, pad_first=key in _LEFT_PADDED
                 )
-                selected[key] = self.accelerator.gather(padded)[kept[mine]]
-        selected["advantages"] = kept_advantages[mine].to(output["advantages"].dtype)
+                selected[key] = self.accelerator.gather(padded)[shares[rank]]
+        selected["advantages"] = kept_advantages.view_as(shares)[rank].to(output["advantages"].dtype)
         loss_mask = selected["completion_mask"] * selected.get("tool_mask", 1)
         # TRL counted the tokens of all rollouts before we dropped any; dapo's normaliser needs the kept ones.
         selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
