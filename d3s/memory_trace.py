@@ -20,22 +20,12 @@ TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "
 
 def build_model(arch: dict[str, Any], layers: int, dtype: torch.dtype) -> torch.nn.Module:
     """The architecture's model with ``layers`` decoder layers and random weights (call under fake mode)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     common = {key: arch[name] for name, key in CONFIG_KEYS.items()} | {"num_hidden_layers": layers}
-    if arch["family"] == "qwen2":
-        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
-    elif arch["family"] == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    else:
-        raise ValueError(f"architecture family {arch['family']!r}: only qwen2 and llama are traced")
+    config = AutoConfig.for_model(arch["family"], **common)  # the family is the model_type: qwen2, llama
     config._attn_implementation = "sdpa"  # transformers' default, as the training jobs load it
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # fake parameters cannot be cast after construction
-    try:
-        return cls(config)
-    finally:
-        torch.set_default_dtype(previous)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)  # in dtype: fake tensors cannot be cast
 
 
 def trace_step(
@@ -89,8 +79,7 @@ def trace_step(
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
         with tracker:
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp")
-            with autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp"):
                 out = model(
                     input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
                 )
@@ -106,12 +95,7 @@ def trace_step(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
-    device_peak = next(iter(peak.values()))
-    result = {name: 0 for name in TRACKER_CATEGORIES}
-    for key, value in device_peak.items():
-        name = getattr(key, "value", str(key)).strip()
-        name = {"Total Memory": "Total"}.get(name, name)
-        if name in result or name == "Total":
-            result[name] = int(value)
-    result.setdefault("Total", sum(result[name] for name in TRACKER_CATEGORIES))
+    result = dict.fromkeys((*TRACKER_CATEGORIES, "Total"), 0)
+    for key, value in next(iter(peak.values())).items():  # the one device's _MemRefType members and "Total"
+        result[getattr(key, "value", key)] = int(value)
     return result

@@ -128,8 +128,7 @@ METHODS: dict[str, Method] = {
     ),
     "gspo": Method(
         "D3S Table 3 baseline 'GSPO' (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, "
-        "each rollout "
-        "batch in 4 mini-batches (one optimizer step each)",
+        "each rollout batch in 4 mini-batches (one optimizer step each)",
         minibatches_per_generation=4,
         trl_settings=GSPO_TRL,
     ),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -19,11 +19,11 @@ TokenRule = Literal["adv_entropy", "entropy", "none"]
 TokenScope = Literal["batch", "micro_batch", "sequence"]
 ScheduleKind = Literal["constant", "linear"]
 
-SAMPLE_RULES: tuple[str, ...] = ("max_variance", "random", "max_reward", "none")
-SAMPLE_SCOPES: tuple[str, ...] = ("group", "batch")
-TOKEN_RULES: tuple[str, ...] = ("adv_entropy", "entropy", "none")
-TOKEN_SCOPES: tuple[str, ...] = ("batch", "micro_batch", "sequence")
-SCHEDULES: tuple[str, ...] = ("constant", "linear")
+SAMPLE_RULES: tuple[str, ...] = get_args(SampleRule)
+SAMPLE_SCOPES: tuple[str, ...] = get_args(SampleScope)
+TOKEN_RULES: tuple[str, ...] = get_args(TokenRule)
+TOKEN_SCOPES: tuple[str, ...] = get_args(TokenScope)
+SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -197,11 +197,6 @@ def token_scores(advantages: torch.Tensor, entropies: torch.Tensor, rule: TokenR
     return adv.abs().to(entropies.dtype) * entropies
 
 
-def _keep_count(token_keep_ratio: float, valid_count: torch.Tensor) -> torch.Tensor:
-    # ceil(K * n) without floating error turning 0.2 * 50 into 11
-    return torch.ceil(token_keep_ratio * valid_count.to(torch.float64) - 1e-9).long()
-
-
 def token_keep_mask(
     scores: torch.Tensor,
     valid_mask: torch.Tensor,
@@ -229,7 +224,9 @@ def token_keep_mask(
     order = torch.sort(rows, dim=1, descending=True, stable=True).indices
     positions = torch.arange(rows.shape[1], device=rows.device).expand_as(order)
     ranks = torch.empty_like(order).scatter_(1, order, positions)
-    keep = ranks < _keep_count(token_keep_ratio, valid.view_as(rows).sum(dim=1)).unsqueeze(1)
+    # ceil(K * n) without floating error turning 0.2 * 50 into 11
+    count = torch.ceil(token_keep_ratio * valid.view_as(rows).sum(dim=1).to(torch.float64) - 1e-9).long()
+    keep = ranks < count.unsqueeze(1)
     return keep.view_as(valid) & valid
 
 
@@ -275,7 +272,6 @@ class Schedule:
 
     def reachable_keep_values(self) -> range:
         """Every keep_per_prompt the schedule can produce (for up-front validation)."""
-        if self.kind == "constant":
-            return range(self.keep_per_prompt_init, self.keep_per_prompt_init + 1)
-        low, high = sorted((self.keep_per_prompt_init, self.keep_per_prompt_final))
+        final = self.keep_per_prompt_init if self.kind == "constant" else self.keep_per_prompt_final
+        low, high = sorted((self.keep_per_prompt_init, final))
         return range(low, high + 1)

@@ -1,10 +1,8 @@
 """The tiny offline model: a small byte-level BPE tokenizer and a small Qwen2-architecture causal LM.
 
-Nothing here downloads anything. The tokenizer covers printable ASCII one symbol per token (digits are
-single tokens, as in Qwen's tokenizer) plus merged tokens for the synthetic task's ``\\boxed``, with
-Qwen2's pre-tokenizer, so ``tok(prompt) + tok(completion) == tok(prompt + completion)`` holds at the
-task's prompt/completion boundary (a BPE merge across that boundary would make SFT and GRPO see different
-token ids; see docs/cpu-testbed-notes.md), and a saved copy reloads identically through ``AutoTokenizer``.
+Nothing here downloads anything. The tokenizer covers printable ASCII one symbol per token (digits single, as
+in Qwen's) plus merged tokens for ``\\boxed``, with Qwen2's pre-tokenizer, so no merge crosses the task's
+prompt/completion boundary (SFT and GRPO see the same ids); AutoTokenizer reloads a saved copy identically.
 """
 
 from __future__ import annotations
@@ -76,10 +74,7 @@ def build_model(
         bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return Qwen2ForCausalLM(config)  # its generation config takes pad, eos and bos from ``config``
 
 
 def sft_warm_start(

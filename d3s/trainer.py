@@ -9,6 +9,7 @@ d3s/savings/; TRL internals used: d3s/trl_contract.py; each method's objective: 
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             return output
         all_advantages = self.accelerator.gather(output["advantages"])  # the batch of every rank
         kept = torch.arange(all_advantages.numel(), device=all_advantages.device)
+        kept_advantages, selected = all_advantages, output
         if drops_rollouts:
             rewards = self._summed_rewards(all_advantages.device)
             kept = select_samples(
@@ -101,19 +103,15 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                 scope=self.args.sample_scope,
                 generator=torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step),
             )
-        if self.args.renormalize and drops_rollouts:  # PODS: over the kept subset; D-family: over all G
-            kept_advantages = renormalize_advantages(
-                rewards, kept, self.num_generations, scale=self.scale_rewards != "none"
-            )
-        else:
             kept_advantages = all_advantages[kept]
-        self._log_selection(keep, all_advantages, kept, kept_advantages)
-        selected = output
-        if drops_rollouts:
+            if self.args.renormalize:  # PODS: over the kept subset; D-family: over all G
+                scale = self.scale_rewards != "none"
+                kept_advantages = renormalize_advantages(rewards, kept, self.num_generations, scale=scale)
             selected = self._keep_rows(output, kept, kept_advantages)
             if self.args.defer_logprob_passes:  # savings: only the kept rows are forwarded
                 selected = self.run_deferred_logprob_passes(selected)
                 self._take_old_policy_entropies(selected)
+        self._log_selection(keep, all_advantages, kept, kept_advantages)
         self._hook_state.old_policy_entropies_wanted = False
         entropies = selected.pop("old_policy_entropies", None)
         if selects_tokens and self.args.token_scope != "micro_batch":
@@ -125,11 +123,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts -------------------------------
 
     def _select_tokens(self, batch: dict, entropies: torch.Tensor | None = None) -> torch.Tensor:
-        """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T).
-
-        ``entropies``: the old-policy pass's where TRL ran one (vLLM, GSPO mini-batches, num_iterations > 1),
-        else a no-gradient pass over the kept rows computes them (with mu = 1, the loss pass's values).
-        """
+        """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T),
+        by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
         valid = batch["completion_mask"] * batch.get("tool_mask", 1)
@@ -140,18 +135,14 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         scores = token_scores(inputs["advantages"], entropies, self.args.token_rule)
         token_keep_ratio, scope = self._token_keep_ratio(), self.args.token_scope
-        if scope != "sequence" and self.accelerator.num_processes > 1:
-            # Rank over the rows of every rank, exactly as a single process would see them.
-            rows, cols = scores.shape
-            pad = self.accelerator.pad_across_processes
-            all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
-            all_valid = self.accelerator.gather(pad(valid.int(), dim=1, pad_index=0)).bool()  # gloo: no bool
-            rank = self.accelerator.process_index
-            keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)[
-                rank * rows : (rank + 1) * rows, :cols
-            ]
-        else:
-            keep = token_keep_mask(scores, valid, token_keep_ratio, scope)
+        # Rank over the rows of every rank, exactly as a single process would see them (one process: as is).
+        rows, cols = scores.shape
+        pad = self.accelerator.pad_across_processes
+        all_scores = self.accelerator.gather(pad(scores, dim=1, pad_index=0))
+        all_valid = self.accelerator.gather(pad(valid.int(), dim=1, pad_index=0)).bool()  # gloo: no bool
+        rank = self.accelerator.process_index
+        all_keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)
+        keep = all_keep[rank * rows : (rank + 1) * rows, :cols]
         if self._hook_state.anatomy_tokens_due:
             self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
             if self.accelerator.is_main_process:
@@ -189,9 +180,7 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         with self._kl_on_selected_tokens(training):
             loss = super()._compute_loss(model, inputs)
         if training:
-            if kept_as_loss_mask:
-                self._log_entropy_of_every_token(given)
-            self._log_tokens_trained(given)
+            self._log_loss_call(given, kept_as_loss_mask)
         return loss
 
     def get_high_entropy_mask(
@@ -217,17 +206,15 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # GRPOTrainer(model, reward_funcs, args, ...): accuracy_reward is graded under args.answer_policy.
-        config = kwargs["args"] if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        if isinstance(config, D3SConfig):
-            if "reward_funcs" in kwargs:
-                kwargs["reward_funcs"] = bind_answer_policy(kwargs["reward_funcs"], config.answer_policy)
-            elif len(args) > 1:
-                args = (args[0], bind_answer_policy(args[1], config.answer_policy), *args[2:])
+        # GRPOTrainer's arguments by name: accuracy_reward is graded under args.answer_policy.
+        call = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
+        config = call.arguments.get("args")
+        if not isinstance(config, D3SConfig):
+            raise TypeError(f"D3STrainer needs a D3SConfig, got {type(config).__name__}")
+        reward_funcs = call.arguments.get("reward_funcs")
+        call.arguments["reward_funcs"] = bind_answer_policy(reward_funcs, config.answer_policy)
         self._hook_state = HookState()
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, D3SConfig):
-            raise TypeError(f"D3STrainer needs a D3SConfig, got {type(self.args).__name__}")
+        super().__init__(*call.args[1:], **call.kwargs)
         trl_contract.check_trainer_attributes(self)
         self.selection_schedule = self.args.selection_schedule
         if self.args.metrics_log:
@@ -243,17 +230,12 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
 
     def training_progress(self) -> float:
         """p = step / max_steps, where the schedule of N and K is read."""
-        max_steps = self.state.max_steps or 0
-        return self.state.global_step / max_steps if max_steps > 0 else 0.0
+        return self.state.global_step / self.state.max_steps if self.state.max_steps > 0 else 0.0
 
     @property
     def update_tokens_total(self) -> int:
         """Tokens that reached the policy gradient, all ranks, all steps (saved with checkpoints)."""
         return self._checkpoint_state().update_tokens_total
-
-    @update_tokens_total.setter
-    def update_tokens_total(self, value: int) -> None:
-        self._checkpoint_state().update_tokens_total = value
 
     def _checkpoint_state(self) -> D3SCheckpointState:
         # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
@@ -284,8 +266,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         shares = kept.view(num_processes, share)
         owners = torch.arange(num_processes, device=kept.device).unsqueeze(1)
         rank_local = bool(((shares // local_rows) == owners).all())  # identical on every rank
-
-        mine = slice(rank * share, (rank + 1) * share)
         selected = dict(output)
         for key, value in output.items():
             if isinstance(value, list) and len(value) == local_rows:
@@ -303,8 +283,8 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
                 padded = self.accelerator.pad_across_processes(
                     value, dim=1, pad_index=pad, pad_first=key in _LEFT_PADDED
                 )
-                selected[key] = self.accelerator.gather(padded)[kept[mine]]
-        selected["advantages"] = kept_advantages[mine].to(output["advantages"].dtype)
+                selected[key] = self.accelerator.gather(padded)[shares[rank]]
+        selected["advantages"] = kept_advantages.view_as(shares)[rank].to(output["advantages"].dtype)
         loss_mask = selected["completion_mask"] * selected.get("tool_mask", 1)
         # TRL counted the tokens of all rollouts before we dropped any; dapo's normaliser needs the kept ones.
         selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
@@ -331,12 +311,6 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             rewards = self._summed_rewards(before.device)
             record = sample_anatomy(self.state.global_step, keep, self.num_generations, rewards, before, kept)
             append_anatomy(self.args.output_dir, record)
-
-    def _log_entropy_of_every_token(self, inputs: dict) -> None:
-        """TRL logged the entropy over its loss mask, here the kept tokens: log it over every token."""
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        entropy, count = self._summed_over_ranks(self._hook_state.loss_entropies.detach() * mask, mask)
-        self._metrics["train"]["entropy"][-1] = (entropy / count.clamp(min=1)).item()
 
     def _summed_over_ranks(self, *values: torch.Tensor) -> torch.Tensor:
         """The sum of each tensor over every rank, in float64."""
@@ -373,13 +347,15 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             batch["old_policy_entropies"] = self._hook_state.old_policy_entropies
             self._hook_state.old_policy_entropies = None
 
-    def _log_tokens_trained(self, inputs: dict) -> None:
-        chosen = self._hook_state.token_mask
+    def _log_loss_call(self, inputs: dict, kept_as_loss_mask: bool) -> None:
+        chosen, metrics = self._hook_state.token_mask, self._metrics["train"]
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        if kept_as_loss_mask:  # TRL logged the entropy over its loss mask, the kept tokens: log every token's
+            entropy, count = self._summed_over_ranks(self._hook_state.loss_entropies.detach() * mask, mask)
+            metrics["entropy"][-1] = (entropy / count.clamp(min=1)).item()
         used = mask.bool() if chosen is None else chosen
         trained, count = self._summed_over_ranks(used, mask)
-        self.update_tokens_total += int(trained.item())
-        metrics = self._metrics["train"]
+        self._checkpoint_state().update_tokens_total += int(trained.item())
         metrics["selection/update_tokens"].append(trained.item())
         if chosen is None:  # every token trained: the selected entropy is TRL's entropy
             metrics["selection/entropy_selected"].append(metrics["entropy"][-1])

@@ -1,10 +1,7 @@
 """What d3s needs from TRL beyond its public API, in one place, checked when d3s.trainer is imported.
 
-TRL has no hook to filter rollouts before its log-prob passes, nor one that hands the advantages to its
-token-mask hook (docs/trl-hooks-proposal.md drafts both). Until it does, the trainer overrides private
-methods of ``GRPOTrainer`` and reads private attributes. They are pinned to one TRL version: re-read each
-(trl ``trainer/grpo_trainer.py``) before moving the pin. ``test_grpo_reproduces_trl_grpo_trainer_exactly``
-(tests/test_trainer.py) and tests/test_compute_savings.py fail first when the behaviour behind a name moved.
+TRL has no hook to filter rollouts before its log-prob passes (docs/trl-hooks-proposal.md), so the trainer
+overrides private methods of ``GRPOTrainer``, pinned to one TRL version (DEVELOPERS.md, "TRL hooks").
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class KeptTokenHead:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if getattr(self.args, "kept_token_logprobs", False) and self.args.token_rule != "none":
+        if self.args.kept_token_logprobs and self.args.token_rule != "none":
             blocker = self._kept_token_head_blocker()
             if blocker is None:
                 add_kept_token_head(self._head_model(), self.temperature, self.args.cast_lm_head_to_fp32)
