@@ -1,13 +1,17 @@
-"""Shared fixtures: the benchmark copies in ../shared/data and a warm-started tiny model."""
+"""Shared fixtures: the benchmark copies in ../shared/data, a warm-started tiny model, and an offline copy of
+the workflow with the dry run of each configuration."""
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHARED_DATA
+from helpers import REPO_ROOT, SHARED_DATA, SNAKEMAKE, copy_workflow
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -42,3 +46,40 @@ def tiny_sft_model(tmp_path_factory) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def offline_work(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A copy of the workflow with no ../shared/data beside it, and an environment with the Hub off and
+    an empty data directory."""
+    root = tmp_path_factory.mktemp("offline")
+    (root / "work").mkdir()
+    (root / "empty_data").mkdir()
+    work = copy_workflow(root / "work")
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "D3S_DATA_DIR": str(root / "empty_data"),
+        "OMP_NUM_THREADS": "1",
+    }
+    return work, env
+
+
+@pytest.fixture(scope="session")
+def dry_run(offline_work) -> Callable[[Path], str]:
+    """The output of `snakemake -n --forceall` of a shipped configuration, offline with no data (in
+    ``offline_work``): run once per configuration per session, as several test files check the same jobs."""
+    work, env = offline_work
+
+    @functools.cache
+    def run(config: Path) -> str:
+        assert not (work.parent / "shared").exists() and not any(Path(env["D3S_DATA_DIR"]).iterdir())
+        args = ["-n", "--forceall", "--configfile", str(config.relative_to(REPO_ROOT))]
+        done = subprocess.run(
+            SNAKEMAKE + args, cwd=work, env=env, capture_output=True, text=True, timeout=300
+        )
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-3000:]
+        return out
+
+    return run

@@ -85,8 +85,8 @@ def test_completions_fit_in_the_generation_budget(cfg):
     assert prompt + cfg["train"]["trainer"]["max_completion_length"] <= positions
 
 
-def test_dry_run_gives_every_gpu_job_one_gpu(tmp_path):
-    jobs = dry_run_jobs(CONFIG, tmp_path)
+def test_dry_run_gives_every_gpu_job_one_gpu(dry_run):
+    jobs = dry_run_jobs(dry_run(CONFIG))
     rules = {job["rule"] for job in jobs}
     assert rules >= GPU_RULES | ANALYSIS_RULES
     for job in jobs:

@@ -96,10 +96,10 @@ def test_one_file_per_backbone_and_the_single_gpu_one():
 
 
 @pytest.mark.parametrize("config_path", ALL_CONFIGS, ids=lambda p: p.stem)
-def test_dry_run_jobs_and_resources(config_path, shared_data_dir):
+def test_dry_run_jobs_and_resources(config_path, dry_run):
     cfg = _load(config_path)
     expected = BACKBONES.get(config_path.name, {"gpus": 1})  # PODS's runs: one GPU [paper]
-    jobs = dry_run_jobs(config_path, shared_data_dir)
+    jobs = dry_run_jobs(dry_run(config_path))  # offline, no data: parsing needs neither
     by_rule: dict[str, list[dict]] = {}
     for job in jobs:
         by_rule.setdefault(job["rule"], []).append(job)

@@ -210,11 +210,11 @@ def audit_report(
     ]
     parts, written = [], []
     for stem, columns, table_rows, title in tables:
-        table = pd.DataFrame(map(asdict, table_rows), columns=columns)
         markdown = markdown_table(table_rows, {c: attrgetter(c) for c in columns})
         details = "\n".join(line for row in table_rows for line in row.details())
         parts += [part for part in (title, markdown, details) if part]
         if out_dir is not None:
+            table = pd.DataFrame(map(asdict, table_rows), columns=columns)
             texts = {
                 ".csv": table.to_csv(index=False, lineterminator="\n"),
                 ".md": markdown + "\n",
