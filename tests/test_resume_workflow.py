@@ -118,22 +118,25 @@ def _workflow(
     return env
 
 
-# Holds every training process of an attempt once its checkpoint at D3S_TEST_HOLD_AFTER_STEP is complete,
-# until the test kills the job: both jobs of a workflow are then certainly mid-run, whatever the machine's
-# speed. Only the trainers import it (found through PYTHONPATH); the rerun runs without the variable.
+# Holds every training process of an attempt once its checkpoint at the step D3S_TEST_HOLD_AFTER_STEP gives
+# for its method ({"d3s": 2, ...}) is complete, until the test kills the job: every job of a workflow is then
+# certainly where the test wants it, whatever the machine's speed. Only the trainers import it (found through
+# PYTHONPATH); the rerun runs without the variable.
 HOLD = textwrap.dedent(
     """
-    import os, sys, time
+    import json, os, sys, time
+    from pathlib import Path
 
     _argv = list(getattr(sys, "orig_argv", sys.argv))
     if os.environ.get("D3S_TEST_HOLD_AFTER_STEP") and "d3s.cli" in _argv and "train" in _argv:
         import d3s.callbacks.checkpoints as checkpoints
 
         _on_save = checkpoints.D3SCheckpointState.on_save
+        _hold = json.loads(os.environ["D3S_TEST_HOLD_AFTER_STEP"])
 
         def on_save(self, args, state, control, **kwargs):
             result = _on_save(self, args, state, control, **kwargs)
-            while state.global_step == int(os.environ["D3S_TEST_HOLD_AFTER_STEP"]):
+            while state.global_step == _hold[Path(args.output_dir).parent.name]:  # runs/<method>/<seed>
                 time.sleep(1)  # the test kills the job here
             return result
 
@@ -258,8 +261,15 @@ def _run_straight(
     return [straight for straight, _, _ in jobs]
 
 
-def _assert_resumed_like_uninterrupted(run: Path, straight: Path, log: str, *, threads: int = 2) -> None:
-    assert "resuming from" in log and "(step 0)" not in log and "starting over" not in log
+def _assert_resumed_like_uninterrupted(
+    run: Path, straight: Path, log: str, *, threads: int = 2, killed_after: int = 2
+) -> None:
+    checkpoint = run.relative_to(run.parents[4]) / f"checkpoint-{killed_after}"  # results/<experiment>/...
+    assert f"resuming from {checkpoint} (step {killed_after})" in log
+    assert "(step 0)" not in log and "starting over" not in log
+    if killed_after == STEPS:  # killed before its final model was written: no step past max_steps
+        assert f"checkpoint-{STEPS} is the last step (max_steps): final model written from it" in log
+        assert not (run / f"checkpoint-{STEPS + 1}").exists()
     assert not list(run.glob("superseded-*"))  # nothing was moved aside: the job resumed
     resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
     assert (
@@ -318,44 +328,50 @@ def test_killed_server_mode_job_resumes_with_new_ports(tmp_path):
     _assert_resumed_like_uninterrupted(work / RUN, straight, log)
 
 
-# Cross-group D3S with the token level on; PODS (per-prompt selection) beside it under ZeRO-3, the engine that
-# shards the weights. The checkpoint DeepSpeed writes and reads does not depend on the method, nor the D3S
-# state on the engine, so each method resumes under the engines the paper configs run it under.
-ENGINE_METHODS = {"zero2": ("d3s",), "zero3": ("d3s", "pods")}
+# The step after whose complete checkpoint each method's job is killed, by engine. Cross-group D3S with the
+# token level on; PODS (per-prompt selection) beside it under ZeRO-3, the engine that shards the weights.
+# The checkpoint DeepSpeed writes and reads does not depend on the method, nor the D3S state on the engine:
+# each method resumes under the engines the paper configs run it under. ZeRO-3's D3S job is killed after
+# its last checkpoint, where it would gather the sharded weights into the final model.
+KILLED_AFTER = {"zero2": {"d3s": 2}, "zero3": {"d3s": STEPS, "pods": 2}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", list(ENGINE_METHODS))
+@pytest.mark.parametrize("engine", list(KILLED_AFTER))
 def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
     """The paper configs' engines, run for real on the CPU: the workflow's own zero2/zero3.yaml (with the CPU
     override the launch adds), 2 processes per job, full_state_checkpoints: latest. Snakemake is SIGKILLed
-    while every job holds at its complete checkpoint-2; the rerun resumes them and ends bitwise where
-    uninterrupted runs end, each step logged once."""
-    methods = ENGINE_METHODS[engine]
+    while every job holds at its complete checkpoint (-2 midway; ZeRO-3's D3S at -4, before its final
+    model); the rerun resumes them, takes no step past max_steps, and ends bitwise where uninterrupted runs
+    end, each step logged once."""
+    killed_after = KILLED_AFTER[engine]
     work = tmp_path / "work"
     work.mkdir()
-    env = _workflow(work, server=False, engine=engine, methods=methods)
+    env = _workflow(work, server=False, engine=engine, methods=tuple(killed_after))
     (work / "hold").mkdir()
     (work / "hold" / "sitecustomize.py").write_text(HOLD)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "hold"), env.get("PYTHONPATH")]))
-    runs = [Path(f"results/smoke/runs/{method}/seed0") for method in methods]
-    target = [*(str(run / "train_summary.json") for run in runs), "--cores", "4"]
+    runs = {method: Path(f"results/smoke/runs/{method}/seed0") for method in killed_after}
+    target = [*(str(run / "train_summary.json") for run in runs.values()), "--cores", "4"]
     target += ["--configfile", "config/resume.yaml"]
     with open(tmp_path / "first.log", "w") as out:
         job = subprocess.Popen(
             SNAKEMAKE + target,
             cwd=work,
-            env=env | {"D3S_TEST_HOLD_AFTER_STEP": "2"},
+            env=env | {"D3S_TEST_HOLD_AFTER_STEP": json.dumps(killed_after)},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         deadline = time.monotonic() + 400
-        while not all((work / run / "checkpoint-2" / "d3s_state.json").is_file() for run in runs):
-            logs = [work / f"results/smoke/logs/train/{m}_seed0.log" for m in methods]
+        while not all(
+            (work / runs[method] / f"checkpoint-{step}" / "d3s_state.json").is_file()
+            for method, step in killed_after.items()
+        ):
+            logs = [work / f"results/smoke/logs/train/{m}_seed0.log" for m in killed_after]
             tails = "".join(log.read_text()[-3000:] for log in logs if log.is_file())
             assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:] + tails
-            assert time.monotonic() < deadline, "no checkpoint-2 in every job within 400 s\n" + tails
+            assert time.monotonic() < deadline, f"no {killed_after} checkpoints within 400 s\n" + tails
             time.sleep(0.2)
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
@@ -363,37 +379,21 @@ def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
     while _processes_in(work):
         assert time.monotonic() < deadline, f"processes of the killed job still run: {_processes_in(work)}"
         time.sleep(0.1)
-    assert (work / runs[0] / "checkpoint-2" / "global_step2").is_dir()  # DeepSpeed's own checkpoint
-    assert not any((work / run / "train_summary.json").exists() for run in runs)
+    for method, step in killed_after.items():
+        assert (work / runs[method] / f"checkpoint-{step}" / f"global_step{step}").is_dir()  # DeepSpeed's own
+        assert not (work / runs[method] / "train_summary.json").exists()
+        assert not (work / runs[method] / "final").exists()
     _rerun(work, env, target)
-    straight = _run_straight(work, tmp_path, runs, engine)
-    for method, run, reference in zip(methods, runs, straight, strict=True):
+    straight = _run_straight(work, tmp_path, list(runs.values()), engine)
+    for (method, run), reference in zip(runs.items(), straight, strict=True):
         log = (work / f"results/smoke/logs/train/{method}_seed0.log").read_text()
         assert f"--config_file {work / 'workflow' / 'accelerate' / engine}.yaml --mixed_precision no" in log
-        _assert_resumed_like_uninterrupted(work / run, reference, log, threads=1)
+        _assert_resumed_like_uninterrupted(
+            work / run, reference, log, threads=1, killed_after=killed_after[method]
+        )
         assert (work / run / f"checkpoint-{STEPS}" / f"global_step{STEPS}").is_dir()
     if engine == "zero3":
-        _check_killed_final_save_finishes_from_the_last_checkpoint(work, env, runs[0], straight[0])
-        _check_zero3_weights_evaluate_as_plain_weights(work / runs[0] / "final", tmp_path)
-
-
-def _check_killed_final_save_finishes_from_the_last_checkpoint(
-    work: Path, env: dict, run: Path, straight: Path
-) -> None:
-    """A 2-process ZeRO-3 job killed while writing its final model (checkpoint-4 complete, final/ and the
-    summary missing) reruns without a step past max_steps; the final model is checkpoint-4's gathered
-    weights."""
-    shutil.rmtree(work / run / "final")
-    (work / run / "train_summary.json").unlink()
-    target = [str(run / "train_summary.json"), "--cores", "4", "--configfile", "config/resume.yaml"]
-    log = _rerun(work, env, target)
-    assert "checkpoint-4 is the last step (max_steps): final model written from it" in log
-    assert not (work / run / f"checkpoint-{STEPS + 1}").exists()
-    metrics = [json.loads(line) for line in (work / run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, STEPS + 1))
-    ours = load_file(work / run / "final" / "model.safetensors")
-    theirs = load_file(straight / "final" / "model.safetensors")
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        _check_zero3_weights_evaluate_as_plain_weights(work / runs["d3s"] / "final", tmp_path)
 
 
 def _check_zero3_weights_evaluate_as_plain_weights(final: Path, tmp_path: Path) -> None:
