@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO_ROOT, SNAKEMAKE
+from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow
 from safetensors.torch import load_file
 
 from d3s.orchestration.commands import accelerate_command, free_port
@@ -85,10 +84,7 @@ STAND_IN = textwrap.dedent(
 def _workflow(
     work: Path, *, server: bool, engine: str | None = None, methods: tuple[str, ...] = ("d3s",)
 ) -> dict:
-    for name in ("Snakefile", "workflow", "config", "notebooks", "environment.yml"):
-        src = REPO_ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
-    shutil.copytree(REPO_ROOT / "results" / "paper", work / "results" / "paper")
+    copy_workflow(work)
     cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = list(methods)
     cfg["analysis"] |= {"reference": methods[0], "headline": list(methods), "ablation": list(methods)}
