@@ -139,7 +139,8 @@ def write_results(
     json_path, md_path = args.out / f"{name}.json", args.out / f"{name}.md"
     write_json(json_path, record)
     gpus = ", ".join(info["gpus"]) or "none"
-    version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None and k != "d3s")
+    # the header names Python once, from the machine record
+    version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("d3s", "python"))
     commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
     setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
     header = (

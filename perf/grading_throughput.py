@@ -53,7 +53,7 @@ def long_chain_of_thought(rng: random.Random, gold: int, tokens: int) -> str:
     return f"{body}\nTherefore, the final answer is $\\boxed{{{answer}}}$."
 
 
-def looping_completion(rng: random.Random, gold: int, tokens: int) -> str:
+def looping_completion(rng: random.Random, gold: int) -> str:
     """Hundreds of boxes, mostly the same one: as lines ("The final answer is $\\boxed{..}$.") or run
     together (``\\boxed{..} \\boxed{..}``, which math-verify reads as one growing set answer)."""
     prefix = _reasoning(rng, rng.randint(500, 2000))
@@ -71,9 +71,7 @@ def short_answer(rng: random.Random, gold: int) -> str:
     return rng.choice([f"\\boxed{{{gold}}}", f"<answer>{gold}</answer>", f"{gold}", f"\\boxed{{{gold + 1}}}"])
 
 
-def synthetic_mix(
-    count: int, seed: int = 0, tokens: int = STEP_TOKENS
-) -> tuple[list[str], list[str], list[str]]:
+def synthetic_mix(count: int, tokens: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:
     """``count`` completions, their gold answers and their kinds (``long``, ``looping``, ``short``)."""
     rng = random.Random(seed)
     completions, golds, kinds = [], [], []
@@ -81,7 +79,7 @@ def synthetic_mix(
         gold = rng.randint(1, 999)
         share = (index % 100) / 100  # the same proportions in every hundred
         if share < LOOPING_SHARE:
-            kind, text = "looping", looping_completion(rng, gold, tokens)
+            kind, text = "looping", looping_completion(rng, gold)
         elif share < LOOPING_SHARE + SHORT_SHARE:
             kind, text = "short", short_answer(rng, gold)
         else:
@@ -121,7 +119,7 @@ def measure_mix(completions: list[str], golds: list[str], kinds: list[str], work
 
 
 def measure_step(prompts: int, generations: int, tokens: int) -> dict[str, Any]:
-    completions, golds, _ = synthetic_mix(prompts * generations, seed=1, tokens=tokens)
+    completions, golds, _ = synthetic_mix(prompts * generations, tokens, seed=1)
     reward = make_accuracy_reward()  # the process's default grader, as training uses it
     reward([r"\boxed{1}"], ["1"])  # start its worker
     graded = timed_once(lambda: reward(completions, golds))
@@ -146,7 +144,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=32, help="completions per prompt")
     parser.add_argument("--tokens", type=int, default=STEP_TOKENS, help="completion length cap (tokens)")
     args = parse_args(parser, pin_threads=False, mix=40, workers=[1, 2], prompts=4, generations=8)
-    completions, golds, kinds = synthetic_mix(args.mix, tokens=args.tokens)
+    completions, golds, kinds = synthetic_mix(args.mix, args.tokens)
     rows: list[dict[str, Any]] = []
     for workers in args.workers:
         rows += measure_mix(completions, golds, kinds, workers)
