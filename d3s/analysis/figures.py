@@ -105,14 +105,12 @@ def grad_norm_figure(metrics: pd.DataFrame, methods, smooth: int = 5):
     return _laid_out(fig, ax, fontsize=8, ncol=2)
 
 
-def learning_curve_figure(
-    curves: pd.DataFrame, methods, xs=("step", "update_tokens_cumulative", "wall_clock")
-):
+def learning_curve_figure(curves: pd.DataFrame, methods):
     """Held-out Pass@1 against steps, update tokens and training wall-clock (mean and band over seeds)."""
     labels = {"step": "step", "update_tokens_cumulative": "update tokens", "wall_clock": "training time (s)"}
-    fig, axes = plt.subplots(1, len(xs), figsize=(4.6 * len(xs), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels), 3.4), squeeze=False)
     colors = _colors(methods)
-    for ax, x in zip(axes.flat, xs, strict=True):
+    for ax, (x, label) in zip(axes.flat, labels.items(), strict=True):
         for method in methods:
             sub = curves[curves["method"] == method]
             if sub.empty:
@@ -121,7 +119,7 @@ def learning_curve_figure(
             ax.plot(agg["x"], 100 * agg["y"], marker="o", ms=3, label=method, color=colors[method])
             low, high = 100 * (agg["y"] - agg["s"]), 100 * (agg["y"] + agg["s"])
             ax.fill_between(agg["x"], low, high, alpha=0.15, color=colors[method])
-        ax.set_xlabel(labels.get(x, x))
+        ax.set_xlabel(label)
         ax.set_ylabel("held-out Pass@1 (%)")
         if x == "update_tokens_cumulative":
             ax.set_xscale("symlog", linthresh=1000)

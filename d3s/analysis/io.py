@@ -185,5 +185,5 @@ def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.Dat
 
 
 def _var(values) -> float:
-    """Unbiased variance (ddof 1), the convention of TRL's advantage standardisation."""
-    return pd.Series(values, dtype=float).var(ddof=1) if len(values) >= 2 else float("nan")
+    """Unbiased variance (ddof 1, NaN below 2 values), the convention of TRL's advantage standardisation."""
+    return pd.Series(values, dtype=float).var(ddof=1)

@@ -117,7 +117,7 @@ def method_generations(config: dict) -> dict[str, int]:
 
 
 def _interval(row) -> str:
-    digits = 1 if row["unit"] == "points" else 2 if row["unit"] != "norm" else 3
+    digits = {"points": 1, "norm": 3}.get(row["unit"], 2)
     if math.isnan(row["estimate"]):
         return "n/a"
     text = f"{row['estimate']:.{digits}f}"

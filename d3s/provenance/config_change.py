@@ -54,7 +54,7 @@ def config_changes(
     }
 
 
-def describe(changes: Mapping[str, tuple[Any, Any]], *, by_name_only: str = "\0") -> str:
+def describe(changes: Mapping[str, tuple[Any, Any]], *, by_name_only: tuple[str, ...] = ()) -> str:
     """The reason printed: ``key old -> new`` per change; keys starting with ``by_name_only`` (checksums,
     which say nothing to the reader) by name only."""
     return "; ".join(
@@ -74,7 +74,7 @@ def keep_or_move_aside(out: Path, key: Mapping[str, Any], key_file: str) -> str 
     changes = config_changes(previous, key) if previous is not None else None
     if changes == {}:
         return f"resuming the evaluation in {out}"
-    why = describe(changes, by_name_only="model_files.") if changes else f"no {key_file}: unknown settings"
+    why = describe(changes, by_name_only=("model_files.",)) if changes else f"no {key_file}: unknown settings"
     aside = out.with_name(f"{out.name}.superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     out.rename(aside)
     return f"moved the previous evaluation aside to {aside} ({why}); starting over"
