@@ -447,7 +447,7 @@ def _pct(value: float | None) -> str:
 
 def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
     """A Markdown table: one row per benchmark plus the average, Pass@k in percent with the CI under the
-    primary answer policy, Pass@(first k) under the other policy, and how often the two policies disagree."""
+    primary answer policy, Pass@(first k) under each other one, and how often the boxed policies disagree."""
     primary, averages = _primary(summaries), _averages(summaries)
     others = [p for p in ANSWER_POLICIES if p != primary]
     first_k = str(ks[0])
