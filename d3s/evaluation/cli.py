@@ -188,15 +188,14 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
         raise ValueError(f"--grading-time-limit must be positive seconds, got {args.grading_time_limit}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    settings = GenerationSettings(
-        samples=args.samples,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_tokens,
-        seed=args.seed,
-    )
     try:
-        settings.validate()
+        settings = GenerationSettings(
+            samples=args.samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_tokens,
+            seed=args.seed,
+        )
     except ValueError as exc:
         raise ValueError(f"{exc} (--samples/--temperature/--top-p/--max-tokens)") from None
     if settings.temperature == 0 and settings.samples > 1:

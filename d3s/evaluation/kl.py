@@ -75,11 +75,7 @@ def _padded(rows: Sequence[Sequence[int]], pad_id: int, side: str) -> tuple[torc
 
 
 def probe_completions(
-    policy: Any,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    settings: KLProbeSettings,
-    add_special_tokens: bool = True,
+    policy: Any, tokenizer: Any, prompts: Sequence[str], settings: KLProbeSettings
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) of ``settings.samples`` samples per prompt, tokenised as TRL does, cut
     after the first EOS; seeded per batch in a forked RNG, so the caller's random state is untouched."""
@@ -104,11 +100,7 @@ def probe_completions(
         eos_token_id=sorted(eos_ids),
         pad_token_id=pad_id,
     )
-    rows = [
-        list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-        for prompt in prompts
-        for _ in range(settings.samples)
-    ]
+    rows = [list(tokenizer(prompt)["input_ids"]) for prompt in prompts for _ in range(settings.samples)]
     device = policy.device
     out: list[tuple[list[int], list[int]]] = []
     with _inference(policy):

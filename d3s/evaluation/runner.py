@@ -237,7 +237,7 @@ def evaluate_benchmark(
                 bar.update(1)
                 if on_problem_done is not None:
                     on_problem_done(problem)
-    summary = summarize_benchmark(run, completed, config)
+    summary = summarize_benchmark(run, completed, manifest)
     summary["elapsed_s_this_run"] = round(time.perf_counter() - started, 3)
     provenance.write_json(run.out_dir / SUMMARY_FILE, summary)
     manifest["finished"] = provenance.now()
@@ -339,10 +339,11 @@ def _policy_scores(counts: Sequence[tuple[int, int]], scoring: ScoringOptions) -
 
 
 def summarize_benchmark(
-    run: BenchmarkRun, completed: dict[str, list[dict[str, Any]]], config: dict[str, Any]
+    run: BenchmarkRun, completed: dict[str, list[dict[str, Any]]], manifest: dict[str, Any]
 ) -> dict[str, Any]:
     """Pass@k under every answer policy over the problems of ``run`` (the primary policy's at the top
-    level), and how often the policies disagree; problems with unparsable gold are excluded and counted."""
+    level), and how often the policies disagree; problems with unparsable gold are excluded and counted.
+    The settings and provenance are copied from the benchmark's ``manifest``."""
     primary, scoring = run.scoring.answer_policy, run.scoring
     records_of = [completed[p.problem_id] for p in run.problems]
     every = [r for records in records_of for r in records]
@@ -386,15 +387,10 @@ def summarize_benchmark(
         "timeouts": by_policy[primary]["timeouts"],
         "grading_errors": by_policy[primary]["grading_errors"],
         "truncated_samples": sum(r.get("finish_reason") == "length" for r in every),
-        # the settings, as the manifest records them (_eval_config)
-        **{k: config[k] for k in ("generation", "backend", "template", "answer_extraction")},
-        **{k: config[k] for k in ("grading_time_limit_s", "data_source")},
-        "versions": provenance.package_versions(),
-        "git": provenance.git_state(),
-        "hardware": provenance.hardware(),
-        "data_sha256": provenance.sha256_file(run.data_source)
-        if Path(str(run.data_source)).is_file()
-        else None,
+        **{k: manifest["config"][k] for k in ("generation", "backend", "template", "answer_extraction")},
+        **{k: manifest["config"][k] for k in ("grading_time_limit_s", "data_source")},
+        **{k: manifest[k] for k in ("versions", "git", "hardware")},
+        "data_sha256": manifest["inputs"].get(f"benchmark/{run.benchmark}", {}).get("sha256"),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **run.extra_provenance,
     }
@@ -447,7 +443,7 @@ def _pct(value: float | None) -> str:
 
 def format_results_table(summaries: dict[str, dict[str, Any]], ks: Sequence[int]) -> str:
     """A Markdown table: one row per benchmark plus the average, Pass@k in percent with the CI under the
-    primary answer policy, Pass@(first k) under the other policy, and how often the two policies disagree."""
+    primary answer policy, Pass@(first k) under each other one, and how often the boxed policies disagree."""
     primary, averages = _primary(summaries), _averages(summaries)
     others = [p for p in ANSWER_POLICIES if p != primary]
     first_k = str(ks[0])
