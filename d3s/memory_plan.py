@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from d3s.methods import get_method, method_trainer
+from d3s.orchestration.commands import DEFAULT_ACCELERATE_CONFIG, accelerate_config_path
 from d3s.orchestration.gpu_slots import job_gpus
 
 GIB = 2**30
@@ -207,14 +210,11 @@ ACCELERATE_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
 
 def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
     """(ZeRO stage, optimizer offloaded to the CPU) from the accelerate config; stage 0: no DeepSpeed."""
-    name = str(dict(config["train"].get("launch") or {}).get("accelerate_config", "ddp"))
-    path = (
-        ACCELERATE_DIR / f"{name}.yaml" if not name.endswith((".yaml", ".yml")) else Path(name).expanduser()
-    )
-    if not path.is_file():
+    name = dict(config["train"].get("launch") or {}).get("accelerate_config", DEFAULT_ACCELERATE_CONFIG)
+    try:
+        path = accelerate_config_path(str(name), ACCELERATE_DIR)
+    except ValueError:  # no such file: planned without DeepSpeed (the workflow's check names the file)
         return 0, False
-    import yaml
-
     data = yaml.safe_load(path.read_text()) or {}
     if data.get("distributed_type") != "DEEPSPEED":
         return 0, False

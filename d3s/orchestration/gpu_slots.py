@@ -119,7 +119,6 @@ def assign_gpus(
     count: int,
     *,
     lock_dir: str | os.PathLike[str] | None = None,
-    timeout_s: float | None = None,
     label: str = "",
     env: Mapping[str, str] | None = None,
 ) -> Iterator[list[str]]:
@@ -139,7 +138,7 @@ def assign_gpus(
             )
         yield ids[:count]
         return
-    with GpuSlots(ids, lock_dir).acquire(count, timeout_s=timeout_s, label=label) as lease:
+    with GpuSlots(ids, lock_dir).acquire(count, label=label) as lease:
         yield lease.ids
 
 

@@ -150,14 +150,14 @@ def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[
     from d3s.data.synthetic import arithmetic_problems
     from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
 
-    tiny = dataclasses.asdict(TinyOptions(**(config.get("tiny") or {})))
+    tiny = TinyOptions(**(config.get("tiny") or {}))
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=int(config.get("seed", 0)))
     problems = arithmetic_problems(
-        tiny["sft_problems"], seed=1000, max_ops=tiny["max_ops"], max_operand=tiny["max_operand"]
+        tiny.sft_problems, seed=1000, max_ops=tiny.max_ops, max_operand=tiny.max_operand
     )
     losses = sft_warm_start(
-        model, tokenizer, [(p.prompt, p.completion) for p in problems], steps=tiny["sft_steps"]
+        model, tokenizer, [(p.prompt, p.completion) for p in problems], steps=tiny.sft_steps
     )
     (output_dir / "sft_losses.json").write_text(json.dumps(losses))
     return model, tokenizer
