@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per training step")
     parser.add_argument("--generations", type=int, default=32, help="completions per prompt")
     parser.add_argument("--tokens", type=int, default=STEP_TOKENS, help="completion length cap (tokens)")
-    args = parse_args(parser, pin_threads=False, mix=40, workers=[1, 2], prompts=4, generations=8)
+    args = parse_args(parser, mix=40, workers=[1, 2], prompts=4, generations=8)
     completions, golds, kinds = synthetic_mix(args.mix, args.tokens)
     rows: list[dict[str, Any]] = []
     for workers in args.workers:

@@ -30,7 +30,7 @@ ADVERSARIAL = {
 def main() -> None:
     parser = base_parser(__doc__, tiny_model=False)
     parser.add_argument("--limit", type=float, default=1.5, help="seconds per answer (the tests' limit)")
-    args = parse_args(parser, pin_threads=False, limit=0.5)
+    args = parse_args(parser, limit=0.5)
     labels, completions = list(ADVERSARIAL), list(ADVERSARIAL.values())
     with Grader(num_workers=WORKERS, time_limit=args.limit) as grader:
         grader.grade_many([r"\boxed{1}"] * WORKERS, ["1"] * WORKERS)  # start the workers

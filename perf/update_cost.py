@@ -534,7 +534,7 @@ def main() -> None:
         keep_per_prompt=KEEP,
         token_keep_ratio=TOKEN_RATIO,
         geometries=[f"{p}x{t}" for p, t in geometries],
-        weights=args.weights if cuda else "fp32",
+        weights=args.weights,  # as run_geometry ran every model, the CPU ones too
         gradient_checkpointing=True,
     )
     title = f"Update cost: GRPO vs D3S ({device_text})"
