@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -305,3 +306,65 @@ def test_mean_ci_equals_the_hand_formula(values):
     half = stats.t.ppf(0.975, len(arr) - 1) * arr.std(ddof=1) / math.sqrt(len(arr))
     assert tables.mean_ci(values) == pytest.approx((arr.mean(), half, len(arr)))
     assert tables.mean_ci([])[2] == 0 and math.isnan(tables.mean_ci([math.nan, None])[0])
+
+
+def _write_kl_files(results: Path) -> None:
+    """kl.json at every evaluated checkpoint of the `results` tree, so the training-dynamics notebook draws
+    its KL figure too (the fields d3s.evaluation.kl writes and d3s.analysis.io.load_kl reads)."""
+    settings = {"prompts": 4, "samples": 2, "max_new_tokens": 24, "temperature": 1.0, "top_p": 1.0, "seed": 0}
+    for point in sorted(results.glob("eval/*/seed*/*/summary.json")):
+        k1 = 0.01 * len(point.parent.name)
+        record = {"k1": k1, "k3": k1 / 2, "k1_per_sequence": [k1] * 8, "tokens": 80, "sequences": 8,
+                  "mean_completion_tokens": 10.0, "truncated_fraction": 0.0, "seconds": 0.1,
+                  "settings": settings, "probe_sha256": "ef" * 32}  # fmt: skip
+        (point.parent / "kl.json").write_text(json.dumps(record))
+
+
+async def _execute_notebooks(notebooks: list[Path], parameters: dict) -> list:
+    """Each notebook with papermill's parameters cell, executed by nbclient (papermill's engine) in a python3
+    kernel of its own, as rule <notebook> executes it; the kernels run side by side. A cell's error raises."""
+    from nbclient import NotebookClient
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    clients = [
+        NotebookClient(
+            parameterize_notebook(load_notebook_node(str(path)), parameters),
+            kernel_name="python3",
+            timeout=600,
+        )
+        for path in notebooks
+    ]
+    await asyncio.gather(*(client.async_execute() for client in clients))
+    return [client.nb for client in clients]
+
+
+@pytest.mark.slow
+def test_every_notebook_shows_its_figures_in_a_real_kernel(results, monkeypatch):
+    """Every notebook executed on the small results tree: no cell errs, and every cell that saves figures
+    shows each of them once as image/png (not the text `<Figure size ...>`), even where MPLBACKEND names
+    Agg, a headless machine's usual setting."""
+    _write_kl_files(results)
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernels inherit it; the notebooks still show their figures
+    paper = REPO_ROOT / "results" / "paper"
+    # what the workflow passes (analyse.smk, NB_PARAMS)
+    parameters = {"results_dir": str(results), "out_dir": str(results), "paper_dir": str(paper),
+                  "reference": "grpo", "target_fraction": 0.99, "headline": ["grpo", "d3s"],
+                  "ablation": ["grpo", "d3s"], "allow_mixed": False}  # fmt: skip
+    notebooks = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) == 4
+    executed = asyncio.run(_execute_notebooks(notebooks, parameters))
+    shown = 0
+    for notebook, cell in ((n, c) for n, nb in zip(notebooks, executed, strict=True) for c in nb.cells):
+        if cell.cell_type != "code":
+            continue
+        assert not [o for o in cell.outputs if o.output_type == "error"], (notebook.name, cell.source)
+        images = [o for o in cell.outputs if "image/png" in o.get("data", {})]
+        assert len(images) == cell.source.count("figures.save("), (notebook.name, cell.source, cell.outputs)
+        as_text = [
+            o for o in cell.outputs if o not in images and "<Figure" in str(o.get("data", o.get("text")))
+        ]
+        assert not as_text, (notebook.name, cell.source)
+        shown += len(images)
+    # one image per figure file written: the seven figures of the four notebooks (docs/workflow.md)
+    assert shown == len(list((results / "figures").glob("*.png"))) == 7

@@ -1,16 +1,17 @@
-"""Figures of the reproduction (matplotlib, Agg backend; each returns the Figure)."""
+"""Figures of the reproduction (matplotlib; each returns the Figure).
+
+No backend is chosen here: a Jupyter kernel keeps its inline backend, so notebooks show the figures, and
+a script without a display gets matplotlib's own fallback, Agg; ``save`` writes the files either way.
+"""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
 DYNAMICS = [
     ("grad_norm", "gradient norm"),
@@ -27,12 +28,17 @@ DYNAMICS = [
 
 
 def save(fig, stem: str | Path) -> list[Path]:
-    """Write ``stem``.png and ``stem``.pdf; returns both paths."""
+    """Write ``stem``.png and ``stem``.pdf; returns both paths. The figure is released from pyplot (a notebook
+    shows it once, where the cell displays it; a script does not accumulate open figures) and can still be
+    displayed or saved again."""
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
     for path in paths:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
+        partial = path.with_name(f".{path.name}.partial")  # renamed when complete: no half-written figure
+        fig.savefig(partial, format=path.suffix[1:], dpi=120, bbox_inches="tight")
+        partial.replace(path)
+    plt.close(fig)
     return paths
 
 
