@@ -6,7 +6,9 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-if not config:  # a --configfile replaces the default instead of being merged into it
+# The default, config/config.yaml, unless a --configfile replaces it (it is not merged into it); --config values
+# apply on top of either, as Snakemake documents (common.smk types them).
+if not workflow.overwrite_configfiles:
 
 
     configfile: "config/config.yaml"

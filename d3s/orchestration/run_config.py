@@ -161,6 +161,25 @@ def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.Pa
     return max(1, train_launch(train_cfg, accelerate_dir).train_gpus)
 
 
+def typed_config_overrides(config_args: Sequence[str] | None) -> dict[str, Any]:
+    """The lists and mappings of ``snakemake --config key=value ...``, read as YAML: Snakemake reads every
+    value inside them as a string (``seeds=[0,1]`` gives ['0', '1'], which the schema refuses), so the
+    workflow applies these on top. Top-level scalars stay as Snakemake typed them; text YAML cannot read is
+    left as Snakemake read it, for the schema to name."""
+    from snakemake.utils import update_config
+
+    typed: dict[str, Any] = {}
+    for arg in config_args or ():
+        key, _, value = str(arg).partition("=")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue
+        if isinstance(parsed, (list, dict)):
+            update_config(typed, {key: parsed})  # a key given twice merges, as Snakemake merges it
+    return typed
+
+
 def validate_config(config: dict[str, Any], schema: str | os.PathLike[str] = SCHEMA) -> None:
     """``config`` against config/schema.yaml, the one structural check (it fills the defaults in); a violation
     raises ValueError with one line naming the key and the fix, not jsonschema's dump of the schema."""

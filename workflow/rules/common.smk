@@ -4,11 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from d3s.orchestration.run_config import check_workflow_config
+from snakemake.utils import update_config
+
+from d3s.orchestration.run_config import check_workflow_config, typed_config_overrides
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
 ENV = "../../environment.yml"
 ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"  # accelerate configs of GPU training jobs
+# --config lists and mappings with their YAML types (Snakemake reads their values as strings: seeds=[0,1])
+update_config(config, typed_config_overrides(workflow.config_settings.config_args))
 # The schema (filling the defaults in) and what it cannot express; a bad config ends in one line, no job.
 check_workflow_config(config, ACCELERATE_DIR, f"{workflow.basedir}/config/schema.yaml")
 RESULTS = f"results/{config['experiment']}"
