@@ -196,6 +196,28 @@ def test_figures_write_png_and_pdf(results, tmp_path):
         assert all(p.stat().st_size > 1000 for p in paths)
 
 
+def test_the_update_token_axis_labels_zero_and_decades_apart():
+    """The learning curves against update tokens start at the base model's 0 and span three decades, as the
+    tiny default's do (d3s 330 tokens by its first checkpoint, grpo 105,000 by its last): the label of 0 and
+    those of the decades are drawn side by side, never on top of each other."""
+    curves = pd.DataFrame(
+        [
+            {"method": method, "seed": seed, "step": step, "value": 0.5 + 0.005 * step,
+             "update_tokens_cumulative": per_step * step, "wall_clock": 0.3 * step}
+            for method, per_step in (("grpo", 2625), ("d3s", 33))
+            for seed in (0, 1)
+            for step in (0, 10, 20, 30, 40)
+        ]
+    )  # fmt: skip
+    fig = figures.learning_curve_figure(curves, ["grpo", "d3s"])
+    ax = fig.axes[1]
+    fig.canvas.draw()
+    labels = [label for label in ax.get_xticklabels() if label.get_text()]
+    assert [label.get_position()[0] for label in labels] == [0, 1e2, 1e3, 1e4, 1e5]
+    boxes = [label.get_window_extent() for label in labels]
+    assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:], strict=False)), boxes
+
+
 def test_paper_numbers_carry_citations():
     paper = REPO_ROOT / "results" / "paper"
     t1 = pd.read_csv(paper / "d3s_table1.csv")

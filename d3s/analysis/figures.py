@@ -12,6 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import FixedLocator
 
 DYNAMICS = [
     ("grad_norm", "gradient norm"),
@@ -128,8 +129,22 @@ def learning_curve_figure(curves: pd.DataFrame, methods):
         ax.set_xlabel(label)
         ax.set_ylabel("held-out Pass@1 (%)")
         if x == "update_tokens_cumulative":
-            ax.set_xscale("symlog", linthresh=1000)
+            _log_axis_from_zero(ax, curves[x])
     return _laid_out(fig, axes.flat[0], fontsize=7, ncol=2)
+
+
+def _log_axis_from_zero(ax, values: pd.Series) -> None:
+    """A logarithmic x axis for counts that start at 0 (the base model's update tokens): linear up to the
+    decade of the smallest non-zero count, logarithmic above it, labelled at 0 and at whole decades only, one
+    decade apart at least, so no two labels meet."""
+    positive = values[values > 0]
+    if positive.empty:
+        return
+    low, high = (math.floor(math.log10(v)) for v in (positive.min(), positive.max()))
+    ax.set_xscale("symlog", linthresh=10.0**low)
+    decades = [10.0**k for k in range(low, high + 1)]
+    ax.xaxis.set_major_locator(FixedLocator([0.0, *decades]))
+    ax.xaxis.set_minor_locator(FixedLocator([m * d for d in decades for m in range(2, 10)]))
 
 
 def pass_at_k_figure(table: pd.DataFrame, methods):
