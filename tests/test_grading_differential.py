@@ -23,7 +23,7 @@ from d3s.rewards import Grader, _MathVerifyGrader, boxed_environment_possible, n
 COMPLETIONS = SHARED_DATA / "completions"
 ORACLE_LIMIT_S = 5.0  # math-verify's own default parsing and verification limits
 # Every STRIDE-th real completion, and every one with a box, is checked (1: all of them).
-STRIDE = int(os.environ.get("D3S_DIFFERENTIAL_STRIDE", "8"))
+STRIDE = int(os.environ.get("D3S_DIFFERENTIAL_STRIDE", "16"))
 
 
 class _Overrun(Exception):
