@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from d3s.rewards import Grader, _MathVerifyGrader, boxed_environment_possible, normalize_gold
 
 COMPLETIONS = SHARED_DATA / "completions"
-ORACLE_LIMIT_S = 5.0  # math-verify's own default parsing and verification limits
+ORACLE_LIMIT_S = 5.0  # math-verify's own default parsing and verification limits (here CPU seconds)
 # Every STRIDE-th real completion, and every one with a box, is checked (1: all of them).
 STRIDE = int(os.environ.get("D3S_DIFFERENTIAL_STRIDE", "16"))
 
 
-class _Overrun(Exception):
-    pass
+class _Overrun(BaseException):
+    """Not an Exception: math-verify's parse and verify catch those and return [] / False."""
 
 
 def _alarm(signum: int, frame: Any) -> None:
@@ -35,14 +35,15 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def _limited(fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, or _Overrun past ORACLE_LIMIT_S (a signal: the caller is a process's main thread)."""
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, ORACLE_LIMIT_S)
+    """``fn(*args)``, or _Overrun past ORACLE_LIMIT_S of CPU time (a signal: the caller is a process's main
+    thread; CPU time, so that a loaded machine does not turn a slow answer into an overrun)."""
+    previous = signal.signal(signal.SIGPROF, _alarm)
+    signal.setitimer(signal.ITIMER_PROF, ORACLE_LIMIT_S)
     try:
         return fn(*args)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
 
 
 class Oracle:
@@ -146,7 +147,7 @@ def test_math_verify_policy_is_math_verify_on_real_completions(
     overruns = [key for key, _, oracle, _ in compared if oracle is None]
     differences = [(key, gold, o, p) for key, gold, o, p in compared if o is not None and o != p]
     print(f"{source}: {len(compared)} completions compared, {len(overruns)} math-verify overruns {overruns}")
-    assert len(compared) > (1000 if source == "pods" else 500)
+    assert len(compared) > (1000 if source == "pods" else 300)
     assert not differences, differences[:20]
     assert len(overruns) <= len(compared) // 100  # a timeout is an exception, not the rule
 
