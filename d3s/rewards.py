@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any, Literal, get_args
@@ -41,6 +41,9 @@ class GradeResult:
     seconds: float  # wall-clock time spent grading this answer
     error: str | None = None  # unexpected exception inside the grader (counted as wrong)
     gold_as_text: bool = False  # gold parsed only as a string (no math): compared by exact string match
+    # math_verify only: math-verify overran the time limit on the whole completion, so the verdict is the
+    # bounded reading's (docs/evaluation.md, "Answer policy"); ``timed_out`` says whether that overran too
+    bounded: bool = False
 
 
 # Grading logic: runs in the worker subprocess (or in-process without a time limit); math_verify is
@@ -77,10 +80,17 @@ def check_answer_policy(policy: str) -> AnswerPolicy:
 
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*")
 
-# Work per completion is bounded by what it holds: each distinct answer is parsed once, and answers no
-# benchmark has (longer than this, or more distinct boxes than this) are wrong without being parsed.
+# The bounded readings (last_boxed, answer_tag, and math_verify where math-verify overruns its limit) are
+# bounded by what a completion holds: each distinct answer is parsed once, and answers no benchmark has
+# (longer than this, or more distinct boxes than this) are wrong without being parsed.
 MAX_ANSWER_CHARS = 1000
 MAX_DISTINCT_BOXES = 32
+# math-verify's normaliser (latex2sympy2_extended's extract_boxed_content, "last" mode) reads the boxes
+# back from the last one while the text between two boxes is under 10 characters, or under 70 with
+# "and", "or", "," or ";" in it and a different content: the bounded reading of math_verify does the same.
+CHAIN_GAP_CHARS = 10
+CHAIN_SEPARATED_GAP_CHARS = 70
+_CHAIN_SEPARATOR = re.compile(r"\b(?:and|or)\b|,|;")
 FALLBACK_TAIL_CHARS = 1000  # without a box or an anchor, the last expression is looked for here
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -109,21 +119,48 @@ def _brace_matches(text: str) -> dict[int, int]:
     return matches
 
 
-def _box_contents(text: str) -> list[str | None]:
-    """The argument of every box command in ``text``, in order: ``{...}`` with balanced braces, or without
-    braces the token up to the next space or ``$`` (without trailing punctuation); None when the braces
-    never close. Linear in the length of ``text`` whatever the number of boxes."""
+def _boxes(text: str) -> list[tuple[int, str | None, int]]:
+    """``(start, argument, end)`` of every box command in ``text``, in order: the argument is ``{...}``
+    with balanced braces, or without braces the token up to the next space or ``$`` (without trailing
+    punctuation), None when the braces never close; ``end`` is where the box ends. Linear in the length
+    of ``text`` whatever the number of boxes."""
     commands = list(_BOX_COMMAND.finditer(text))
     matches = _brace_matches(text) if commands and "{" in text else {}
-    contents: list[str | None] = []
+    boxes: list[tuple[int, str | None, int]] = []
     for command in commands:
         i = command.end()
         if i < len(text) and text[i] == "{":
             close = matches.get(i)
-            contents.append(None if close is None else text[i + 1 : close])
+            content = None if close is None else text[i + 1 : close]
+            boxes.append((command.start(), content, len(text) if close is None else close + 1))
         else:
-            contents.append(re.split(r"[\s$]", text[i : i + MAX_ANSWER_CHARS], maxsplit=1)[0].rstrip(".,;:"))
-    return contents
+            token = re.split(r"[\s$]", text[i : i + MAX_ANSWER_CHARS], maxsplit=1)[0]
+            boxes.append((command.start(), token.rstrip(".,;:"), i + len(token)))
+    return boxes
+
+
+def _box_contents(text: str) -> list[str | None]:
+    """The argument of every box command in ``text``, in order (:func:`_boxes`)."""
+    return [content for _, content, _ in _boxes(text)]
+
+
+def _box_chain(text: str) -> list[str | None]:
+    """The boxes math-verify's normaliser reads together as one answer, in order: the last box and the
+    boxes before it while they follow closely (:data:`CHAIN_GAP_CHARS`), consecutive repeats once."""
+    boxes = _boxes(text)
+    if not boxes:
+        return []
+    chain_start, last, _ = boxes[-1]
+    chain = [last]
+    for start, content, end in reversed(boxes[:-1]):
+        gap = text[end:chain_start]  # as math-verify measures it: from the closing brace to the next box
+        separated = len(gap) < CHAIN_SEPARATED_GAP_CHARS and _CHAIN_SEPARATOR.search(gap)
+        if content is None or not (len(gap) < CHAIN_GAP_CHARS or (content != chain[-1] and separated)):
+            break
+        if content != chain[-1]:
+            chain.append(content)
+        chain_start = start
+    return chain[::-1]
 
 
 def normalize_answer(text: str) -> str:
@@ -158,8 +195,10 @@ def _last_answer_tag(completion: str) -> str | None:
 
 
 def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
-    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong); the
-    rules, one example each: docs/evaluation.md. ``fallback=False``: ``answer_extraction="boxed_only"``."""
+    """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong): the
+    bounded reading, one linear pass, each distinct answer parsed once; the rules, one example each:
+    docs/evaluation.md. ``math_verify`` grades with it only where math-verify on the whole completion
+    overran the time limit. ``fallback=False``: ``answer_extraction="boxed_only"``."""
     if policy == "answer_tag":
         tag = _last_answer_tag(completion)
         if tag is not None:  # an empty or cut-off tag is no answer
@@ -177,8 +216,9 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
         if last is None or not normalize_answer(last):
             return None
         if policy == "math_verify":
-            # raw duplicates dropped first (a loop repeats the same box), then normalised duplicates
-            unique = (normalize_answer(c) for c in dict.fromkeys(contents) if c is not None)
+            # the boxes math-verify would read together; raw duplicates dropped first (a loop repeats the
+            # same box), then normalised duplicates
+            unique = (normalize_answer(c) for c in dict.fromkeys(_box_chain(text)) if c is not None)
             distinct = [answer for answer in dict.fromkeys(unique) if answer]
         else:
             distinct = [normalize_answer(last)]
@@ -214,6 +254,57 @@ def count_boxes(completion: str) -> int:
     return len(_BOX_COMMAND.findall(completion))
 
 
+_BOX_OPENING = "\\boxed{"
+
+
+def boxed_environment_possible(text: str) -> bool:
+    """False only where math-verify's pattern for a box inside a math environment cannot match ``text``.
+    Each of its five environments needs an opening delimiter, a ``\\boxed{`` after it and a closing
+    delimiter after that: ``$$``/``\\[`` anywhere, ``$``, ``\\(`` and ``[`` on one line (their content
+    excludes newlines). Taking the first opening and the first box after it finds every such triple."""
+    for opening, closing in (("$$", "$$"), ("\\[", "\\]")):
+        start = text.find(opening)
+        box = text.find(_BOX_OPENING, start + len(opening)) if start >= 0 else -1
+        if box >= 0 and text.find(closing, box + len(_BOX_OPENING)) >= 0:
+            return True
+    for line in text.split("\n"):
+        if _BOX_OPENING not in line:
+            continue
+        for opening, closing in (("$", "$"), ("\\(", "\\)"), ("[", "]")):
+            start = line.find(opening)
+            box = line.find(_BOX_OPENING, start + len(opening)) if start >= 0 else -1
+            if box >= 0 and line.find(closing, box + len(_BOX_OPENING)) >= 0:
+                return True
+    return False
+
+
+class _BoxedEnvironmentPattern:
+    """math-verify's pattern for a box inside a math environment, searched only where it can match: on a
+    line that loops over boxes after an unclosed ``$`` it backtracks for seconds and then finds nothing."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self.pattern = pattern
+
+    def finditer(self, text: str) -> Iterator[re.Match[str]]:
+        return self.pattern.finditer(text) if boxed_environment_possible(text) else iter(())
+
+
+def _with_boxed_environment_shortcut(regexes: list[tuple[list[Any], Any]]) -> list[tuple[list[Any], Any]]:
+    """A copy of math-verify's extraction patterns (``get_extraction_regexes``) with the boxed-environment
+    pattern wrapped in :class:`_BoxedEnvironmentPattern` (the library's own cached patterns untouched)."""
+    wrapped, shortcut = [], 0
+    for patterns, target in regexes:
+        copied = []
+        for pattern, priority in patterns:
+            if "first_latexDisplayDollar" in pattern.pattern and "\\\\boxed{" in pattern.pattern:
+                pattern, shortcut = _BoxedEnvironmentPattern(pattern), shortcut + 1
+            copied.append((pattern, priority))
+        wrapped.append((copied, target))
+    if shortcut != 1:  # another math-verify version: its patterns must be checked again
+        raise RuntimeError(f"expected one boxed-environment pattern in math-verify's, found {shortcut}")
+    return wrapped
+
+
 class _MathVerifyGrader:
     """Parses and verifies with math-verify; caches parsed gold. Not time-limited by itself."""
 
@@ -221,6 +312,7 @@ class _MathVerifyGrader:
         import logging
 
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+        from math_verify.parser import extract_target_from_pred, get_extraction_regexes
 
         # Our own wall-clock limit replaces math-verify's signal-based one; silence its warning.
         logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -232,6 +324,8 @@ class _MathVerifyGrader:
             else [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
         )
         self._fallback = answer_extraction == "boxed_first"
+        self._extract = extract_target_from_pred
+        self._pred_regexes = _with_boxed_environment_shortcut(get_extraction_regexes(self._pred_config))
         self.parse_gold = functools.lru_cache(maxsize=_GOLD_CACHE_SIZE)(self._parse_gold)
 
     def _parse_gold(self, golds: tuple[str, ...]) -> list[list[Any]]:
@@ -248,19 +342,36 @@ class _MathVerifyGrader:
                     break
         return parsed_golds
 
-    def grade(self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy) -> dict[str, Any]:
+    def _parse_whole(self, completion: str) -> list[Any]:
+        """``parse(completion, pred_config)`` as math-verify 0.9.0 runs it (its defaults: "any_match",
+        fallback "first_match", [] on any error), with the boxed-environment pattern searched only where
+        it can match (:func:`boxed_environment_possible`): the same result, without the backtracking."""
+        try:
+            return self._extract(
+                completion, self._pred_regexes, fallback_mode="first_match", extraction_mode="any_match"
+            )
+        except Exception:
+            return []
+
+    def grade(
+        self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy, bounded: bool = False
+    ) -> dict[str, Any]:
         """The fields of a GradeResult but ``timed_out`` and ``seconds``: a plain dict, so it pickles
-        across modules."""
+        across modules. ``math_verify`` is math-verify's own reading of the whole completion, or with
+        ``bounded`` (after it overran the time limit) the bounded reading (:func:`extract_answer`)."""
         out = {"correct": False, "extracted": None, "gold_parsed": True, "error": None, "gold_as_text": False}
         try:
             parsed_golds = self.parse_gold(golds)
             if not parsed_golds:
                 return out | {"gold_parsed": False}
             out["gold_as_text"] = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
-            answer_text = extract_answer(completion, policy, self._fallback)
-            if answer_text is None:  # an empty or cut-off last box (or answer tag): no answer
-                return out
-            pred = self._parse(answer_text, self._pred_config, parsing_timeout=None)
+            if policy == "math_verify" and not bounded:
+                pred = self._parse_whole(completion)  # verify(gold, parse(completion)): the field's call
+            else:
+                answer_text = extract_answer(completion, policy, self._fallback)
+                if answer_text is None:  # an empty or cut-off last box (or answer tag): no answer
+                    return out
+                pred = self._parse(answer_text, self._pred_config, parsing_timeout=None)
             if pred:
                 # parse() returns [sympy_object, matched_string]; the string is what the model wrote.
                 extracted = pred[-1] if isinstance(pred[-1], str) else str(pred[0])
@@ -276,7 +387,7 @@ class _MathVerifyGrader:
 
 
 def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:
-    """Loop of the grading subprocess: receive (completion, golds, policy), send the grade."""
+    """Loop of the grading subprocess: receive (completion, golds, policy, bounded), send the grade."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))  # deeply nested LaTeX
     grader = _MathVerifyGrader(answer_extraction)
     conn = Connection(fd)
@@ -312,6 +423,10 @@ class _WorkerProcess:
         self.conn.close()
         self.process.kill()  # a no-op once it has exited
         self.process.wait()
+
+
+# One grading job: (completion, golds, policy, bounded: math_verify's bounded reading after an overrun).
+_Job = tuple[str, tuple[str, ...], AnswerPolicy, bool]
 
 
 class Grader(contextlib.AbstractContextManager):
@@ -363,7 +478,7 @@ class Grader(contextlib.AbstractContextManager):
             raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
         policies = tuple(dict.fromkeys(check_answer_policy(p) for p in policies))
         pairs = [(str(c), normalize_gold(g)) for c, g in zip(completions, golds, strict=True)]
-        jobs = [(c, g, policy) for policy in policies for c, g in pairs]
+        jobs = [(c, g, policy, False) for policy in policies for c, g in pairs]
         with self._lock:
             if os.getpid() != self._owner_pid:
                 raise RuntimeError("Grader used in a forked child: create a new Grader in this process")
@@ -388,7 +503,7 @@ class Grader(contextlib.AbstractContextManager):
         except Exception:
             pass
 
-    def _grade_inline(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
+    def _grade_inline(self, jobs: list[_Job]) -> list[GradeResult]:
         self._inline = self._inline or _MathVerifyGrader(self.answer_extraction)
         results = []
         for job in jobs:
@@ -397,9 +512,11 @@ class Grader(contextlib.AbstractContextManager):
             results.append(GradeResult(**outcome, timed_out=False, seconds=time.perf_counter() - start))
         return results
 
-    def _grade_in_workers(self, jobs: list[tuple[str, tuple[str, ...], AnswerPolicy]]) -> list[GradeResult]:
+    def _grade_in_workers(self, jobs: list[_Job]) -> list[GradeResult]:
         assert self.time_limit is not None
         results: list[GradeResult] = [None] * len(jobs)  # type: ignore[list-item]
+        jobs = list(jobs)  # a math_verify job that overruns comes back as its bounded reading
+        overrun_s = [0.0] * len(jobs)  # seconds math-verify spent before it was cut off
         pending = list(range(len(jobs)))[::-1]  # popped from the end
         while len(self._workers) < self.num_workers:
             self._workers.append(_WorkerProcess(self.answer_extraction))
@@ -434,15 +551,25 @@ class Grader(contextlib.AbstractContextManager):
                     raise RuntimeError(f"grading worker did not start within {WORKER_START_TIMEOUT_S:.0f} s")
                 elif worker.job and worker.conn in readable:
                     (index, start), worker.job = worker.job, None
+                    seconds, bounded = overrun_s[index] + now - start, jobs[index][3]
                     try:
-                        result = GradeResult(**worker.conn.recv(), timed_out=False, seconds=now - start)
+                        outcome = worker.conn.recv()
+                        result = GradeResult(**outcome, timed_out=False, seconds=seconds, bounded=bounded)
                     except (EOFError, OSError):  # died (out of memory, killed): counted wrong, replaced
-                        result = GradeResult(False, None, True, False, now - start, "grading worker died")
+                        result = GradeResult(False, None, True, False, seconds, "grading worker died")
                         self._replace(slot)
                     results[index] = result
                 elif worker.job and now - worker.job[1] >= self.time_limit:
+                    (index, start), worker.job = worker.job, None
                     self.timeouts += 1
-                    results[worker.job[0]] = GradeResult(False, None, True, True, now - worker.job[1])
+                    completion, golds, policy, bounded = jobs[index]
+                    if policy == "math_verify" and not bounded:  # graded again by the bounded reading
+                        jobs[index] = (completion, golds, policy, True)
+                        overrun_s[index] = now - start
+                        pending.append(index)
+                    else:
+                        seconds = overrun_s[index] + now - start
+                        results[index] = GradeResult(False, None, True, True, seconds, bounded=bounded)
                     self._replace(slot)
         return results
 

@@ -1,4 +1,5 @@
-"""Grading throughput on a realistic synthetic mix, and the training reward's grading time per step.
+"""Grading throughput on a realistic synthetic mix and on real completions (PODS's released evaluation
+outputs, when ../shared/data/completions is there), and the training reward's grading time per step.
 
     .venv/bin/python perf/grading_throughput.py            # a few minutes on a 2-core machine
     .venv/bin/python perf/grading_throughput.py --quick    # small sizes, a smoke run
@@ -9,14 +10,18 @@ seeded; perf/README.md describes its rows.
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
+from pathlib import Path
 from typing import Any
 
-from _common import base_parser, fmt_seconds, markdown_table, parse_args, timed_once, write_results
+from _common import REPO_ROOT, base_parser, fmt_seconds, markdown_table, parse_args, timed_once, write_results
 
 from d3s.rewards import ANSWER_POLICIES, Grader, make_accuracy_reward
 
 NAME = "grading_throughput"
+PODS_COMPLETIONS = REPO_ROOT / ".." / "shared" / "data" / "completions" / "pods"
 CHARS_PER_TOKEN = 3.7  # Qwen2.5 on English math reasoning with LaTeX
 STEP_TOKENS = 3000
 LOOPING_SHARE = 0.05  # 45 of 912 Qwen2.5-Math-7B greedy completions looped (issue 20)
@@ -90,7 +95,22 @@ def synthetic_mix(count: int, tokens: int, seed: int = 0) -> tuple[list[str], li
     return completions, golds, kinds
 
 
-def measure_mix(completions: list[str], golds: list[str], kinds: list[str], workers: int) -> list[dict]:
+def pods_sample(count: int, folder: Path = PODS_COMPLETIONS) -> tuple[list[str], list[str]]:
+    """``count`` of PODS's 22,885 released completions, evenly spaced over the files, with their golds."""
+    pairs = []
+    for path in sorted(folder.glob("*.json.gz")):
+        data = json.loads(gzip.decompress(path.read_bytes()))
+        checkpoints = {"": data} if path.name.startswith("base-") else data
+        for benchmarks in checkpoints.values():
+            for evaluation in benchmarks.values():
+                pairs += [(example["completion"], example["answer"]) for example in evaluation["examples"]]
+    chosen = pairs[:: max(1, len(pairs) // count)][:count]
+    return [c for c, _ in chosen], [g for _, g in chosen]
+
+
+def measure_mix(
+    completions: list[str], golds: list[str], kinds: list[str], workers: int, kind: str = "mix"
+) -> list[dict]:
     rows = []
     with Grader(num_workers=workers) as grader:
         grader.grade_many([r"\boxed{1}"] * workers, ["1"] * workers)  # start the workers
@@ -103,7 +123,7 @@ def measure_mix(completions: list[str], golds: list[str], kinds: list[str], work
             }
             rows.append(
                 {
-                    "kind": "mix",
+                    "kind": kind,
                     "policy": policy,
                     "workers": workers,
                     "completions": len(completions),
@@ -112,6 +132,7 @@ def measure_mix(completions: list[str], golds: list[str], kinds: list[str], work
                     "slowest_s": max(by_kind.values()),
                     "slowest_by_kind_s": by_kind,
                     "timeouts": sum(r.timed_out for r in results),
+                    "math_verify_overruns": sum(r.bounded for r in results),  # then read bounded
                     "correct": sum(r.correct for r in results),
                 }
             )
@@ -143,22 +164,28 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per training step")
     parser.add_argument("--generations", type=int, default=32, help="completions per prompt")
     parser.add_argument("--tokens", type=int, default=STEP_TOKENS, help="completion length cap (tokens)")
-    args = parse_args(parser, mix=40, workers=[1, 2], prompts=4, generations=8)
+    parser.add_argument("--pods", type=int, default=2000, help="PODS completions graded (1 worker; 0: none)")
+    args = parse_args(parser, mix=40, workers=[1, 2], prompts=4, generations=8, pods=40)
     completions, golds, kinds = synthetic_mix(args.mix, args.tokens)
     rows: list[dict[str, Any]] = []
     for workers in args.workers:
         rows += measure_mix(completions, golds, kinds, workers)
+    if args.pods and PODS_COMPLETIONS.is_dir():
+        pods_completions, pods_golds = pods_sample(args.pods)
+        rows += measure_mix(pods_completions, pods_golds, ["pods"] * len(pods_completions), 1, kind="pods")
     rows.append(measure_step(args.prompts, args.generations, args.tokens))
     mix_table = markdown_table(
-        [r for r in rows if r["kind"] == "mix"],
+        [r for r in rows if r["kind"] in ("mix", "pods")],
         {
+            "completions": "{kind}",
             "policy": "{policy}",
             "workers": "{workers}",
-            "completions": "{completions}",
+            "graded": "{completions}",
             "wall": lambda r: fmt_seconds(r["seconds"]),
             "completions/s": "{completions_per_s:.1f}",
             "slowest answer": lambda r: fmt_seconds(r["slowest_s"]),
             "slowest looping": lambda r: fmt_seconds(r["slowest_by_kind_s"].get("looping")),
+            "math-verify overruns": "{math_verify_overruns}",
             "timeouts": "{timeouts}",
         },
     )
@@ -173,7 +200,11 @@ def main() -> None:
         },
     )
     kinds_text = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
-    notes = [f"Mix: {kinds_text}; step mix: the same proportions (seed 1)."]
+    notes = [
+        f"Mix: {kinds_text}; step mix: the same proportions (seed 1). pods: PODS's released completions "
+        "(../shared/data/completions/pods), evenly spaced; math-verify overruns: answers math_verify graded "
+        "by the bounded reading after math-verify overran the limit."
+    ]
     write_results(NAME, args, rows, f"{mix_table}\n\n{step_table}", notes=notes, title="Grading throughput")
 
 

@@ -123,7 +123,7 @@ LATEX_CASES = [
     ("The answer is 68", "68", True),  # no boxed answer: falls back to the last expression
     (r"First 5, then finally \boxed{7}", "7", True),  # boxed preferred over earlier numbers
     (r"First 5, then finally \boxed{7}", "5", False),
-    # Several boxed answers are read together as one set answer (math-verify), not "the last one".
+    # Boxes close together, or joined by "or" / "and", are read together as one set answer by math-verify.
     (r"\boxed{3} or maybe \boxed{4}", "4", False),
     (r"\boxed{3} and \boxed{4}", "3, 4", True),
     ("I don't know", "5", False),
@@ -300,7 +300,7 @@ def test_make_accuracy_reward_uses_its_grader() -> None:
         reward = rewards.make_accuracy_reward(pool)
         assert reward.__name__ == "accuracy_reward"
         assert reward(completions=[r"\boxed{1}", HANGING[0]], answer=["1", "1"], prompts=None) == [1.0, 0.0]
-        assert pool.timeouts == 1
+        assert pool.timeouts == 2  # math-verify's reading, then the bounded one
 
 
 def test_accuracy_reward_on_a_batch_of_the_tiny_task() -> None:
@@ -330,10 +330,10 @@ def test_grade_detailed_default_grader() -> None:
 ISSUE_EXAMPLE = r"\boxed{18} ... wait, actually \boxed{20}"  # the issue's example
 
 POLICY_CASES = [
-    # (completion, gold, math_verify correct, last_boxed correct)
-    (ISSUE_EXAMPLE, "20", False, True),  # math-verify reads {18, 20}; the last box is 20
-    # math_verify reads every distinct box as one set answer, whatever the layout ($...$ or not)
-    (r"So $x = \boxed{18}$... wait, actually $x = \boxed{20}$.", "20", False, True),
+    # (completion, gold, math_verify correct, last_boxed correct); math_verify: math-verify 0.9.0's verdict
+    (ISSUE_EXAMPLE, "20", False, True),  # boxes 16 characters apart: math-verify reads {18, 20}
+    # each box in its own math environment: math-verify reads the last environment, 20
+    (r"So $x = \boxed{18}$... wait, actually $x = \boxed{20}$.", "20", True, True),
     (r"\boxed{20} ... hmm, no: \boxed{18}", "20", False, False),  # first right, last wrong: both wrong
     (r"\boxed{18} and \boxed{20}", "18, 20", True, False),  # a set answer spread over boxes
     (r"\boxed{3} then \boxed{\frac{1}{2}}", "0.5", False, True),  # nested braces in the last box
@@ -341,11 +341,12 @@ POLICY_CASES = [
     (r"\boxed 5", "5", True, True),  # no braces: the token after the command
     (r"\boxed{7} or \boxed 5", "5", False, True),
     (r"\boxed{7}, then \boxed 5.", "5", False, True),  # the sentence's period is not part of the answer
-    (r"\fbox{7}", "7", True, True),  # \fbox is a box under both policies
+    (r"\fbox{7}", "7", False, True),  # math-verify's extraction finds only \boxed
     (r"\boxed{18} wait \boxed{20}", r"\boxed{20}", False, True),  # a box inside the gold
     ("I don't know", "5", False, False),  # no box, no answer: both wrong
     ("The answer is 68", "68", True, True),  # no box: both fall back the same way (boxed_first)
-    (r"\boxed{3} wait, it is \boxed{12", "3", False, False),  # the last box never closes: no answer
+    # the last box never closes: no answer for last_boxed; math-verify reads the last closed one
+    (r"\boxed{3} wait, it is \boxed{12", "3", True, False),
     (
         r"\boxed{7} and finally \boxed{}",
         "7",
@@ -365,6 +366,59 @@ def test_answer_policies(
     for policy in rewards.ANSWER_POLICIES:
         assert results[policy][0].gold_parsed and not results[policy][0].timed_out
         assert grader.grade(completion, gold, policy).correct is results[policy][0].correct
+
+
+MATH_VERIFY_READINGS = [
+    # (completion, gold, correct): math-verify 0.9.0 reads a box alone when it is in its own math
+    # environment, boxes in one environment together, and boxes outside any close together
+    (r"$\boxed{18}$ ... wait, actually $\boxed{20}$", "20", True),
+    (r"$\boxed{11}$ and then $\boxed{7}$", "7", True),
+    (r"$\boxed{11}$ and then $\boxed{7}$", "11", False),
+    (r"$\boxed{3} or \boxed{4}$", "4", False),
+    (r"$\boxed{3} or \boxed{4}$", "3, 4", True),
+    (r"\boxed{11}. We check this again carefully step by step. \boxed{7}", "7", True),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "correct"), MATH_VERIFY_READINGS)
+def test_math_verify_policy_reads_as_math_verify(
+    completion: str, gold: str, correct: bool, grader: Grader
+) -> None:
+    result = grader.grade(completion, gold, "math_verify")
+    assert result.correct is correct and not result.bounded and not result.timed_out
+
+
+def test_bounded_reading_follows_math_verify_box_chain() -> None:
+    chain = rewards._box_chain
+    assert chain(ISSUE_EXAMPLE) == ["18", "20"]  # under 10 characters apart
+    assert chain(r"\boxed{3} or perhaps, on reflection, \boxed{4}") == ["3", "4"]  # a separator, under 70
+    assert chain(r"\boxed{11}. We check this again carefully step by step. \boxed{7}") == ["7"]
+    assert chain(r"\boxed{5} \boxed{5} \boxed{6}") == ["5", "6"]  # consecutive repeats once
+    assert chain(r"\boxed{5} \boxed{6} \boxed{5}") == ["5", "6", "5"]
+    assert chain("no box") == []
+    assert rewards.extract_answer(ISSUE_EXAMPLE, "math_verify") == r"\boxed{18} \boxed{20}"
+
+
+# A loop after an unclosed "$": math-verify's pattern for a box in a math environment backtracks for
+# seconds on it before finding nothing; the policy searches it only where it can match (the same result).
+UNCLOSED_LOOP = "So $x = 12$ and the answer is $ " + " ".join([r"\boxed{\frac{24}{2}}"] * 300)
+# The same loop closed by an escaped "\$": the pattern could match, so math-verify runs it and overruns.
+ESCAPED_LOOP = "So the answer is $ " + " ".join([r"\boxed{\frac{24}{2}}"] * 300) + r" \$"
+
+
+def test_loop_after_unclosed_dollar_is_read_by_math_verify_fast(grader: Grader) -> None:
+    assert not rewards.boxed_environment_possible(UNCLOSED_LOOP)
+    result = grader.grade(UNCLOSED_LOOP, "12", "math_verify")
+    assert result.correct and not result.bounded and not result.timed_out and result.seconds < LIMIT_S
+
+
+def test_math_verify_overrun_gets_the_bounded_reading(grader: Grader) -> None:
+    before = grader.timeouts
+    result = grader.grade(ESCAPED_LOOP, "12", "math_verify")
+    assert result.bounded and result.correct and not result.timed_out  # the boxes are one repeated answer
+    assert result.seconds >= LIMIT_S and grader.timeouts == before + 1
+    inline = Grader(time_limit=None).grade(r"$\boxed{3} or \boxed{4}$", "4")  # no limit: never bounded
+    assert not inline.bounded and not inline.correct
 
 
 def test_last_boxed_answer_extraction() -> None:
@@ -494,12 +548,18 @@ def test_looping_completions_graded_fast_without_timeouts() -> None:
         assert fast.timeouts == 0
     for policy, graded in results.items():
         for kind, result in zip(completions, graded, strict=True):
-            assert not result.timed_out and result.error is None, (policy, kind)
-            assert result.seconds < FAST_S, (policy, kind, result.seconds)
+            assert not result.timed_out and not result.bounded and result.error is None, (policy, kind)
+            # math_verify is math-verify on the whole completion: the issue's bound of 1 s
+            assert result.seconds < (1.0 if policy == "math_verify" else FAST_S), (
+                policy,
+                kind,
+                result.seconds,
+            )
     last_boxed = [r.correct for r in results["last_boxed"]]
     assert last_boxed == [True, True, True, False]  # the cut-off last box is no answer
-    # math_verify: one distinct box is the answer; distinct variants make a set answer (wrong)
-    assert [r.correct for r in results["math_verify"]] == [True, True, False, False]
+    # math-verify: repeats of one box are one answer; boxes with variants between them a set answer
+    # (wrong); after a cut-off box, the closed boxes before it
+    assert [r.correct for r in results["math_verify"]] == [True, True, False, True]
 
 
 def test_many_distinct_boxes_are_wrong_without_parsing() -> None:
@@ -516,7 +576,10 @@ RESTATED_QUESTION = (
 CUT_OFF = r"We get $x = p - q$, and the remainder is $\frac{1}{8}$. Hence \boxed{p - q - \frac{1}{8"
 
 
-@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+BOUNDED_POLICIES = ("last_boxed", "answer_tag")  # the rules of extract_answer; math_verify is math-verify
+
+
+@pytest.mark.parametrize("policy", BOUNDED_POLICIES)
 def test_empty_or_cut_off_last_box_is_wrong_never_free_text(policy: str, grader: Grader) -> None:
     for completion, gold in [
         (RESTATED_QUESTION, "m"),  # free text holds $m$: it must not be read
@@ -531,7 +594,7 @@ def test_empty_or_cut_off_last_box_is_wrong_never_free_text(policy: str, grader:
     assert not grader.grade(r"The answer is 42. \boxed{\,}", "42", policy).correct  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+@pytest.mark.parametrize("policy", BOUNDED_POLICIES)
 @pytest.mark.parametrize(
     ("completion", "gold"),
     [
@@ -585,7 +648,7 @@ def test_normalize_answer(text: str, expected: str) -> None:
 SENTENCE = "Each chicken eats half a cup. The answer is 10 cups (enough for all 20 chickens)."
 
 
-@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+@pytest.mark.parametrize("policy", BOUNDED_POLICIES)
 def test_sentence_answers_not_credited_for_a_quoted_number(policy: str, grader: Grader) -> None:
     for completion in [
         SENTENCE,
@@ -614,7 +677,7 @@ FALLBACK_CASES = [
 
 
 @pytest.mark.parametrize(("completion", "gold", "correct"), FALLBACK_CASES)
-@pytest.mark.parametrize("policy", rewards.ANSWER_POLICIES)
+@pytest.mark.parametrize("policy", BOUNDED_POLICIES)
 def test_fallback_reads_answers_outside_a_box(
     completion: str, gold: str, correct: bool, policy: str, grader: Grader
 ) -> None:

@@ -113,29 +113,29 @@ def policy_disagreement_row(
     examples: int = 5,
 ) -> DisagreementRow:
     """Grade ``(item id, completion, gold)`` items under both policies and count where they disagree.
-    Boxed items whose gold does not parse are left out (neither policy scores them); items without a box
-    are counted as agreeing without grading (both policies read them identically)."""
-    boxed = [item for item in items if count_boxes(item[1])]
-    grades = grader.grade_many_by_policy([c for _, c, _ in boxed], [g for _, _, g in boxed], BOXED_POLICIES)
+    Items whose gold does not parse are left out (neither policy scores them). Items without a box are
+    graded too: math_verify reads them as math-verify does, last_boxed by its own fallback."""
+    grades = grader.grade_many_by_policy([c for _, c, _ in items], [g for _, _, g in items], BOXED_POLICIES)
     first, second = BOXED_POLICIES
     scored = [i for i, r in enumerate(grades[first]) if r.gold_parsed]
     counted = policy_disagreement(
         [(grades[first][i].correct, grades[second][i].correct) for i in scored], names=(first, second)
     )
-    completions = len(items) - (len(boxed) - len(scored))
+    completions = len(scored)
     row = DisagreementRow(
         source=source,
         benchmark=benchmark,
         completions=completions,
-        with_box=len(scored),
-        with_2plus_boxes=sum(count_boxes(boxed[i][1]) >= 2 for i in scored),
+        with_box=sum(count_boxes(items[i][1]) >= 1 for i in scored),
+        with_2plus_boxes=sum(count_boxes(items[i][1]) >= 2 for i in scored),
         disagree=counted["disagree"],
         disagree_pct=f"{100.0 * counted['disagree'] / completions:.2f}" if completions else "",
         math_verify_only_correct=counted[f"{first}_only_correct"],
         last_boxed_only_correct=counted[f"{second}_only_correct"],
-        timeouts=sum(r.timed_out for policy in BOXED_POLICIES for r in grades[policy]),
+        # every overrun: math-verify's on math_verify (then read bounded) and the final verdict's
+        timeouts=sum(r.timed_out or r.bounded for policy in BOXED_POLICIES for r in grades[policy]),
     )
-    for (item_id, completion, gold), a, b in zip(boxed, grades[first], grades[second], strict=True):
+    for (item_id, completion, gold), a, b in zip(items, grades[first], grades[second], strict=True):
         if a.correct != b.correct and len(row.examples) < examples:
             row.examples.append(
                 f"{item_id}: {first}={a.correct} ({a.extracted!r}), {second}={b.correct} "
@@ -203,7 +203,7 @@ def audit_report(
         if items:
             policy_rows.append(policy_disagreement_row("reference solutions", name, items, grader))
     policy_rows += samples_disagreement(samples, grader)
-    policies = "answer policies (math_verify: every box as one set answer; last_boxed: the last box only):"
+    policies = "answer policies (math_verify: math-verify's reading; last_boxed: the last box only):"
     tables = [
         ("grader_audit", _columns(AuditRow), rows, ""),
         ("policy_disagreement", _columns(DisagreementRow), policy_rows, policies),

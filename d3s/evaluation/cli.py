@@ -116,9 +116,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--answer-policy": (
             ANSWER_POLICIES,
             DEFAULT_ANSWER_POLICY,
-            "which answer counts for the primary accuracy: math_verify reads every \\boxed{} as one set "
-            "answer (default), last_boxed only the last one (Qwen2.5-Math toolkit), answer_tag the last "
-            "<answer> tag (PODS); all are always reported",
+            "which answer counts for the primary accuracy: math_verify is math-verify's verdict on the whole "
+            "completion (default), last_boxed the last \\boxed{} only (Qwen2.5-Math toolkit), answer_tag the "
+            "last <answer> tag (PODS); all are always reported",
         ),
         "--grading-workers": (_positive_int, GRADING_WORKERS, "grading subprocesses"),
         "--grading-time-limit": (

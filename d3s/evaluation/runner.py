@@ -140,7 +140,12 @@ def _grade_records(
         record["by_policy"] = {}
         for policy in ANSWER_POLICIES:
             g = grades[policy][index]
-            verdict = {"correct": g.correct, "extracted": g.extracted, "timed_out": g.timed_out}
+            verdict = {
+                "correct": g.correct,
+                "extracted": g.extracted,
+                "timed_out": g.timed_out,
+                "bounded": g.bounded,
+            }
             record["by_policy"][policy] = verdict | {"grading_error": g.error}
         record["gold_parsed"] = grades[primary][index].gold_parsed
         record["num_boxes"] = count_boxes(record["completion"])
