@@ -225,7 +225,6 @@ def test_full_disk_is_reported_in_one_line_and_the_run_resumes_once_there_is_roo
         config = write_config(tmp_path / "run.yaml", tiny_sft_model, disk / "run")
         assert train_cli(config) == 1
         (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # no traceback
-        print(error)
         checkpoint = disk / "run" / "checkpoint-4"
         assert error.startswith(f"d3s train: error: out of disk space writing checkpoint-4 to {checkpoint}: ")
         assert " free there (of " in error and "resumes from the newest complete checkpoint" in error
