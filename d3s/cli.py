@@ -53,6 +53,7 @@ def build_train_config(args: argparse.Namespace) -> dict:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from d3s.provenance.integrity import DiskFullError
     from d3s.runs.config import one_line
 
     try:
@@ -63,6 +64,9 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"d3s train: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except DiskFullError as err:  # the path and the space left there; the run resumes once there is room
+        print(f"d3s train: error: {one_line(err)}", file=sys.stderr)
+        return 1
     print(f"run finished: {run_dir}")
     return 0
 

@@ -20,7 +20,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from d3s import trl_contract
-from d3s.callbacks.checkpoints import CpuRanksOptimizerLoad, D3SCheckpointState
+from d3s.callbacks.checkpoints import CheckpointSaveErrors, CpuRanksOptimizerLoad, D3SCheckpointState
 from d3s.callbacks.logs import (
     JsonlMetricsCallback,
     NanGuardCallback,
@@ -68,7 +68,9 @@ class SelectedTokensBeta(float):
     __rmul__ = __mul__
 
 
-class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GRPOTrainer):
+class D3STrainer(
+    KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, CheckpointSaveErrors, GRPOTrainer
+):
     """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask."""
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -390,6 +391,46 @@ def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
         assert (work / run / f"checkpoint-{STEPS}" / f"global_step{STEPS}").is_dir()
     if engine == "zero3":
         _check_zero3_weights_evaluate_as_plain_weights(work / runs["d3s"] / "final", tmp_path)
+        _check_corrupt_sharded_checkpoint_and_final_model_are_rebuilt(work, env, target, runs, straight)
+
+
+def _check_corrupt_sharded_checkpoint_and_final_model_are_rebuilt(
+    work: Path, env: dict, target: list[str], runs: dict[str, Path], straight: list[Path]
+) -> None:
+    """Faults beyond a kill (tests/test_faults.py has the one-process cases), under Snakemake and ZeRO-3:
+    D3S's newest checkpoint gets one byte of rank 1's optimizer shard changed and loses its final model (as if
+    killed before the final save); PODS's finished final model is cut to half. The rerun moves both aside
+    (never deleting them): PODS's job runs again, not its evaluation, and rebuilds final/ from its verified
+    checkpoint-4; D3S's checkpoint-2 holds its weights only, so D3S starts over. Both end bitwise where the
+    uninterrupted runs end."""
+    d3s, pods = work / runs["d3s"], work / runs["pods"]
+    shard = d3s / f"checkpoint-{STEPS}" / f"global_step{STEPS}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(shard, "r+b") as fh:
+        fh.seek(shard.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    shutil.rmtree(d3s / "final")
+    (d3s / "train_summary.json").unlink()
+    weights = pods / "final" / "model.safetensors"
+    with open(weights, "r+b") as fh:
+        fh.truncate(weights.stat().st_size // 2)
+    _rerun(work, env, target)
+    d3s_log = (work / "results/smoke/logs/train/d3s_seed0.log").read_text()
+    pods_log = (work / "results/smoke/logs/train/pods_seed0.log").read_text()
+    failed = f"checkpoint-{STEPS} failed its integrity check: {shard.relative_to(work)} does not match"
+    assert failed in d3s_log
+    assert "starting over (no complete checkpoint with training state to resume from)" in d3s_log
+    (moved,) = d3s.glob(f"superseded-*-corrupt-checkpoint-{STEPS}")
+    assert (moved / f"checkpoint-{STEPS}" / shard.relative_to(d3s / f"checkpoint-{STEPS}")).is_file()
+    assert f"checkpoint-{STEPS} is the last step (max_steps): final model written from it" in pods_log
+    (moved,) = pods.glob("superseded-*-corrupt-final")
+    assert (moved / "final" / "model.safetensors").stat().st_size == weights.stat().st_size // 2
+    for run, reference in zip((d3s, pods), straight, strict=True):
+        ours = load_file(run / "final" / "model.safetensors")
+        theirs = load_file(reference / "final" / "model.safetensors")
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert (run / "train_summary.json").is_file() and (run / "final" / "d3s_files.json").is_file()
 
 
 def _check_zero3_weights_evaluate_as_plain_weights(final: Path, tmp_path: Path) -> None:

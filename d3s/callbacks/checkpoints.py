@@ -1,5 +1,6 @@
 """Checkpoints of a D3S run: the run's counters (in trainer_state.json), the mark of a complete checkpoint
-(d3s_state.json) and, with ``full_state_checkpoints: latest``, older checkpoints cut to their weights."""
+(d3s_state.json, which records each file's size and checksum) and, with ``full_state_checkpoints: latest``,
+older checkpoints cut to their weights."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from accelerate import PartialState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from d3s.provenance.integrity import CHECKSUM, record_files, reporting_full_disk
 from d3s.provenance.manifest import atomic_write_text
 
 D3S_STATE_FILE = "d3s_state.json"
@@ -107,9 +109,11 @@ class D3SCheckpointState(TrainerCallback, ExportableState):
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        atomic_write_text(
-            folder / D3S_STATE_FILE, json.dumps({"update_tokens_total": self.update_tokens_total})
-        )
+        with reporting_full_disk(folder, folder.name):
+            # what the checkpoint holds, verified before it is resumed or promoted (d3s.runs.run)
+            files = record_files(folder, exclude=(D3S_STATE_FILE, WEIGHTS_ONLY_FILE))
+            mark = {"update_tokens_total": self.update_tokens_total, "checksum": CHECKSUM, "files": files}
+            atomic_write_text(folder / D3S_STATE_FILE, json.dumps(mark, indent=1))
         if args.full_state_checkpoints == "latest":
             _strip_older_checkpoints(Path(args.output_dir), state.global_step)
 
@@ -122,6 +126,16 @@ def _strip_older_checkpoints(run_dir: Path, step: int) -> None:
             removed = strip_to_weights(path, f"checkpoint-{step} holds the full state")
             if removed:
                 print(f"{path.name} cut to its weights (removed {', '.join(removed)})", flush=True)
+
+
+class CheckpointSaveErrors:
+    """Mixin for D3STrainer: a checkpoint save that runs out of disk space ends in one line naming the
+    checkpoint's path and the space left there (DiskFullError), not torch's "basic_ios::clear"."""
+
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        with reporting_full_disk(folder, folder.name):
+            super()._save_checkpoint(model, trial)
 
 
 class CpuRanksOptimizerLoad:

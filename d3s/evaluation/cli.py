@@ -25,6 +25,7 @@ from d3s.data.benchmarks import (
 from d3s.data.templates import TEMPLATES, build_prompt
 from d3s.evaluation import audit, backends, runner
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
+from d3s.provenance.integrity import IntegrityError, model_weights_problem
 from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S, AnswerExtraction, Grader
 from d3s.runs.config import check_model_dir, one_line
 
@@ -200,7 +201,14 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
         raise ValueError(f"{exc} (--samples/--temperature/--top-p/--max-tokens)") from None
     if settings.temperature == 0 and settings.samples > 1:
         print("note: --temperature 0 is greedy; all samples of a problem will be identical", file=sys.stderr)
-    check_model_dir(args.model, "--model")  # a local path needs a readable config.json
+    if check_model_dir(args.model, "--model"):  # a local path needs a readable config.json ...
+        problem = model_weights_problem(Path(args.model).expanduser())  # ... and weights that load
+        if problem:
+            raise IntegrityError(
+                f"--model {args.model}: its weights do not load: {problem}; nothing was generated. "
+                "Re-create the model (a run's final/: run its training again, which rebuilds it from the "
+                "newest sound checkpoint)"
+            )
     backend = choose_backend(args.backend)
     return names, settings, backend
 

@@ -42,6 +42,15 @@ from d3s.callbacks.checkpoints import (
 )
 from d3s.methods import get_method
 from d3s.provenance.config_change import TRAINING_PER_ATTEMPT, config_changes, describe, plain
+from d3s.provenance.integrity import (
+    IntegrityError,
+    check_files,
+    record_files,
+    reporting_full_disk,
+    safetensors_problem,
+    set_aside,
+    write_final_record,
+)
 from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_json
 from d3s.runs.config import TOP_LEVEL_KEYS, ConfigError, TinyOptions, check_model_dir, coerce_run_config
 
@@ -211,26 +220,43 @@ def supersede_run(
     work = checkpoints + [output_dir / name for name in (metrics_log, *_RUN_WORK) if name]
     if not any(path.exists() for path in work):
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    folder = output_dir / f"superseded-{stamp}-{label}"
-    suffix = 1
-    while folder.exists():  # two restarts within a second
-        suffix += 1
-        folder = output_dir / f"superseded-{stamp}-{label}-{suffix}"
-    folder.mkdir(parents=True)
-    moved = []
-    for path in work + [output_dir / name for name in _RUN_DESCRIPTION]:
-        if path.exists():
-            os.replace(path, folder / path.name)  # same file system: a rename, nothing copied
-            moved.append(path.name)
-    readme = (
-        f"Superseded at {now()} (UTC): {reason}\n\n"
-        f"A new run started in {output_dir}; these files of the previous run were moved here, not deleted:\n"
-        + "".join(f"  {name}\n" for name in moved)
-        + "Delete this folder yourself when it is no longer needed.\n"
-    )
-    atomic_write_text(folder / "README.txt", readme)
-    return folder
+    note = f"A new run started in {output_dir}; these files of the previous run were moved here, not deleted:"
+    paths = work + [output_dir / name for name in _RUN_DESCRIPTION]
+    return set_aside(output_dir, paths, label=label, reason=reason, note=note)
+
+
+def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
+    """Why ``checkpoint`` cannot be trusted, in one line naming the file; None when every file its
+    completion mark records is there with its recorded size and checksum. A checkpoint marked before marks
+    recorded files gets the safetensors length check only."""
+    checkpoint = Path(checkpoint)
+    try:
+        files = json.loads((checkpoint / D3S_STATE_FILE).read_text(encoding="utf-8")).get("files")
+    except (ValueError, AttributeError):
+        return f"{checkpoint / D3S_STATE_FILE} is not valid JSON"
+    if files:
+        return check_files(checkpoint, files)
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            return problem
+    return None
+
+
+def verified_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest resumable checkpoint (latest_checkpoint) that passes its integrity check. One that fails
+    is moved aside into ``output_dir/superseded-<UTC time>-corrupt-checkpoint-<N>/`` (never deleted), with
+    the reason in one line, and the next newest is tried."""
+    while (checkpoint := latest_checkpoint(output_dir)) is not None:
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        note = "This checkpoint failed its integrity check; it was moved here, not deleted:"
+        reason = f"{checkpoint.name} failed its integrity check: {problem}"
+        label = f"corrupt-{checkpoint.name}"
+        moved = set_aside(output_dir, [checkpoint], label=label, reason=reason, note=note)
+        print(f"{reason}; moved to {moved}, not resumed", flush=True)
+    return None
 
 
 def _cut_logs(output_dir: Path, metrics_log: str, last_step: int) -> None:
@@ -260,7 +286,12 @@ def train(config: dict[str, Any]) -> Path:
     torch.set_num_threads(threads)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    resume_from = latest_checkpoint(output_dir) if config.get("resume", "auto") == "auto" else None
+    resume_from = None
+    if config.get("resume", "auto") == "auto":
+        if is_main:  # one process reads the checkpoints through and moves a corrupt one aside
+            verified_checkpoint(output_dir)
+        _wait_for_everyone()
+        resume_from = latest_checkpoint(output_dir)
     if resume_from is not None:
         changed = config_differences(output_dir, config)  # a checkpoint resumes only the config that made it
         if changed:
@@ -319,11 +350,14 @@ def train(config: dict[str, Any]) -> Path:
     if is_main:
         shutil.rmtree(partial, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
-    trainer.save_model(str(partial))  # on every process: DeepSpeed ZeRO-3 gathers the weights from all
+    with reporting_full_disk(partial, "the final model"):
+        trainer.save_model(str(partial))  # on every process: DeepSpeed ZeRO-3 gathers the weights from all
+        if is_main:
+            tokenizer.save_pretrained(str(partial))
+            record = record_files(partial)
     if is_main:
-        tokenizer.save_pretrained(str(partial))
         steps, tokens = trainer.state.global_step, trainer.update_tokens_total
-        _publish(output_dir, manifest, elapsed, steps, threads, tokens, manifest["resumed_from"])
+        _publish(output_dir, manifest, record, elapsed, steps, threads, tokens, manifest["resumed_from"])
     trainer.accelerator.wait_for_everyone()
     return output_dir
 
@@ -351,25 +385,50 @@ def _finish_from_checkpoint(
         partial = output_dir / "final.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-        for path in checkpoint.iterdir():
-            resume_state = any(path.match(pattern) for pattern in RESUME_STATE_PATTERNS)
-            if path.is_file() and path.name not in CHECKPOINT_ONLY_FILES and not resume_state:
-                shutil.copy2(path, partial / path.name)
         counters = json.loads((checkpoint / D3S_STATE_FILE).read_text(encoding="utf-8"))
+        copied = []
+        with reporting_full_disk(partial, "the final model"):
+            for path in checkpoint.iterdir():
+                resume_state = any(path.match(pattern) for pattern in RESUME_STATE_PATTERNS)
+                if path.is_file() and path.name not in CHECKPOINT_ONLY_FILES and not resume_state:
+                    shutil.copy2(path, partial / path.name)
+                    copied.append(path.name)
+        # the checkpoint's record (verified when it was chosen) checks the copy; mtimes are the copy's
+        recorded = counters.get("files") or {}  # none in a checkpoint marked before marks recorded files
+        record = {
+            name: {**recorded[name], "mtime_ns": (partial / name).stat().st_mtime_ns}
+            for name in copied
+            if name in recorded
+        }
+        record |= record_files(partial, exclude=record)  # what the checkpoint's mark did not record
         # train_seconds 0: this attempt trained nothing; the steps' time is in the earlier attempts
         tokens = counters["update_tokens_total"]
-        _publish(output_dir, manifest, 0.0, step, threads, tokens, str(checkpoint))
+        _publish(output_dir, manifest, record, 0.0, step, threads, tokens, str(checkpoint))
         print(f"{checkpoint.name} is the last step (max_steps): final model written from it", flush=True)
+    _wait_for_everyone()  # every process returns once the final model exists
+
+
+def _wait_for_everyone() -> None:
     from accelerate import PartialState
 
-    PartialState().wait_for_everyone()  # every process returns once the final model exists
+    PartialState().wait_for_everyone()
 
 
-def _publish(output_dir: Path, manifest: dict[str, Any], *summary: Any) -> None:
-    """final.partial/ becomes final/ (a crash never leaves a half-written model), then train_summary.json
-    (``summary``: seconds, steps, threads, update tokens, resumed from) and the manifest's end time."""
+def _publish(output_dir: Path, manifest: dict[str, Any], record: dict[str, Any], *summary: Any) -> None:
+    """final.partial/ becomes final/ (a crash never leaves a half-written model) with ``record`` (its files'
+    sizes and checksums, d3s_files.json), verified against it; then train_summary.json (``summary``:
+    seconds, steps, threads, update tokens, resumed from) and the manifest's end time."""
+    partial = output_dir / "final.partial"
+    with reporting_full_disk(partial, "the final model"):
+        write_final_record(partial, record)
     shutil.rmtree(output_dir / "final", ignore_errors=True)
-    os.replace(output_dir / "final.partial", output_dir / "final")
+    os.replace(partial, output_dir / "final")
+    problem = check_files(output_dir / "final", record)  # read back: the run reports success on a sound model
+    if problem:
+        raise IntegrityError(
+            f"the final model failed its check right after it was written: {problem}; the storage under "
+            f"{output_dir} does not keep what is written to it: check it, then run again"
+        )
     keys = ("train_seconds", "steps", "threads", "update_tokens_total", "resumed_from")
     write_json(output_dir / "train_summary.json", dict(zip(keys, summary, strict=True)))
     manifest["finished"] = now()

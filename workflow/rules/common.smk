@@ -7,6 +7,7 @@ from pathlib import Path
 from snakemake.utils import update_config
 
 from d3s.orchestration.run_config import check_workflow_config, typed_config_overrides
+from d3s.provenance.integrity import set_aside_corrupt_final_models
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
 ENV = "../../environment.yml"
