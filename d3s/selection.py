@@ -113,9 +113,10 @@ def select_samples(
     a group this equals ranking by rewards, since A is an increasing affine map of R); ``max_reward`` ranks
     by the rewards. Returns ascending flat row indices.
 
-    ``eligible`` (flat bool, default all): the rule chooses among the eligible rows of each pool only (vLLM's
-    correction zeroed the others, see zeroed_rollouts); a pool with fewer eligible rows than slots keeps all of
-    them and fills its remaining slots with its first ineligible rows, which the caller keeps out of the loss.
+    ``eligible`` (flat bool, default all): the rule chooses among the eligible rows of each pool only
+    (vLLM's correction zeroed the others, see zeroed_rollouts); a pool with fewer eligible rows than slots
+    keeps all of them and fills its remaining slots with its first ineligible rows, which the caller keeps
+    out of the loss.
     """
     _check_choice("sample_rule", rule, SAMPLE_RULES)
     _check_choice("sample_scope", scope, SAMPLE_SCOPES)
@@ -156,7 +157,9 @@ def select_samples(
     if rule == "max_variance":
         values = advantages.view(pools, size)
         local = (
-            max_variance_subset(values, k) if bool(allowed.all()) else _max_variance_of_eligible(values, allowed, k)
+            max_variance_subset(values, k)
+            if bool(allowed.all())
+            else _max_variance_of_eligible(values, allowed, k)
         )
     else:
         if rule == "max_reward":
@@ -166,8 +169,8 @@ def select_samples(
         else:
             noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
             order = noise.argsort(dim=1)
-        # the eligible rows in the rule's order, then the ineligible ones by index (the order itself when every
-        # row is eligible)
+        # the eligible rows in the rule's order, then the ineligible ones by index (the order itself when
+        # every row is eligible)
         slots = torch.arange(size, device=device).expand_as(order)
         rank = torch.empty_like(order).scatter_(1, order, slots)
         local = torch.where(allowed, rank, size + slots).argsort(dim=1)[:, :k]

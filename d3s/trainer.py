@@ -55,7 +55,9 @@ class HookState:
     old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
     old_policy_entropies: torch.Tensor | None = None
     deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
-    old_policy_pass_eager: bool = False  # ... except the old-policy pass, whose vLLM ratio decides eligibility
+    old_policy_pass_eager: bool = (
+        False  # ... except the old-policy pass, whose vLLM ratio decides eligibility
+    )
     old_policy_pass_done: bool = False  # that pass ran for real in this scoring
 
 
@@ -95,7 +97,9 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         self._hook_state.old_policy_entropies_wanted = selects_tokens and self._runs_old_policy_pass()
         excluding = self.model.training and self._excludes_zeroed()
         defer = drops_rollouts and self.args.defer_logprob_passes
-        with self.logprob_passes_deferred(defer, old_policy_pass_eager=excluding and self._may_zero_rollouts()):
+        with self.logprob_passes_deferred(
+            defer, old_policy_pass_eager=excluding and self._may_zero_rollouts()
+        ):
             output = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, advantages
         self._take_old_policy_entropies(output)
         if not self.model.training:
@@ -209,7 +213,9 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
         """Whether this run takes what vLLM's correction zeroed out of selection and the loss (the method's
         ``zeroed_rollouts``, with the correction on)."""
         return (
-            self.args.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
+            self.args.zeroed_rollouts == "excluded"
+            and self.use_vllm
+            and self.vllm_importance_sampling_correction
         )
 
     def _may_zero_rollouts(self) -> bool:
@@ -278,9 +284,9 @@ class D3STrainer(KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, GR
             and (self._entropy_bonus_enabled or self.aux_loss_enabled)
         ):
             raise ValueError(
-                f"zeroed_rollouts excluded rescales loss_type {self.loss_type!r}'s mean over rows, which would "
-                "scale the entropy bonus or router aux loss too: set zeroed_rollouts: trl, or entropy_coef 0 "
-                "and no router aux loss"
+                f"zeroed_rollouts excluded rescales loss_type {self.loss_type!r}'s mean over rows, which "
+                "would scale the entropy bonus or router aux loss too: set zeroed_rollouts: trl, or "
+                "entropy_coef 0 and no router aux loss"
             )
 
     def _token_keep_ratio(self) -> float:

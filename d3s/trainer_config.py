@@ -116,8 +116,8 @@ class D3SConfig(GRPOConfig):
     schedule: str | None = _from_method("linear: N and K move with step / max_steps.", SCHEDULES)
     minibatches_per_generation: int | None = _from_method("Optimizer steps per generation batch (GSPO: 4).")
     zeroed_rollouts: str | None = _from_method(
-        "Rollouts and tokens vLLM's importance-sampling correction zeroed: 'excluded' takes no sample or token "
-        "slot and leaves the loss (KL included) and its denominators; 'trl' keeps TRL's weight of zero.",
+        "Rollouts and tokens vLLM's importance-sampling correction zeroed: 'excluded' takes no sample or "
+        "token slot and leaves the loss (KL included) and its denominators; 'trl': TRL's zero weight.",
         ZEROED_ROLLOUTS,
     )
     token_norm: str = _option("all", "Loss denominators under token selection.", ["all", "selected"])

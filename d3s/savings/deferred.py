@@ -58,7 +58,9 @@ class DeferredLogprobPasses:
         """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
         pending = [key for key in DEFERRED_KEYS if key in output]  # placeholders, indexed by selection
         if self._hook_state.old_policy_pass_done:  # these two are real already
-            pending = [key for key in pending if key not in ("old_per_token_logps", "importance_sampling_ratio")]
+            pending = [
+                key for key in pending if key not in ("old_per_token_logps", "importance_sampling_ratio")
+            ]
         extras = {key: output[key] for key in ("token_type_ids", "mm_token_type_ids") if key in output}
 
         def logps(model) -> torch.Tensor:
