@@ -3,8 +3,10 @@
 TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds, once per generation batch
 and identically on every rank: (1) keep a subset of the scored rollouts and re-index every per-rollout tensor;
 (2) over the kept rollouts of every rank, the top-K% tokens by |A| x H as the per-rollout ``token_mask`` the
-loss trains. With ``method="grpo"`` both are off: TRL's GRPOTrainer, step for step. Opt-in savings:
-d3s/savings/; TRL internals used: d3s/trl_contract.py; each method's objective: docs/fidelity.md.
+loss trains. With ``method="grpo"`` both are off: TRL's GRPOTrainer, step for step. What vLLM's
+importance-sampling correction zeroed takes no slot at either level and leaves the loss (section 3).
+Opt-in savings: d3s/savings/; TRL internals used: d3s/trl_contract.py; each method's objective:
+docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -55,9 +57,7 @@ class HookState:
     old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
     old_policy_entropies: torch.Tensor | None = None
     deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
-    old_policy_pass_eager: bool = (
-        False  # ... except the old-policy pass, whose vLLM ratio decides eligibility
-    )
+    old_policy_pass_eager: bool = False  # ... but the old-policy pass: its vLLM ratio decides eligibility
     old_policy_pass_done: bool = False  # that pass ran for real in this scoring
 
 
