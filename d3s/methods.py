@@ -30,6 +30,9 @@ class Method:
     # Optimizer steps per generation batch: GSPO splits each rollout batch into 4 mini-batches (GSPO paper v2,
     # section 5.1; TRL's GSPO docs: steps_per_generation = 4 x gradient_accumulation_steps).
     minibatches_per_generation: int = 1
+    # What vLLM's importance-sampling correction zeroed (docs/fidelity.md): "excluded" takes no sample or
+    # token slot and leaves the loss and its denominators; "trl" is TRL's (a zero weight that still counts).
+    zeroed_rollouts: str = "excluded"
     # TRL GRPOConfig fields the method needs (GSPO's sequence-level ratio and tiny clip range).
     trl_settings: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +71,10 @@ _CROSS_GROUP = dict(sample_rule="max_variance", sample_scope="batch")
 _INTRA_GROUP = dict(sample_rule="max_variance", sample_scope="group")
 
 METHODS: dict[str, Method] = {
-    "grpo": Method("D3S Table 1/2 row 'GRPO': all rollouts, all tokens (TRL GRPOTrainer unchanged)"),
+    "grpo": Method(
+        "D3S Table 1/2 row 'GRPO': all rollouts, all tokens (TRL GRPOTrainer unchanged)",
+        zeroed_rollouts="trl",
+    ),
     "pods": Method(
         "D3S Table 1 row 'GRPO+PODS'; PODS (arXiv 2504.13818) max-variance n -> m = n/4 per prompt, "
         "advantages re-normalised on the kept subset",
@@ -131,6 +137,7 @@ METHODS: dict[str, Method] = {
         "each rollout batch in 4 mini-batches (one optimizer step each)",
         minibatches_per_generation=4,
         trl_settings=GSPO_TRL,
+        zeroed_rollouts="trl",
     ),
     "gspo_d3s": Method(
         "D3S Table 1 row 'GSPO+D3S': D3S selection on top of GSPO (the sequence ratio over the kept tokens)",

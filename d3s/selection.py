@@ -2,7 +2,9 @@
 
 Sample level, which rollouts train: max_variance_subset, select_samples, renormalize_advantages (PODS).
 Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
-training, with round_half_up the one rounding rule for keep counts.
+training, with round_half_up the one rounding rule for keep counts. vLLM's importance-sampling correction:
+zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity.md, "vLLM's importance-sampling
+correction").
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ SampleScope = Literal["group", "batch"]
 TokenRule = Literal["adv_entropy", "entropy", "none"]
 TokenScope = Literal["batch", "micro_batch", "sequence"]
 ScheduleKind = Literal["constant", "linear"]
+ZeroedRollouts = Literal["excluded", "trl"]
 
 SAMPLE_RULES: tuple[str, ...] = get_args(SampleRule)
 SAMPLE_SCOPES: tuple[str, ...] = get_args(SampleScope)
 TOKEN_RULES: tuple[str, ...] = get_args(TokenRule)
 TOKEN_SCOPES: tuple[str, ...] = get_args(TokenScope)
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
+ZEROED_ROLLOUTS: tuple[str, ...] = get_args(ZeroedRollouts)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -99,6 +103,7 @@ def select_samples(
     rule: SampleRule = "max_variance",
     scope: SampleScope = "group",
     generator: torch.Generator | None = None,
+    eligible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows to keep from a flat batch of B prompts x G rollouts (rollouts of a prompt adjacent).
 
@@ -107,6 +112,11 @@ def select_samples(
     no signal (A = 0) give their share to groups with signal. ``max_variance`` ranks by the advantages (within
     a group this equals ranking by rewards, since A is an increasing affine map of R); ``max_reward`` ranks
     by the rewards. Returns ascending flat row indices.
+
+    ``eligible`` (flat bool, default all): the rule chooses among the eligible rows of each pool only
+    (vLLM's correction zeroed the others, see zeroed_rollouts); a pool with fewer eligible rows than slots
+    keeps all of them and fills its remaining slots with its first ineligible rows, which the caller keeps
+    out of the loss.
     """
     _check_choice("sample_rule", rule, SAMPLE_RULES)
     _check_choice("sample_scope", scope, SAMPLE_SCOPES)
@@ -125,6 +135,10 @@ def select_samples(
         )
     _check_finite("advantages", advantages)
     _check_finite("rewards", rewards)
+    if eligible is not None and eligible.shape != advantages.shape:
+        raise ValueError(
+            f"eligible must be a flat mask of the {total} rollouts; got shape {tuple(eligible.shape)}"
+        )
     num_prompts = total // num_generations
     device = advantages.device
     if rule == "none" or keep_per_prompt == num_generations:
@@ -135,17 +149,51 @@ def select_samples(
         pools, size, k = 1, total, keep_per_prompt * num_prompts
     else:
         pools, size, k = num_prompts, num_generations, keep_per_prompt
+    allowed = (
+        torch.ones(pools, size, dtype=torch.bool, device=device)
+        if eligible is None
+        else eligible.to(device=device, dtype=torch.bool).view(pools, size)
+    )
     if rule == "max_variance":
-        local = max_variance_subset(advantages.view(pools, size), k)
-    elif rule == "max_reward":
-        local = torch.sort(rewards.view(pools, size), dim=1, descending=True, stable=True).indices[:, :k]
-    elif scope == "batch":
-        local = torch.randperm(total, generator=generator, device="cpu")[:k].to(device).unsqueeze(0)
+        values = advantages.view(pools, size)
+        local = (
+            max_variance_subset(values, k)
+            if bool(allowed.all())
+            else _max_variance_of_eligible(values, allowed, k)
+        )
     else:
-        noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
-        local = noise.argsort(dim=1)[:, :k]
+        if rule == "max_reward":
+            order = torch.sort(rewards.view(pools, size), dim=1, descending=True, stable=True).indices
+        elif scope == "batch":
+            order = torch.randperm(total, generator=generator, device="cpu").to(device).unsqueeze(0)
+        else:
+            noise = torch.rand(num_prompts, num_generations, generator=generator, device="cpu").to(device)
+            order = noise.argsort(dim=1)
+        # the eligible rows in the rule's order, then the ineligible ones by index (the order itself when
+        # every row is eligible)
+        slots = torch.arange(size, device=device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(1, order, slots)
+        local = torch.where(allowed, rank, size + slots).argsort(dim=1)[:, :k]
     offsets = (torch.arange(pools, device=device) * size).unsqueeze(1)
     return (local.sort(dim=1).values + offsets).flatten()  # pools in order, each ascending: sorted
+
+
+def _max_variance_of_eligible(values: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """(pools, k) local indices: per pool, a max-variance subset of min(k, eligible) of its eligible values,
+    then its first ineligible rows as fillers. Pools with the same eligible count are solved together."""
+    first_eligible = (~allowed).int().argsort(dim=1, stable=True)  # eligible indices ascending, then the rest
+    counts = allowed.sum(dim=1)
+    local = torch.empty(values.shape[0], k, dtype=torch.long, device=values.device)
+    for count in counts.unique().tolist():
+        rows = (counts == count).nonzero().squeeze(1)
+        candidates = first_eligible[rows]
+        chosen = min(k, count)
+        picked = candidates[:, :0]
+        if chosen:
+            eligible_values = torch.gather(values[rows], 1, candidates[:, :count])
+            picked = torch.gather(candidates, 1, max_variance_subset(eligible_values, chosen))
+        local[rows] = torch.cat([picked, candidates[:, count : count + k - chosen]], dim=1)
+    return local
 
 
 def renormalize_advantages(
@@ -175,6 +223,29 @@ def renormalize_advantages(
     advantages = dev / (std[group] + epsilon) if scale else dev
     advantages = torch.where(count[group] > 1, advantages, torch.zeros_like(advantages))
     return advantages.to(rewards.dtype)
+
+
+def zeroed_rollouts(importance_sampling_ratio: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Bool (B,): rollouts every valid token of which vLLM's importance-sampling correction zeroed.
+
+    ``importance_sampling_ratio`` is TRL's (B, 1) sequence ratio or (B, T) token ratio after its clip or mask;
+    its ``*_mask`` modes set a ratio outside [C_min, C_max] to 0 (``sequence_mask``: the whole rollout).
+    ``loss_mask`` (B, T) marks the valid tokens; a rollout without any is not counted as zeroed.
+    """
+    if importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != loss_mask.shape[0]:
+        raise ValueError(
+            f"importance_sampling_ratio must be (B, 1) or (B, T) for a (B, T) loss mask; got "
+            f"{tuple(importance_sampling_ratio.shape)} and {tuple(loss_mask.shape)}"
+        )
+    valid = loss_mask.bool()
+    live = valid & (importance_sampling_ratio != 0)
+    return valid.any(dim=1) & ~live.any(dim=1)
+
+
+def corrected_loss_mask(importance_sampling_ratio: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The loss mask without the tokens the correction zeroed (they train nothing and leave the denominators);
+    same dtype as ``loss_mask``."""
+    return loss_mask * (importance_sampling_ratio != 0).to(loss_mask.dtype)
 
 
 # ---- token level -------------------------------------------------------------------------------------------

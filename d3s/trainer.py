@@ -3,8 +3,10 @@
 TRL owns generation, rewards, advantages, the clipped loss and logging. D3S adds, once per generation batch
 and identically on every rank: (1) keep a subset of the scored rollouts and re-index every per-rollout tensor;
 (2) over the kept rollouts of every rank, the top-K% tokens by |A| x H as the per-rollout ``token_mask`` the
-loss trains. With ``method="grpo"`` both are off: TRL's GRPOTrainer, step for step. Opt-in savings:
-d3s/savings/; TRL internals used: d3s/trl_contract.py; each method's objective: docs/fidelity.md.
+loss trains. With ``method="grpo"`` both are off: TRL's GRPOTrainer, step for step. What vLLM's
+importance-sampling correction zeroed takes no slot at either level and leaves the loss (section 3).
+Opt-in savings: d3s/savings/; TRL internals used: d3s/trl_contract.py; each method's objective:
+docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from d3s.callbacks.logs import (
 )
 from d3s.rewards import bind_answer_policy
 from d3s.savings import DeferredLogprobPasses, KeptTokenHead
-from d3s.selection import renormalize_advantages, select_samples, token_keep_mask, token_scores
+from d3s.selection import (
+    corrected_loss_mask,
+    renormalize_advantages,
+    select_samples,
+    token_keep_mask,
+    token_scores,
+    zeroed_rollouts,
+)
 from d3s.trainer_config import D3SConfig
 
 __all__ = ["D3SConfig", "D3STrainer"]
@@ -48,6 +57,8 @@ class HookState:
     old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
     old_policy_entropies: torch.Tensor | None = None
     deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
+    old_policy_pass_eager: bool = False  # ... but the old-policy pass: its vLLM ratio decides eligibility
+    old_policy_pass_done: bool = False  # that pass ran for real in this scoring
 
 
 class SelectedTokensBeta(float):
@@ -86,12 +97,21 @@ class D3STrainer(
         )
         selects_tokens = self.model.training and self._token_keep_ratio() < 1.0
         self._hook_state.old_policy_entropies_wanted = selects_tokens and self._runs_old_policy_pass()
-        with self.logprob_passes_deferred(drops_rollouts and self.args.defer_logprob_passes):
+        excluding = self.model.training and self._excludes_zeroed()
+        defer = drops_rollouts and self.args.defer_logprob_passes
+        with self.logprob_passes_deferred(
+            defer, old_policy_pass_eager=excluding and self._may_zero_rollouts()
+        ):
             output = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, advantages
         self._take_old_policy_entropies(output)
         if not self.model.training:
             return output
         all_advantages = self.accelerator.gather(output["advantages"])  # the batch of every rank
+        zeroed = None  # rollouts of every rank that vLLM's correction zeroed, where selection avoids them
+        if excluding and (not defer or self._hook_state.old_policy_pass_done):
+            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+            zeroed = zeroed_rollouts(output["importance_sampling_ratio"], loss_mask)
+            zeroed = self.accelerator.gather(zeroed.int()).bool()  # gloo: no bool
         kept = torch.arange(all_advantages.numel(), device=all_advantages.device)
         kept_advantages, selected = all_advantages, output
         if drops_rollouts:
@@ -104,16 +124,21 @@ class D3STrainer(
                 rule=self.args.sample_rule,
                 scope=self.args.sample_scope,
                 generator=torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step),
+                eligible=None if zeroed is None else ~zeroed,
             )
             kept_advantages = all_advantages[kept]
             if self.args.renormalize:  # PODS: over the kept subset; D-family: over all G
                 scale = self.scale_rewards != "none"
+                if zeroed is not None:  # a filler the correction zeroed is out of its group's statistics
+                    rewards = rewards.masked_fill(zeroed, float("nan"))
                 kept_advantages = renormalize_advantages(rewards, kept, self.num_generations, scale=scale)
             selected = self._keep_rows(output, kept, kept_advantages)
-            if self.args.defer_logprob_passes:  # savings: only the kept rows are forwarded
+            if defer:  # savings: only the kept rows are forwarded
                 selected = self.run_deferred_logprob_passes(selected)
                 self._take_old_policy_entropies(selected)
-        self._log_selection(keep, all_advantages, kept, kept_advantages)
+        if excluding and "importance_sampling_ratio" in selected:
+            selected = self._exclude_zeroed(selected)
+        self._log_selection(keep, all_advantages, kept, kept_advantages, zeroed)
         self._hook_state.old_policy_entropies_wanted = False
         entropies = selected.pop("old_policy_entropies", None)
         if selects_tokens and self.args.token_scope != "micro_batch":
@@ -129,9 +154,7 @@ class D3STrainer(
         by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
-        valid = batch["completion_mask"] * batch.get("tool_mask", 1)
-        if "importance_sampling_ratio" in batch:  # what vLLM's IS correction zeroed never takes a slot
-            valid = valid * (batch["importance_sampling_ratio"] != 0)
+        valid = batch["completion_mask"] * batch.get("tool_mask", 1)  # without what _exclude_zeroed took out
         return self._rank_tokens(batch, entropies, valid.bool())
 
     def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -183,7 +206,41 @@ class D3STrainer(
             loss = super()._compute_loss(model, inputs)
         if training:
             self._log_loss_call(given, kept_as_loss_mask)
+            loss = loss * self._zeroed_rows_out_of_mean(inputs)
         return loss
+
+    # ---- 3. vLLM's importance-sampling correction: what it zeroed is out of the update -------------------
+
+    def _excludes_zeroed(self) -> bool:
+        """Whether this run takes what vLLM's correction zeroed out of selection and the loss (the method's
+        ``zeroed_rollouts``, with the correction on)."""
+        return (
+            self.args.zeroed_rollouts == "excluded"
+            and self.use_vllm
+            and self.vllm_importance_sampling_correction
+        )
+
+    def _may_zero_rollouts(self) -> bool:
+        """TRL's *_mask modes set a ratio outside the clip range to zero (the truncate modes clip it)."""
+        return self.vllm_importance_sampling_mode in ("sequence_mask", "token_mask")
+
+    def _exclude_zeroed(self, batch: dict) -> dict:
+        """The zeroed tokens leave the loss mask (no policy or KL term), so every denominator drops them."""
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        batch["tool_mask"] = corrected_loss_mask(batch["importance_sampling_ratio"], loss_mask)
+        batch["num_items_in_batch"] = self.accelerator.gather(batch["tool_mask"].sum()).sum()
+        return batch
+
+    def _zeroed_rows_out_of_mean(self, inputs: dict) -> float:
+        """Losses that average over the micro-batch's rows (grpo, sapo, dr_grpo, luspo) still count a zeroed
+        rollout, whose terms are all zero: rescale so the mean is over the other rows."""
+        if self.loss_type not in ROW_MEAN_LOSSES or "importance_sampling_ratio" not in inputs:
+            return 1.0
+        if not self._excludes_zeroed():
+            return 1.0
+        rows = inputs["completion_mask"].shape[0]
+        zeroed = int(zeroed_rollouts(inputs["importance_sampling_ratio"], inputs["completion_mask"]).sum())
+        return rows / (rows - zeroed) if zeroed < rows else 1.0
 
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
@@ -223,6 +280,16 @@ class D3STrainer(
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
         self.add_callback(NanGuardCallback())  # after the metrics log, so the NaN step is recorded
         self.add_callback(D3SCheckpointState())
+        if (
+            self._excludes_zeroed()
+            and self.loss_type in ROW_MEAN_LOSSES
+            and (self._entropy_bonus_enabled or self.aux_loss_enabled)
+        ):
+            raise ValueError(
+                f"zeroed_rollouts excluded rescales loss_type {self.loss_type!r}'s mean over rows, which "
+                "would scale the entropy bonus or router aux loss too: set zeroed_rollouts: trl, or "
+                "entropy_coef 0 and no router aux loss"
+            )
 
     def _token_keep_ratio(self) -> float:
         """K at the current point of the schedule; 1 when the method has no token level."""
@@ -295,9 +362,17 @@ class D3STrainer(
     # ---- metrics and the anatomy log -----------------------------------------------------------------------
 
     def _log_selection(
-        self, keep: int, before: torch.Tensor, kept: torch.Tensor, after: torch.Tensor
+        self,
+        keep: int,
+        before: torch.Tensor,
+        kept: torch.Tensor,
+        after: torch.Tensor,
+        zeroed: torch.Tensor | None = None,
     ) -> None:
         metrics = self._metrics["train"]
+        if zeroed is not None:  # what vLLM's correction zeroed: of every rollout, and of the kept ones
+            metrics["selection/zeroed_fraction_before"].append(zeroed.float().mean().item())
+            metrics["selection/zeroed_fraction"].append(zeroed[kept].float().mean().item())
         metrics["schedule/keep_per_prompt"].append(float(keep))
         metrics["schedule/token_keep_ratio"].append(
             self.selection_schedule.token_keep_ratio(self.training_progress())
@@ -370,4 +445,6 @@ class D3STrainer(
 
 
 # Per-rollout tensors of TRL's generation batch that are left-padded: they pad first when pooled across ranks.
+# TRL's loss types that average over the rows of a micro-batch (not over a token count).
+ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 _LEFT_PADDED = {"prompt_ids", "prompt_mask"}

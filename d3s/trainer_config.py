@@ -11,7 +11,15 @@ from trl import GRPOConfig
 from d3s.callbacks.checkpoints import FULL_STATE_CHECKPOINTS
 from d3s.methods import get_method
 from d3s.rewards import ANSWER_POLICIES
-from d3s.selection import SAMPLE_RULES, SAMPLE_SCOPES, SCHEDULES, TOKEN_RULES, TOKEN_SCOPES, Schedule
+from d3s.selection import (
+    SAMPLE_RULES,
+    SAMPLE_SCOPES,
+    SCHEDULES,
+    TOKEN_RULES,
+    TOKEN_SCOPES,
+    ZEROED_ROLLOUTS,
+    Schedule,
+)
 
 # Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked
 # once, in D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these.
@@ -107,6 +115,11 @@ class D3SConfig(GRPOConfig):
     token_keep_ratio_final: float | None = _from_method("K at the end of training under a linear schedule.")
     schedule: str | None = _from_method("linear: N and K move with step / max_steps.", SCHEDULES)
     minibatches_per_generation: int | None = _from_method("Optimizer steps per generation batch (GSPO: 4).")
+    zeroed_rollouts: str | None = _from_method(
+        "Rollouts and tokens vLLM's importance-sampling correction zeroed: 'excluded' takes no sample or "
+        "token slot and leaves the loss (KL included) and its denominators; 'trl': TRL's zero weight.",
+        ZEROED_ROLLOUTS,
+    )
     token_norm: str = _option("all", "Loss denominators under token selection.", ["all", "selected"])
     kl_tokens: str = _option("selected", "Tokens of the KL term under token selection.", ["selected", "all"])
     metrics_log: str | None = _option("metrics.jsonl", "Per-step JSON log in output_dir (None: off).")
@@ -166,7 +179,7 @@ class D3SConfig(GRPOConfig):
     def _resolve_from_method(self, method) -> None:
         keep_init, keep_final = method.keep_per_prompt(self.num_generations)
         same_names = ("sample_rule", "sample_scope", "renormalize", "token_rule", "token_scope", "schedule")
-        same_names += ("minibatches_per_generation",)
+        same_names += ("minibatches_per_generation", "zeroed_rollouts")
         defaults = {name: getattr(method, name) for name in same_names} | {
             "keep_per_prompt": keep_init,
             "keep_per_prompt_final": keep_final,

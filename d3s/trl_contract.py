@@ -31,6 +31,7 @@ TRAINER_ATTRIBUTES = (
     "loss_type",
     "importance_sampling_level",
     "_entropy_bonus_enabled",
+    "aux_loss_enabled",  # with the entropy bonus: refused where zeroed rollouts rescale a mean over rows
     "ref_model",
     "num_iterations",  # with the next two: whether TRL runs its old-policy pass (the token entropies)
     "use_vllm",

@@ -26,16 +26,24 @@ class DeferredLogprobPasses:
     """Mixin for D3STrainer (before GRPOTrainer in its bases)."""
 
     @contextmanager
-    def logprob_passes_deferred(self, defer: bool) -> Iterator[None]:
-        """While TRL scores: its log-prob passes return placeholders when ``defer``."""
-        self._hook_state.deferring_logprobs = defer
+    def logprob_passes_deferred(self, defer: bool, old_policy_pass_eager: bool = False) -> Iterator[None]:
+        """While TRL scores: its log-prob passes return placeholders when ``defer``; with
+        ``old_policy_pass_eager`` its first one, the old-policy pass, runs for real on every rollout (vLLM's
+        masked importance-sampling ratio, which it gives, decides which rollouts selection may keep)."""
+        state = self._hook_state
+        state.deferring_logprobs = defer
+        state.old_policy_pass_eager, state.old_policy_pass_done = defer and old_policy_pass_eager, False
         try:
             yield
         finally:
-            self._hook_state.deferring_logprobs = False
+            state.deferring_logprobs = state.old_policy_pass_eager = False
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        if not self._hook_state.deferring_logprobs:
+        state = self._hook_state
+        if not state.deferring_logprobs:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if state.old_policy_pass_eager and not state.old_policy_pass_done:  # TRL runs it first
+            state.old_policy_pass_done = True
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         if has_multimodal_inputs(kwargs):
             raise ValueError(
@@ -49,6 +57,10 @@ class DeferredLogprobPasses:
     def run_deferred_logprob_passes(self, output: dict) -> dict:
         """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
         pending = [key for key in DEFERRED_KEYS if key in output]  # placeholders, indexed by selection
+        if self._hook_state.old_policy_pass_done:  # these two are real already
+            pending = [
+                key for key in pending if key not in ("old_per_token_logps", "importance_sampling_ratio")
+            ]
         extras = {key: output[key] for key in ("token_type_ids", "mm_token_type_ids") if key in output}
 
         def logps(model) -> torch.Tensor:
