@@ -332,14 +332,18 @@ class _MathVerifyGrader:
         """One parsed list per gold string that parses; [] when none does."""
         parsed_golds = []
         for gold in golds:
-            # normalised as predictions are (18. -> 18, -3./2 -> -3/2) before the forms as written
+            # The gold normalised as the bounded reading normalises answers (18. -> 18, -3./2 -> -3/2), and
+            # the gold as written, as math-verify's own call reads it: a box math-verify keeps as the text
+            # "-1./3" matches only the latter.
             normalized = gold if "\\boxed" in gold else normalize_answer(gold)
-            forms = (gold_candidates(normalized) if normalized else []) + gold_candidates(gold)
-            for form in dict.fromkeys(forms):
-                parsed = self._parse(form, self._gold_config, parsing_timeout=None)
-                if parsed:
-                    parsed_golds.append(parsed)
-                    break
+            readings = [gold_candidates(normalized) if normalized else [], gold_candidates(gold)]
+            for forms in readings:
+                for form in forms:
+                    parsed = self._parse(form, self._gold_config, parsing_timeout=None)
+                    if parsed:
+                        if parsed not in parsed_golds:
+                            parsed_golds.append(parsed)
+                        break
         return parsed_golds
 
     def _parse_whole(self, completion: str) -> list[Any]:
