@@ -35,7 +35,8 @@ def main() -> None:
     with Grader(num_workers=WORKERS, time_limit=args.limit) as grader:
         grader.grade_many([r"\boxed{1}"] * WORKERS, ["1"] * WORKERS)  # start the workers
         batch = timed_once(lambda: grader.grade_many(completions, ["5"] * len(completions)))
-        results, batch_seconds, restarts = batch["result"], batch["median_s"], grader.restarts
+        results, batch_seconds = batch["result"], batch["median_s"]
+        restarts, overruns = grader.restarts, grader.timeouts
 
     rows: list[dict[str, Any]] = [
         {
@@ -55,6 +56,9 @@ def main() -> None:
             "answers": len(completions),
             "workers": WORKERS,
             "timeouts": sum(result.timed_out for result in results),
+            # math_verify: an overrun of math-verify is graded again by the bounded reading, which may
+            # overrun too; every overrun restarts its worker
+            "overruns": overruns,
             "restarts": restarts,
             "seconds": batch_seconds,
             "limit_times_answers_per_worker_s": bound,
@@ -77,6 +81,7 @@ def main() -> None:
             "answers": "{answers}",
             "workers": "{workers}",
             "timeouts": "{timeouts}",
+            "overruns": "{overruns}",
             "restarts": "{restarts}",
             "batch wall": lambda r: fmt_seconds(r["seconds"]),
             "limit x answers / workers": lambda r: fmt_seconds(r["limit_times_answers_per_worker_s"]),

@@ -54,6 +54,7 @@ SELECTION_FIELDS = (
     "token_keep_ratio_final",
     "schedule",
     "minibatches_per_generation",
+    "zeroed_rollouts",
 )
 # Geometry following from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
 # G itself (num_generations) must agree; PODS's own protocol, which compares n = 4m with m, says so in its
