@@ -186,6 +186,7 @@ AccountingStoragePort=$dbd_port
 AccountingStoragePass=$socket
 AccountingStorageEnforce=associations
 AccountingStorageTRES=gres/gpu
+AccountingStoreFlags=job_comment
 SchedulerParameters=sched_interval=1
 ReturnToService=2
 KillWait=10

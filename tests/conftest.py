@@ -49,6 +49,22 @@ def tiny_sft_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smoke_workflow(tmp_path_factory) -> Path:
+    """A copy of the workflow after `snakemake --cores 2` of the smoke configuration (test_workflow.py checks
+    it; test_slurm.py compares the same run through Slurm with it). Run once per session."""
+    work = copy_workflow(tmp_path_factory.mktemp("smoke"))
+    done = subprocess.run(
+        SNAKEMAKE + ["--cores", "2", "--configfile", "config/smoke.yaml"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return work
+
+
+@pytest.fixture(scope="session")
 def offline_work(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A copy of the workflow with no ../shared/data beside it, and an environment with the Hub off and
     an empty data directory."""

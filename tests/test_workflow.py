@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 import yaml
-from helpers import REPO_ROOT, copy_workflow, run_snakemake
+from helpers import REPO_ROOT, run_snakemake
 
 # Every configuration is dry-run offline in test_dry_run_offline.py, the paper ones with their resources and
 # trainer settings in test_paper_configs.py.
@@ -124,12 +124,10 @@ def test_lint_clean():
 
 
 @pytest.mark.slow
-def test_smoke_workflow_end_to_end(tmp_path):
-    """The smoke configuration: base model, 2 methods x 1 seed, checkpoint and final evaluation, the four
-    notebooks, report.md, and Snakemake's HTML report."""
-    work = copy_workflow(tmp_path)
-    result = run_snakemake(["--cores", "2", "--configfile", "config/smoke.yaml"], work, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_smoke_workflow_end_to_end(smoke_workflow):
+    """The smoke configuration (run by the smoke_workflow fixture, conftest.py): base model, 2 methods x 1
+    seed, checkpoint and final evaluation, the four notebooks, report.md, and Snakemake's HTML report."""
+    work = smoke_workflow
     out = work / "results" / "smoke"
     for method in ("grpo", "d3s"):
         run = out / "runs" / method / "seed0"
