@@ -95,8 +95,10 @@ HOLD = textwrap.dedent(
     """
 )
 
-# Values that record when or how fast something ran, not what it computed: they differ between any two runs.
+# Values that record when or how fast something ran, not what it computed: they differ between any two runs;
+# and what a resumed run records of its resume (its origin; HF's train_loss averages this attempt's steps).
 TIMING_KEYS = {
+    "resumed_from", "train_loss",
     "checked", "created_at", "elapsed_s_this_run", "finished", "seconds", "started", "step_time",
     "train_runtime", "train_samples_per_second", "train_seconds", "train_steps_per_second", "written",
 }  # fmt: skip
@@ -105,7 +107,8 @@ TIMING_CLAIMS = {"step_time", "speedup_wall_clock"}
 # Files that are records of a run rather than its results: logs, executed notebooks, figures (PDFs carry
 # their creation time; the wall-clock plot its times), TRL's model card (its tags are a set), the report (its
 # provenance table and timing claims; its other numbers come from the tables compared here).
-NOT_COMPARED = ("logs/", "notebooks/", "figures/", "report.md", "README.md")
+# training_args.bin pickles the launch's process settings (accelerate's single-GPU path vs in-process).
+NOT_COMPARED = ("logs/", "notebooks/", "figures/", "report.md", "README.md", "training_args.bin")
 
 
 def _without_timings(value: object, *, manifest: bool) -> object:
@@ -137,7 +140,9 @@ def _comparable(path: Path) -> object:
 def _assert_same_outputs(local: Path, slurm: Path) -> None:
     files = {p.relative_to(local) for p in local.rglob("*") if p.is_file()}
     assert files == {p.relative_to(slurm) for p in slurm.rglob("*") if p.is_file()}
-    compared = [f for f in sorted(files) if not str(f).startswith(NOT_COMPARED) and f.name != "README.md"]
+    compared = [
+        f for f in sorted(files) if not str(f).startswith(NOT_COMPARED) and f.name not in NOT_COMPARED
+    ]
     assert len(compared) > 100  # weights, samples, metrics, summaries, tables
     differ = [str(f) for f in compared if _comparable(local / f) != _comparable(slurm / f)]
     assert not differ, f"outputs through Slurm differ from the local run's: {differ}"
