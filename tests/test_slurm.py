@@ -107,8 +107,9 @@ TIMING_CLAIMS = {"step_time", "speedup_wall_clock"}
 # Files that are records of a run rather than its results: logs, executed notebooks, figures (PDFs carry
 # their creation time; the wall-clock plot its times), TRL's model card (its tags are a set), the report (its
 # provenance table and timing claims; its other numbers come from the tables compared here).
-# training_args.bin pickles the launch's process settings (accelerate's single-GPU path vs in-process).
-NOT_COMPARED = ("logs/", "notebooks/", "figures/", "report.md", "README.md", "training_args.bin")
+# training_args.bin pickles the launch's process settings (accelerate's single-GPU path vs in-process);
+# provenance.md renders provenance.json (compared) with its times.
+NOT_COMPARED = ("logs/", "notebooks/", "figures/", "report.md", "provenance.md", "README.md", "training_args.bin")
 
 
 def _without_timings(value: object, *, manifest: bool) -> object:
