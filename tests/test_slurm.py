@@ -109,7 +109,15 @@ TIMING_CLAIMS = {"step_time", "speedup_wall_clock"}
 # provenance table and timing claims; its other numbers come from the tables compared here).
 # training_args.bin pickles the launch's process settings (accelerate's single-GPU path vs in-process);
 # provenance.md renders provenance.json (compared) with its times.
-NOT_COMPARED = ("logs/", "notebooks/", "figures/", "report.md", "provenance.md", "README.md", "training_args.bin")
+NOT_COMPARED = (
+    "logs/",
+    "notebooks/",
+    "figures/",
+    "report.md",
+    "provenance.md",
+    "README.md",
+    "training_args.bin",
+)
 
 
 def _without_timings(value: object, *, manifest: bool) -> object:
