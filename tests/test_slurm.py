@@ -54,7 +54,6 @@ def slurm() -> Iterator[dict[str, str]]:
             "D3S_SLURM_PARTITION": "d3s-gpu",
             "D3S_SLURM_CPU_PARTITION": "d3s-cpu",
             "D3S_SLURM_ACCOUNT": "d3s-test",
-            "D3S_SLURM_GPU_MODEL": "fake",
         }
     finally:
         _cluster("stop", str(folder), timeout=120)
@@ -194,7 +193,10 @@ def test_smoke_workflow_through_slurm_survives_scancel_and_a_killed_snakemake(
     """
     work = copy_workflow(tmp_path)
     cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
-    cfg["train"]["resources"] = {"gpu": 1, "cpus_per_gpu": 1, "mem_mb": 4000, "runtime": 20}
+    # the GPU type from the config, not D3S_SLURM_GPU_MODEL: the profile would give it to the evaluation jobs
+    # too, which have no gpu here (they run on the CPU) and plugin 2.6.0 refuses a type without a count
+    train_resources = {"gpu": 1, "gpu_model": "fake", "cpus_per_gpu": 1, "mem_mb": 4000, "runtime": 20}
+    cfg["train"]["resources"] = train_resources
     (work / "config" / "slurm.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))  # as smoke.yaml
     (work / "hold_code").mkdir()
     (work / "hold_code" / "sitecustomize.py").write_text(HOLD)
