@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -98,7 +99,7 @@ HOLD = textwrap.dedent(
 # and what a resumed run records of its resume (its origin; HF's train_loss averages this attempt's steps).
 TIMING_KEYS = {
     "resumed_from", "train_loss",
-    "checked", "created_at", "elapsed_s_this_run", "finished", "seconds", "started", "step_time",
+    "checked", "created_at", "mtime_ns", "elapsed_s_this_run", "finished", "seconds", "started", "step_time",
     "train_runtime", "train_samples_per_second", "train_seconds", "train_steps_per_second", "written",
 }  # fmt: skip
 TIMING_COLUMNS = {"seconds", "seconds_per_step", "speedup_time", "speedup (time)", "wall_clock"}
@@ -118,6 +119,10 @@ NOT_COMPARED = (
     "training_args.bin",
 )
 
+# A checkpoint's completion mark and a final model's record of its files (d3s.provenance.integrity).
+FILE_RECORDS = {"d3s_state.json", "d3s_files.json"}
+PARSED = {".json", ".jsonl", ".csv"}  # compared by their values, timings aside (_comparable)
+
 
 def _without_timings(value: object, *, manifest: bool) -> object:
     if isinstance(value, dict):
@@ -131,6 +136,15 @@ def _without_timings(value: object, *, manifest: bool) -> object:
 def _comparable(path: Path) -> object:
     """What of an output must be the same in any two runs of the same configuration."""
     text = path.read_bytes()
+    if path.name in FILE_RECORDS:
+        # each file's size and checksum: those of the files compared as bytes; of the others, their names
+        record = _without_timings(json.loads(text), manifest=False)
+        record["files"] = {
+            f: None if Path(f).suffix in PARSED else v
+            for f, v in record["files"].items()
+            if Path(f).name not in NOT_COMPARED
+        }
+        return record
     if path.suffix == ".json":
         return _without_timings(json.loads(text), manifest=path.name == "manifest.json")
     if path.suffix == ".jsonl":
@@ -154,6 +168,11 @@ def _assert_same_outputs(local: Path, slurm: Path) -> None:
     assert len(compared) > 100  # weights, samples, metrics, summaries, tables
     differ = [str(f) for f in compared if _comparable(local / f) != _comparable(slurm / f)]
     assert not differ, f"outputs through Slurm differ from the local run's: {differ}"
+
+
+# The plugin's line for each submission, naming the rule in its log's path (plugin 2.6.0 prints no
+# "rule <name>:" header for a submitted job).
+SUBMITTED_RULE = re.compile(r"submitted with SLURM jobid \d+ \(log: \S*/slurm_logs/rule_([A-Za-z0-9_]+)/")
 
 
 def _squeue(env: dict) -> list[dict[str, str]]:
@@ -263,7 +282,7 @@ def test_smoke_workflow_through_slurm_survives_scancel_and_a_killed_snakemake(
     again = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-5000:]
-    rerun_jobs = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("rule ")]
+    rerun_jobs = SUBMITTED_RULE.findall(out)
     assert rerun_jobs.count("train") == 1 and "base_model" not in rerun_jobs, rerun_jobs
     d3s_log = (work / SMOKE / "logs" / "train" / "d3s_seed0.log").read_text()
     assert "resuming from results/smoke/runs/d3s/seed0/checkpoint-2 (step 2)" in d3s_log
