@@ -93,7 +93,7 @@ def test_every_sync_makes_vllm_compute_the_trainers_logprobs(colocate_runs, mode
     assert max(sync["synced"] for sync in syncs) <= SYNC_TOLERANCE
     after_training = [sync["reload_only"] for sync in syncs if sync["step"] > 0]
     if model == "tied":
-        assert min(after_training) > 100 * SYNC_TOLERANCE  # what the reload alone leaves: caught
+        assert min(after_training) > SYNC_TOLERANCE  # the reload alone fails the check at every sync
     else:
         assert max(after_training) <= SYNC_TOLERANCE  # untied: the reload alone is exact
 

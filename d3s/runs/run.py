@@ -9,7 +9,7 @@
     template: raw                 # raw | plain | qwen_math_cot | pods | auto (d3s.data.templates)
     reward: accuracy              # accuracy | pods (d3s.rewards.REWARD_SETS: pods adds PODS's format term;
                                   # grade its answers with trainer: {answer_policy: answer_tag})
-    tiny: {sft_steps: 150}        # only for model: tiny
+    tiny: {sft_steps: 150}        # only for model: tiny; head_dim: 32 for vLLM on the CPU (default 16)
     resume: auto                  # auto: continue from the newest complete checkpoint of this same config;
                                   # never: start over (the old run's checkpoints and logs are moved aside to
                                   # output_dir/superseded-<UTC time>-resume-never/, never deleted)
