@@ -14,6 +14,7 @@ from helpers import write_run_config as write_config
 
 from d3s.cli import build_parser, build_train_config, main
 from d3s.runs.run import resolve_config
+from d3s.vllm_engine import cpu_vllm_installed
 
 
 @pytest.mark.slow
@@ -64,14 +65,20 @@ def test_d3s_train_with_pods_reward_and_answer_tag_policy(tmp_path):
             {"dataset": {"name": "gsm8k"}, "data_dir": "/no/such/dir"},
             "looked for local copy /no/such/dir/gsm8k",
         ),
-        ({"trainer": {"use_vllm": True}}, "trainer.use_vllm is set but this machine has no CUDA GPU"),
+        ({"trainer": {"use_vllm": True, "vllm_mode": "server"}}, "trainer.vllm_mode: server needs CUDA"),
+        (
+            {"trainer": {"use_vllm": True}},  # colocate: vLLM's CPU build, with a head dim its attention runs
+            "tiny.head_dim is 16, which vLLM's CPU attention does not run"
+            if cpu_vllm_installed()
+            else "trainer.use_vllm is set but this machine has no CUDA GPU and vLLM's CPU build is not",
+        ),
         ({"trainer": {"bf16": True}}, "trainer.bf16 is set but this machine has no CUDA GPU"),
         ({"trainer": {"token_keep_ratio": 0}}, r"token_keep_ratio must be in \(0, 1\]"),
         ({"trainer": {"per_device_train_batch_size": 4, "steps_per_generation": 4}}, "TRL would drop rows"),
     ],
 )
 def test_bad_config_is_refused_before_loading_a_model(tmp_path, overrides, message, capsys, monkeypatch):
-    if "CUDA GPU" in message and torch.cuda.is_available():
+    if ("CUDA" in message or "CPU" in message) and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     if "data_dir" in overrides:  # the Hub is out of reach here: fail over to it at once, not after timeouts
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
