@@ -22,7 +22,7 @@ from d3s.rewards import grade
 PROBLEMS = arithmetic_problems(120, seed=7, max_ops=2, max_operand=9, split="test")
 MAX_TOKENS = 24
 # Two fp32 backends reduce in different orders (vLLM's packed CPU GEMM and attention kernels vs PyTorch's):
-# their logits differ by ~1e-5, so greedy decoding can only part at a near-tie. A gap above this is a bug.
+# their logits differ in the last bits, so greedy decoding can only part at a near-tie. A wider gap is a bug.
 NEAR_TIE_NATS = 1e-3
 # Pass@k of the two backends: the paired mean difference over problems within this many standard errors
 # (two-sided; a false alarm rate of 0.3 % per comparison under the hypothesis that they sample alike).
@@ -133,7 +133,7 @@ def test_pass_at_k_of_the_two_backends_agrees_within_sampling_noise(backends):
         assert abs(z) < Z_TOLERANCE, report
     print(f"Pass@k, {len(PROBLEMS)} problems x {samples} samples: {report}")
     # the model is neither always right nor always wrong, or agreement would be trivial
-    assert 0.1 < statistics.fmean(correct["vllm"]) / samples < 0.9, correct
+    assert 0.05 < statistics.fmean(correct["vllm"]) / samples < 0.95, correct
 
 
 def test_eval_refuses_a_head_dimension_the_cpu_backend_lacks_in_one_line(tmp_path, capsys):
