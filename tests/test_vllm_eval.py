@@ -145,6 +145,7 @@ def test_eval_refuses_a_head_dimension_the_cpu_backend_lacks_in_one_line(tmp_pat
     tokenizer = build_tokenizer()
     build_model(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # the save's progress bar
     args = ["eval", "--model", str(tmp_path / "model"), "--backend", "vllm", "--benchmarks", "synthetic"]
     code = main([*args, "--out", str(tmp_path / "out"), "--samples", "1", "--k", "1"])
     err = capsys.readouterr().err.strip()
