@@ -44,11 +44,11 @@ def cpu_vllm_installed() -> bool:
 
 
 def keep_vllm_out_of_this_process() -> None:
-    """Hide vLLM from this process, before TRL's generation code is imported: TRL imports vLLM at import time whenever it is
-    installed (trl.generation; ~10 s of a CPU process's start), though only a run with use_vllm uses it.
-    For a process of its own (the `d3s` command) that will not generate with vLLM; `sys.modules[name] =
-    None` is Python's own import block: ``find_spec`` answers None (TRL: vLLM not available), ``import``
-    raises ImportError."""
+    """Hide vLLM from this process before TRL's generation code is imported. TRL imports vLLM at import time
+    whenever it is installed (trl.generation: 7-9 s of a process start on this CPU), though only a run with
+    use_vllm uses it. For a process of its own (the `d3s` command) that will not generate with vLLM;
+    ``sys.modules[name] = None`` is Python's own import block: ``find_spec`` answers None (TRL: vLLM not
+    available), ``import`` raises ImportError."""
     if "vllm" not in sys.modules and "trl.generation" not in sys.modules:  # where TRL decides, once
         sys.modules["vllm"] = None
 
