@@ -25,9 +25,10 @@ import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the workflow's parse-time checks import this module and must not load torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
