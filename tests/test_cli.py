@@ -72,6 +72,8 @@ def test_d3s_train_with_pods_reward_and_answer_tag_policy(tmp_path):
             if cpu_vllm_installed()
             else "trainer.use_vllm is set but this machine has no CUDA GPU and vLLM's CPU build is not",
         ),
+        ({"tiny": {"head_dim": 24}}, r"tiny.head_dim must be one of 16, 32; got 24"),
+        ({"trainer": {"vllm_dtype": "float64"}}, "trainer.vllm_dtype: expected one of auto, float32"),
         ({"trainer": {"bf16": True}}, "trainer.bf16 is set but this machine has no CUDA GPU"),
         ({"trainer": {"token_keep_ratio": 0}}, r"token_keep_ratio must be in \(0, 1\]"),
         ({"trainer": {"per_device_train_batch_size": 4, "steps_per_generation": 4}}, "TRL would drop rows"),
