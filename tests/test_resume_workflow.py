@@ -65,7 +65,9 @@ STAND_IN = textwrap.dedent(
         import urllib.request
 
         import d3s.runs.run
+        from d3s.vllm_engine import keep_vllm_out_of_this_process
 
+        keep_vllm_out_of_this_process()  # transformers generates: TRL need not import vLLM (7-9 s)
         _resolve_config = d3s.runs.run.resolve_config
 
         def resolve_config(config, **kwargs):
