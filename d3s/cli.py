@@ -58,6 +58,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         config = build_train_config(args)
+        if args.own_process and not (config.get("trainer") or {}).get("use_vllm"):
+            from d3s.vllm_engine import keep_vllm_out_of_this_process
+
+            keep_vllm_out_of_this_process()
         from d3s.runs.run import train  # torch and TRL: after the cheap checks
 
         run_dir = train(config)  # which checks the whole config (resolve_config) before it loads a model
@@ -143,10 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """``own_process``: the command runs in a process of its own (:func:`command`), which may keep out
+    imports it will not use; in-process callers (tests, notebooks) get none of that."""
     args = build_parser().parse_args(argv)
+    args.own_process = own_process
     return args.handler(args)
 
 
+def command() -> int:
+    """The `d3s` command and `python -m d3s.cli`."""
+    return main(own_process=True)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(command())

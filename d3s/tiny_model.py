@@ -15,6 +15,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# (attention heads, KV heads) of the hidden size 64 for each head dim. 16 is the default's; vLLM's CPU
+# attention refuses it and runs 32 ("Unsupported CPU attention configuration: head_dim=16"): the tiny model
+# for vLLM.
+HEADS_BY_HEAD_DIM = {16: (4, 2), 32: (2, 1)}
 # Whole words of the task's format, merged into single tokens (``\boxed`` as in Qwen's vocabulary).
 MERGED_WORDS = ["\\boxed", "boxed", "Ġ\\"]
 
@@ -58,8 +62,10 @@ def build_model(
     intermediate_size: int = 256,
     max_positions: int = 256,
     seed: int = 0,
+    tie_embeddings: bool = True,
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 model sized for CPU tests (defaults: ~0.1 M parameters)."""
+    """A randomly initialised Qwen2 model sized for CPU tests (defaults: ~0.1 M parameters); its LM head is
+    the input embedding (tied, as Qwen2.5-Math-1.5B's) unless ``tie_embeddings`` is False."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -68,7 +74,7 @@ def build_model(
         num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

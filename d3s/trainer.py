@@ -41,6 +41,12 @@ from d3s.selection import (
     zeroed_rollouts,
 )
 from d3s.trainer_config import D3SConfig
+from d3s.vllm_engine import (
+    check_vllm_without_cuda,
+    engine_options,
+    use_a_free_rendezvous_port,
+    use_exact_cpu_weight_sync,
+)
 
 __all__ = ["D3SConfig", "D3STrainer"]
 
@@ -273,8 +279,16 @@ class D3STrainer(
         reward_funcs = call.arguments.get("reward_funcs")
         call.arguments["reward_funcs"] = bind_answer_policy(reward_funcs, config.answer_policy)
         self._hook_state = HookState()
-        super().__init__(*call.args[1:], **call.kwargs)
+        on_cpu = config.use_vllm and not torch.cuda.is_available()
+        if on_cpu:
+            check_vllm_without_cuda(config, where="")  # before TRL loads the model and builds the engine
+        if config.use_vllm and config.vllm_mode == "colocate":
+            use_a_free_rendezvous_port()
+        with engine_options(config.vllm_dtype if config.use_vllm else "auto", on_cpu=on_cpu):
+            super().__init__(*call.args[1:], **call.kwargs)
         trl_contract.check_trainer_attributes(self)
+        if self.use_vllm:
+            use_exact_cpu_weight_sync(self.vllm_generation)  # on vLLM's CPU backend; TRL's own sync elsewhere
         self.selection_schedule = self.args.selection_schedule
         if self.args.metrics_log:
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))

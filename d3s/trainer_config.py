@@ -132,6 +132,11 @@ class D3SConfig(GRPOConfig):
     full_state_checkpoints: str = _option(
         "all", "Checkpoints keeping the training state: all, or the newest.", FULL_STATE_CHECKPOINTS
     )
+    vllm_dtype: str = _option(
+        "auto",
+        "dtype of the colocated vLLM engine (TRL sets none; vLLM's auto runs a float32 model in bfloat16).",
+        ["auto", "float32", "bfloat16", "float16"],
+    )
 
     @classmethod
     def for_method(cls, method: str, **overrides: Any) -> D3SConfig:

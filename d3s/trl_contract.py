@@ -40,6 +40,11 @@ TRAINER_ATTRIBUTES = (
     "vllm_importance_sampling_clip_min",
     "vllm_importance_sampling_clip_max",
 )
+# VLLMGeneration (trl.generation.vllm_generation) methods used by d3s/vllm_engine.py on vLLM's CPU backend.
+VLLM_GENERATION_METHODS = (
+    "sync_weights",  # the colocate sync, replaced by an exact one (vLLM's layer-wise reload, the tied head)
+    "_iter_named_params",  # the trained weights under vLLM's names, one gathered at a time (ZeRO-3, FSDP)
+)
 # Helpers imported from TRL modules outside its public API.
 MODULE_NAMES = {
     "trl.trainer.utils": (
@@ -51,6 +56,8 @@ MODULE_NAMES = {
     ),
     "trl.models.utils": ("disable_gradient_checkpointing",),
     "trl.kernels": ("ChunkedLogProbFunction",),
+    # LLM: the engine class TRL builds its colocated engine with, given a dtype while it does (vllm_dtype)
+    "trl.generation.vllm_generation": ("VLLMGeneration", "LLM"),
 }
 
 
@@ -67,6 +74,7 @@ def _mismatch(missing: str) -> ImportError:
 def check_trl_contract() -> None:
     """Raise ImportError naming the pinned TRL version and the first private name TRL lacks."""
     from trl import GRPOTrainer
+    from trl.import_utils import is_vllm_available
 
     for name in TRAINER_METHODS:
         if not callable(getattr(GRPOTrainer, name, None)):
@@ -77,8 +85,15 @@ def check_trl_contract() -> None:
         except ImportError:
             raise _mismatch(f"the module {module_name}") from None
         for name in names:
+            if name == "LLM" and not is_vllm_available():  # TRL imports it only when vLLM is installed
+                continue
             if not hasattr(module, name):
                 raise _mismatch(f"{module_name}.{name}")
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    for name in VLLM_GENERATION_METHODS:
+        if not callable(getattr(VLLMGeneration, name, None)):
+            raise _mismatch(f"VLLMGeneration.{name}")
 
 
 def check_trainer_attributes(trainer: object) -> None:

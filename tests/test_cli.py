@@ -14,6 +14,7 @@ from helpers import write_run_config as write_config
 
 from d3s.cli import build_parser, build_train_config, main
 from d3s.runs.run import resolve_config
+from d3s.vllm_engine import cpu_vllm_installed
 
 
 @pytest.mark.slow
@@ -64,14 +65,22 @@ def test_d3s_train_with_pods_reward_and_answer_tag_policy(tmp_path):
             {"dataset": {"name": "gsm8k"}, "data_dir": "/no/such/dir"},
             "looked for local copy /no/such/dir/gsm8k",
         ),
-        ({"trainer": {"use_vllm": True}}, "trainer.use_vllm is set but this machine has no CUDA GPU"),
+        ({"trainer": {"use_vllm": True, "vllm_mode": "server"}}, "trainer.vllm_mode: server needs CUDA"),
+        (
+            {"trainer": {"use_vllm": True}},  # colocate: vLLM's CPU build, with a head dim its attention runs
+            "tiny.head_dim is 16, which vLLM's CPU attention does not run"
+            if cpu_vllm_installed()
+            else "trainer.use_vllm is set but this machine has no CUDA GPU and vLLM's CPU build is not",
+        ),
+        ({"tiny": {"head_dim": 24}}, r"tiny.head_dim must be one of 16, 32; got 24"),
+        ({"trainer": {"vllm_dtype": "float64"}}, "trainer.vllm_dtype: expected one of auto, float32"),
         ({"trainer": {"bf16": True}}, "trainer.bf16 is set but this machine has no CUDA GPU"),
         ({"trainer": {"token_keep_ratio": 0}}, r"token_keep_ratio must be in \(0, 1\]"),
         ({"trainer": {"per_device_train_batch_size": 4, "steps_per_generation": 4}}, "TRL would drop rows"),
     ],
 )
 def test_bad_config_is_refused_before_loading_a_model(tmp_path, overrides, message, capsys, monkeypatch):
-    if "CUDA GPU" in message and torch.cuda.is_available():
+    if ("CUDA" in message or "CPU" in message) and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     if "data_dir" in overrides:  # the Hub is out of reach here: fail over to it at once, not after timeouts
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -95,6 +104,43 @@ def test_console_entry_point_lists_subcommands():
         [sys.executable, "-m", "d3s.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "train" in out.stdout and "eval" in out.stdout
+
+
+# `d3s train` whose run stops once it has imported the trainer (TRL's trainer and generation code, as a run
+# imports them), printing whether vLLM was imported.
+STOP_AFTER_IMPORTS = """
+import sys
+
+import d3s.runs.run
+
+
+def train(config):
+    import d3s.trainer
+
+    print("vllm imported:", sys.modules.get("vllm") is not None)
+    return "stopped"
+
+
+d3s.runs.run.train = train
+from d3s.cli import command
+
+raise SystemExit(command())
+"""
+
+
+@pytest.mark.skipif(not cpu_vllm_installed(), reason="vLLM's CPU build is not installed")
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_the_d3s_command_imports_vllm_only_for_a_run_that_generates_with_it(tmp_path, use_vllm):
+    """TRL imports vLLM whenever it is installed (~7 s of every process start on this CPU): the `d3s`
+    command, a process of its own, keeps it out unless the run uses it."""
+    path = write_config(tmp_path, trainer={"use_vllm": use_vllm})
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_AFTER_IMPORTS, "train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"vllm imported: {use_vllm}" in done.stdout, done.stdout[-2000:]
 
 
 def resolved_trainer(tmp_path, *argv):

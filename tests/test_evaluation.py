@@ -7,6 +7,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -187,6 +188,7 @@ class FakeLLM:
 def test_vllm_backend_with_fake_module(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
     fake = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams)
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
     backend = VLLMBackend(str(tiny_model), seed=3, tensor_parallel_size=2, max_model_len=1024)
     llm = FakeLLM.instances[-1]
     assert llm.kwargs == {
@@ -209,6 +211,35 @@ def test_vllm_backend_with_fake_module(monkeypatch: pytest.MonkeyPatch, tiny_mod
     assert [len(r) for r in results] == [3, 3]
     assert results[0][0].finish_reason == "length" and results[0][1].finish_reason == "stop"
     assert results[0][2].num_tokens == 3
+
+
+def test_vllm_backend_on_the_cpu_with_fake_module(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    """Without CUDA: the head dimension checked first, eager mode, fp32 for auto, the engine in this process
+    and a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (1 unless set)."""
+    monkeypatch.setitem(
+        sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams)
+    )
+    monkeypatch.setattr(backends, "gpu_available", lambda: False)
+    checked = []
+    monkeypatch.setattr(backends, "check_vllm_cpu_model", checked.append)
+    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(key, "recorded")  # so that the undo also removes what the backend sets
+        monkeypatch.delenv(key)
+    VLLMBackend(str(tiny_model), seed=3)
+    assert checked == [str(tiny_model)]
+    assert FakeLLM.instances[-1].kwargs | {"model": None} == {
+        "model": None,
+        "seed": 3,
+        "dtype": "float32",
+        "tensor_parallel_size": 1,
+        "gpu_memory_utilization": 0.9,
+        "max_model_len": None,
+        "enforce_eager": True,
+    }
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # the user's size is kept
+    VLLMBackend(str(tiny_model), dtype="bfloat16")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3" and FakeLLM.instances[-1].kwargs["dtype"] == "bfloat16"
 
 
 def test_imports_are_lazy() -> None:

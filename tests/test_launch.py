@@ -242,8 +242,11 @@ def _workflow_config(**train_changes):
             r"trainer\.vllm_server_port is set, but the workflow starts the vLLM server",
         ),
         (
-            {"resources": {}, "trainer": {"use_vllm": True}},
-            r"trainer\.use_vllm is set but train\.resources\.gpu is 0",
+            {
+                "resources": {},
+                "trainer": {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "u"},
+            },
+            r"trainer\.vllm_mode: server with train\.resources\.gpu 0: .* through NCCL, which needs CUDA",
         ),
         (
             {"trainer": {"use_vllm": True, "vllm_mode": "server"}, "launch": {"vllm_server": {"tp": 2}}},
@@ -265,6 +268,18 @@ def test_bad_launch_settings_name_the_field_and_the_fix(changes, message):
     with pytest.raises(ValueError, match=message) as error:
         check_workflow_config(_workflow_config(**changes), ACCELERATE_DIR)
     assert str(error.value).startswith("config ") and "\n" not in str(error.value)
+
+
+def test_colocated_vllm_without_gpus_needs_vllms_cpu_build(monkeypatch):
+    """A CPU job generates with vLLM's CPU build in colocate mode (d3s/vllm_engine.py); refused without it."""
+    import d3s.orchestration.run_config as run_config
+
+    colocate = _workflow_config(resources={}, trainer={"use_vllm": True, "vllm_mode": "colocate"})
+    monkeypatch.setattr(run_config, "cpu_vllm_installed", lambda: True)
+    check_workflow_config(colocate, ACCELERATE_DIR)
+    monkeypatch.setattr(run_config, "cpu_vllm_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"train\.resources\.gpu is 0 and vLLM's CPU build is not installed"):
+        check_workflow_config(colocate, ACCELERATE_DIR)
 
 
 def test_job_gpus_reads_the_declared_count():

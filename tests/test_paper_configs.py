@@ -250,6 +250,7 @@ def test_pods_own_protocol(config_path, resolved):
         assert args.answer_policy == "answer_tag" and args.loss_type == "grpo" and args.beta == 0.0
         assert (args.learning_rate, args.max_grad_norm, args.weight_decay) == (5e-6, 0.1, 0.1)
         assert (args.temperature, args.max_completion_length) == (0.9, 512)
+        assert args.report_to == ["tensorboard"]  # as the D3S paper files: logs to <run>/runs/ (docs/gpu.md)
     # the same prompts per optimizer step, and the update trains m rollouts per prompt in both arms
     assert (
         grpo.generation_batch_size // grpo.num_generations

@@ -115,6 +115,11 @@ def test_gspo_needs_its_trl_settings(tmp_path):
     [
         ("trl", "GRPOTrainer.get_high_entropy_mask", "GRPOTrainer.get_high_entropy_mask"),
         ("trl.kernels", "ChunkedLogProbFunction", "trl.kernels.ChunkedLogProbFunction"),
+        (
+            "trl.generation.vllm_generation",
+            "VLLMGeneration._iter_named_params",
+            "VLLMGeneration._iter_named_params",
+        ),
     ],
 )
 def test_another_trl_fails_at_import_naming_the_pin_and_the_missing_name(monkeypatch, module, name, named):

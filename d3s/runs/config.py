@@ -117,9 +117,18 @@ class TinyOptions:
     sft_problems: int = 2000
     max_ops: int = 1
     max_operand: int = 9
+    head_dim: int = 16  # 32 for vLLM on the CPU, whose attention refuses 16 (tiny_model.HEADS_BY_HEAD_DIM)
 
     def __post_init__(self) -> None:
         _check_minimums("tiny", self, {"sft_steps": 0})
+        from d3s.tiny_model import HEADS_BY_HEAD_DIM
+
+        if self.head_dim not in HEADS_BY_HEAD_DIM:
+            raise ConfigError(
+                f"tiny.head_dim must be one of {', '.join(map(str, HEADS_BY_HEAD_DIM))}; "
+                f"got {self.head_dim!r}",
+                "tiny.head_dim",
+            )
 
 
 TOP_LEVEL_KEYS = frozenset(f.name for f in dataclasses.fields(RunKeys))

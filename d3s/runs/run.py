@@ -9,7 +9,7 @@
     template: raw                 # raw | plain | qwen_math_cot | pods | auto (d3s.data.templates)
     reward: accuracy              # accuracy | pods (d3s.rewards.REWARD_SETS: pods adds PODS's format term;
                                   # grade its answers with trainer: {answer_policy: answer_tag})
-    tiny: {sft_steps: 150}        # only for model: tiny
+    tiny: {sft_steps: 150}        # only for model: tiny; head_dim: 32 for vLLM on the CPU (default 16)
     resume: auto                  # auto: continue from the newest complete checkpoint of this same config;
                                   # never: start over (the old run's checkpoints and logs are moved aside to
                                   # output_dir/superseded-<UTC time>-resume-never/, never deleted)
@@ -54,6 +54,8 @@ from d3s.provenance.integrity import (
 from d3s.provenance.manifest import atomic_write_text, build_manifest, model_files, now, write_json
 from d3s.runs.config import TOP_LEVEL_KEYS, ConfigError, TinyOptions, check_model_dir, coerce_run_config
 
+# The tiny model's head dim for vLLM on the CPU (d3s.tiny_model.HEADS_BY_HEAD_DIM).
+VLLM_CPU_HEAD_DIM = 32
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
 CPU_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
@@ -82,7 +84,10 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
         _check_hardware(settings)
     if check_inputs:
         _check_inputs(config)
-    return D3SConfig.for_method(method, **settings)
+    args = D3SConfig.for_method(method, **settings)
+    if check_hardware and use_cpu:
+        _check_vllm_on_cpu(args, config)
+    return args
 
 
 def _check_hardware(settings: dict[str, Any]) -> None:
@@ -90,7 +95,6 @@ def _check_hardware(settings: dict[str, Any]) -> None:
     if torch.cuda.is_available():
         return
     wants_gpu = {
-        "use_vllm": "generation with vLLM needs a CUDA GPU: set trainer.use_vllm: false",
         "bf16": "bf16 training needs a GPU here: set trainer.bf16: false",
         "fp16": "fp16 training needs a GPU: set trainer.fp16: false",
     }
@@ -101,6 +105,20 @@ def _check_hardware(settings: dict[str, Any]) -> None:
             )
     if settings.get("use_cpu") is False:
         raise ValueError("trainer.use_cpu: false asks for a GPU, but this machine has none; remove it")
+
+
+def _check_vllm_on_cpu(args, config: dict[str, Any]) -> None:
+    """vLLM without CUDA: its CPU build in colocate mode (d3s.vllm_engine), and a tiny model whose head dim
+    its attention runs."""
+    from d3s.vllm_engine import check_vllm_without_cuda
+
+    check_vllm_without_cuda(args)
+    tiny = TinyOptions(**(config.get("tiny") or {}))
+    if args.use_vllm and str(config.get("model", "tiny")) == "tiny" and tiny.head_dim != VLLM_CPU_HEAD_DIM:
+        raise ValueError(
+            f"tiny.head_dim is {tiny.head_dim}, which vLLM's CPU attention does not run: set tiny: "
+            f"{{head_dim: {VLLM_CPU_HEAD_DIM}}} (or trainer.use_vllm: false)"
+        )
 
 
 def _check_inputs(config: dict[str, Any]) -> None:
@@ -157,11 +175,12 @@ def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[
         model = AutoModelForCausalLM.from_pretrained(model_name, **(model_kwargs or {}))
         return model, AutoTokenizer.from_pretrained(model_name)
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
+    from d3s.tiny_model import HEADS_BY_HEAD_DIM, build_model, build_tokenizer, sft_warm_start
 
     tiny = TinyOptions(**(config.get("tiny") or {}))
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=int(config.get("seed", 0)))
+    heads, kv_heads = HEADS_BY_HEAD_DIM[tiny.head_dim]
+    model = build_model(tokenizer, num_heads=heads, num_kv_heads=kv_heads, seed=int(config.get("seed", 0)))
     problems = arithmetic_problems(
         tiny.sft_problems, seed=1000, max_ops=tiny.max_ops, max_operand=tiny.max_operand
     )
@@ -335,6 +354,8 @@ def train(config: dict[str, Any]) -> Path:
     from d3s.trainer import D3STrainer
 
     model, tokenizer = load_run_model(config, output_dir, _model_init_kwargs(args))
+    if args.use_vllm and args.vllm_mode == "colocate" and str(config.get("model", "tiny")) == "tiny":
+        _save_for_vllm(model, tokenizer, output_dir / "tiny_model", is_main=is_main)
     rows = training_rows(config, tokenizer)
     trainer = D3STrainer(
         model=model,
@@ -360,6 +381,23 @@ def train(config: dict[str, Any]) -> Path:
         _publish(output_dir, manifest, record, elapsed, steps, threads, tokens, manifest["resumed_from"])
     trainer.accelerator.wait_for_everyone()
     return output_dir
+
+
+def _save_for_vllm(model, tokenizer, path: Path, *, is_main: bool) -> None:
+    """The colocated vLLM engine loads the model from a directory (TRL gives it ``model.name_or_path``): the
+    tiny model, built in code and warm-started, is written to ``path`` first (by the main process,
+    atomically; every process builds the same model)."""
+    from accelerate import PartialState
+
+    if is_main:
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(str(partial))
+        tokenizer.save_pretrained(str(partial))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(partial, path)
+    PartialState().wait_for_everyone()
+    model.name_or_path = model.config.name_or_path = str(path)
 
 
 def training_finished(checkpoint: str | os.PathLike[str]) -> bool:

@@ -11,6 +11,7 @@ from d3s.orchestration.training_job import run_training_job
 from d3s.provenance.config_change import describe
 from d3s.runs.config import coerce_run_config
 from d3s.runs.run import config_differences, supersede_run
+from d3s.vllm_engine import keep_vllm_out_of_this_process
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
 method, seed = smk.wildcards.method, int(smk.wildcards.seed)
@@ -49,6 +50,8 @@ Path(smk.log[0]).write_text(restart_reason + "\n" if restart_reason else "")
 
 if launch.job_gpus == 0:
     write_yaml(smk.output.config, config)
+    if not config["trainer"].get("use_vllm"):  # else TRL imports it anyway: 7-9 s of every job on the CPU
+        keep_vllm_out_of_this_process()
     from d3s.runs.run import train
 
     with open(smk.log[0], "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
