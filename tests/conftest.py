@@ -15,7 +15,7 @@ from helpers import REPO_ROOT, SHARED_DATA, SNAKEMAKE, copy_workflow
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup): the processes
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2): the processes
 # most tests start (Snakemake, its jobs, trainers, imports of torch and TRL) keep one core busy at a time.
 # These tests set the suite's length (pytest --durations, quiet 2-core machine, 2026-11-26): they start
 # first, longest first, and the short ones fill the gaps.
@@ -32,13 +32,27 @@ LONGEST_FIRST = (
     "tests/test_vllm_eval.py",
     "tests/test_evaluation.py",
 )
-# Files whose tests may run on different workers: they share no module fixture. Every other file was meant to
-# be one unit of work, so that its module fixtures are built once; the xdist_group marks do not take effect
-# under pytest 9.2 (DEVELOPERS.md, "Tests"; the fix is on branch xdist-files).
+# Files whose tests may run on different workers: they share no module fixture. Every other file is one unit
+# of work, so its module fixtures (a trained run, a grading pool) are built once. (xdist's own loadgroup
+# cannot do this under pytest 9: it renames item._nodeid, which pytest 9's nodeid no longer reads.)
 SPLIT_ACROSS_WORKERS = {"test_resume_workflow.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``-n N`` with the default ``--dist load``: one test file per unit of work, but the files in
+    SPLIT_ACROSS_WORKERS, whose tests go to either worker; units in collection order (longest first)."""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist the user asked for: xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if Path(path).name in SPLIT_ACROSS_WORKERS else path
+
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         return next(
@@ -46,9 +60,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             len(LONGEST_FIRST),
         )
 
-    for item in items:
-        if item.path.name not in SPLIT_ACROSS_WORKERS:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=rank)  # stable: the rest keep their order
 
 
