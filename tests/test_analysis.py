@@ -171,12 +171,19 @@ def test_claims_csv_from_the_logged_files(results):
     )
     assert written["estimate"].tolist() == pytest.approx(table["estimate"].tolist(), nan_ok=True)
     assert (results / "tables" / "claims.provenance.json").is_file()
-    rows = table.set_index(["claim", "method"])
-    assert rows.loc[("grad_norm", "d3s"), "verdict"] == "supported"  # 0.3 + 0.01 seed vs 0.1 + 0.01 seed
-    assert rows.loc[("update_tokens", "d3s"), "estimate"] == pytest.approx(0.1)  # 80 vs 800 tokens a step
-    gain = rows.loc[("gain_over_base", "grpo")]  # final 0.30, 0.31 vs the base model's 0.10
+
+    def row(claim: str, method: str) -> pd.Series:
+        # the one row of a (claim, method): other claims repeat their pair (one row per k), so the index is
+        # not unique and pandas 2's .loc would return a frame
+        matched = table[(table["claim"] == claim) & (table["method"] == method)]
+        assert len(matched) == 1, matched
+        return matched.iloc[0]
+
+    assert row("grad_norm", "d3s")["verdict"] == "supported"  # 0.3 + 0.01 seed vs 0.1 + 0.01 seed
+    assert row("update_tokens", "d3s")["estimate"] == pytest.approx(0.1)  # 80 vs 800 tokens a step
+    gain = row("gain_over_base", "grpo")  # final 0.30, 0.31 vs the base model's 0.10
     assert (gain["reference"], gain["estimate"], gain["seeds"]) == ("base", pytest.approx(20.5), 2)
-    assert rows.loc[("pass_at_1", "d3s"), "estimate"] == pytest.approx(10.0)
+    assert row("pass_at_1", "d3s")["estimate"] == pytest.approx(10.0)
 
 
 def test_figures_write_png_and_pdf(results, tmp_path):
