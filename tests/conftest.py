@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,59 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
     items.sort(key=rank)  # stable: the rest keep their order
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the processes it has waited for (Snakemake, its jobs, trainers);
+    not of daemons it did not wait for (the Slurm test's jobs run under slurmd)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """Each phase's CPU seconds on its report (xdist sends them to the controller): the suite is CPU-bound
+    on 2 cores, so CPU, not wall time under two workers, says what a test costs."""
+    outcome = yield
+    started = item.stash.get(_PHASE_CPU_START, None)
+    if started is not None:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - started))
+
+
+_PHASE_CPU_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> object:
+    item.stash[_PHASE_CPU_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    item.stash[_PHASE_CPU_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> object:
+    item.stash[_PHASE_CPU_START] = _cpu_seconds()
+    yield
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    """The tests that cost the most CPU (setup, call and teardown together) and the suite's total."""
+    cost: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "cpu_s":
+                    cost[report.nodeid] = cost.get(report.nodeid, 0.0) + value
+    if not cost:
+        return
+    terminalreporter.write_sep("=", f"most CPU (s; all tests: {sum(cost.values()):.0f} s)")
+    for nodeid, seconds in sorted(cost.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
 
 
 @pytest.fixture(scope="session")
