@@ -23,7 +23,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 LONGEST_FIRST = (
     "tests/test_resume_workflow.py::test_killed_deepspeed_jobs_resume_under_snakemake[zero3]",
     "tests/test_resume_workflow.py::test_killed_server_mode_job_resumes_with_new_ports",
-    "tests/test_resume_workflow.py::test_killed_deepspeed_jobs_resume_under_snakemake[zero2]",
     "tests/test_vllm_workflow.py",
     "tests/test_workflow.py::test_smoke_workflow_end_to_end",
     "tests/test_workflow_eval_resume.py",

@@ -3,11 +3,12 @@ ends.
 
 The jobs take the workflow's GPU path on the CPU (as in test_launch.py): fake GPU ids in CUDA_VISIBLE_DEVICES,
 GPU leases in a private lock folder, `accelerate launch` of two `d3s train` processes per job that train over
-gloo, with the CPU override the launch adds (--mixed_precision no). The server-mode job (DDP) gets 4 threads,
-so each process runs 2: the count a rerun must compare like with like; its second attempt also gets fresh
-ports, which must not count as a configuration change. The DeepSpeed jobs run the paper configs' engines with
-the methods the paper configs run under them: ZeRO-2 D3S (qwen2.5-math-1.5b), ZeRO-3 D3S and PODS side by side
-(qwen2.5-math-7b, whose zero3_offload is ZeRO-3 with the optimizer state on the CPU).
+gloo, with the CPU override the launch adds (--mixed_precision no). The jobs run the paper configs' engines
+with the methods the paper configs run under them: ZeRO-2 D3S (qwen2.5-math-1.5b), in server mode, which gets
+4 threads, so each process runs 2: the count a rerun must compare like with like; its second attempt also gets
+fresh ports, which must not count as a configuration change. ZeRO-3 D3S and PODS side by side
+(qwen2.5-math-7b, whose zero3_offload is ZeRO-3 with the optimizer state on the CPU). DDP writes the plain
+Trainer's checkpoint (killed and resumed in one process: test_resume.py; DDP's ranks: test_multiprocess.py).
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _workflow(
     cfg = yaml.safe_load((REPO_ROOT / "config" / "smoke.yaml").read_text())
     cfg["methods"] = list(methods)
     cfg["analysis"] |= {"reference": methods[0], "headline": list(methods), "ablation": list(methods)}
-    # 2 threads per training process; 1 in a DeepSpeed job (ZeRO-3 trains two jobs side by side)
-    cfg["train"]["threads"] = 2 if engine else 4
+    # 2 threads per training process in server mode; 1 under ZeRO-3, which trains two jobs side by side
+    cfg["train"]["threads"] = 4 if server else 2
     cfg["train"]["resources"] = {"gpu": 3 if server else 2}
     if engine:
         cfg["train"]["launch"] = {"accelerate_config": engine}
@@ -221,11 +222,6 @@ def _rerun(work: Path, env: dict, target: list[str]) -> str:
     return log
 
 
-def _run_uninterrupted(work: Path, tmp_path: Path, *, drop: tuple[str, ...]) -> Path:
-    (straight,) = _run_straight(work, tmp_path, [RUN], "ddp", drop=drop)
-    return straight
-
-
 def _run_straight(
     work: Path, tmp_path: Path, runs: list[Path], engine: str, *, drop: tuple[str, ...] = ()
 ) -> list[Path]:
@@ -309,21 +305,25 @@ def test_killed_server_mode_job_resumes_with_new_ports(tmp_path):
     connecting to a restarted server (init_communicator on the new group port) and the NCCL weight sync after
     a resume.
 
-    Also the DDP job under Snakemake (workflow/accelerate/ddp.yaml; the ZeRO jobs are below). Before a fix,
-    the rerun compared the job's 4 threads with the 2 per process that d3s train recorded, saw a change and
-    deleted every checkpoint; now it resumes and ends bitwise where an uninterrupted run ends.
+    Also D3S's job under ZeRO-2 (workflow/accelerate/zero2.yaml, qwen2.5-math-1.5b's engine), killed after
+    its complete checkpoint-2 and resumed from DeepSpeed's own state. Before a fix, the rerun compared the
+    job's 4 threads with the 2 per process that d3s train recorded, saw a change and deleted every checkpoint;
+    now it resumes and ends bitwise where an uninterrupted run ends.
     """
     work = tmp_path / "work"
     work.mkdir()
-    env = _workflow(work, server=True)
+    env = _workflow(work, server=True, engine="zero2")
     log = _kill_midway_and_rerun(work, env, tmp_path, hold_server_port=True)
     assert "GPU(s) ['0', '1', '2']" in log and "starting the vLLM server on GPU(s) ['2']" in log
     assert "--num_cpu_threads_per_process 2" in log
+    assert f"--config_file {work / 'workflow' / 'accelerate' / 'zero2'}.yaml --mixed_precision no" in log
     first, second = [int(p) for p in (work / "server_ports.txt").read_text().split()]
     trainer = yaml.safe_load((work / RUN / "train.yaml").read_text())["trainer"]
     assert trainer["vllm_server_port"] == second != first  # the rerun's own server, on a port of its own
-    straight = _run_uninterrupted(work, tmp_path, drop=("use_vllm",))  # transformers rollouts, as in the job
+    # transformers rollouts, as in the job
+    (straight,) = _run_straight(work, tmp_path, [RUN], "zero2", drop=("use_vllm",))
     _assert_resumed_like_uninterrupted(work / RUN, straight, log)
+    assert (work / RUN / f"checkpoint-{STEPS}" / f"global_step{STEPS}").is_dir()  # DeepSpeed's own state
 
 
 # The step after whose complete checkpoint each method's job is killed, by engine. Cross-group D3S with the
@@ -331,7 +331,7 @@ def test_killed_server_mode_job_resumes_with_new_ports(tmp_path):
 # The checkpoint DeepSpeed writes and reads does not depend on the method, nor the D3S state on the engine:
 # each method resumes under the engines the paper configs run it under. ZeRO-3's D3S job is killed after
 # its last checkpoint, where it would gather the sharded weights into the final model.
-KILLED_AFTER = {"zero2": {"d3s": 2}, "zero3": {"d3s": STEPS, "pods": 2}}
+KILLED_AFTER = {"zero3": {"d3s": STEPS, "pods": 2}}  # ZeRO-2: in server mode, above
 
 
 @pytest.mark.slow

@@ -101,6 +101,8 @@ TIMING_KEYS = {
     "resumed_from", "train_loss",
     "checked", "created_at", "mtime_ns", "elapsed_s_this_run", "finished", "seconds", "started", "step_time",
     "train_runtime", "train_samples_per_second", "train_seconds", "train_steps_per_second", "written",
+    # the code's version: the same in both runs, unless a developer commits or edits while the suite runs
+    "commit", "dirty", "git_commit", "git_dirty",
 }  # fmt: skip
 TIMING_COLUMNS = {"seconds", "seconds_per_step", "speedup_time", "speedup (time)", "wall_clock"}
 TIMING_CLAIMS = {"step_time", "speedup_wall_clock"}
