@@ -100,7 +100,7 @@ def _workflow(
     cfg["train"]["trainer"] |= {"max_steps": STEPS, "save_steps": 2, "full_state_checkpoints": "latest"}
     if server:
         cfg["train"]["trainer"] |= {"use_vllm": True, "vllm_mode": "server"}
-        cfg["train"]["launch"] = {"vllm_server": {"startup_timeout_s": 120}}
+        cfg["train"]["launch"] = cfg["train"].get("launch", {}) | {"vllm_server": {"startup_timeout_s": 120}}
     (work / "config" / "resume.yaml").write_text(yaml.safe_dump(cfg))
     gpus = 3 if server else 2 * len(methods)  # every job at once
     env = {
