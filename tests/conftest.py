@@ -36,11 +36,15 @@ LONGEST_FIRST = (
 # of work, so its module fixtures (a trained run, a grading pool) are built once. (xdist's own loadgroup
 # cannot do this under pytest 9: it renames item._nodeid, which pytest 9's nodeid no longer reads.)
 SPLIT_ACROSS_WORKERS = {"test_resume_workflow.py"}
+# Files that use the session's smoke run (the smoke_workflow fixture) go with test_workflow.py, so that the
+# run is made once (a session fixture is made once per worker).
+WITH_THE_SMOKE_RUN = {"test_slurm.py", "test_workflow_eval_resume.py"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under ``-n N`` with the default ``--dist load``: one test file per unit of work, but the files in
-    SPLIT_ACROSS_WORKERS, whose tests go to either worker; units in collection order (longest first)."""
+    SPLIT_ACROSS_WORKERS, whose tests go to either worker, and those WITH_THE_SMOKE_RUN, in
+    test_workflow.py's unit; units in collection order (longest first)."""
     if config.getvalue("dist") != "load":
         return None  # another --dist the user asked for: xdist's own scheduler
     from xdist.scheduler import LoadScopeScheduling
@@ -48,6 +52,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if Path(path).name in WITH_THE_SMOKE_RUN:
+                return str(Path(path).with_name("test_workflow.py"))
             return nodeid if Path(path).name in SPLIT_ACROSS_WORKERS else path
 
     return FileScheduling(config, log)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow, run_snakemake
+from helpers import REPO_ROOT, SNAKEMAKE, run_snakemake
 
 PROBLEMS = 40  # enough that a kill after the first few problems lands mid-evaluation
 CHECKPOINT_SAMPLES = 2
@@ -37,7 +37,8 @@ def _config(problems: int = PROBLEMS, final_limit: int = 8, **eval_changes) -> d
 
 
 def _write_config(work: Path, cfg: dict) -> str:
-    (work / "config" / "resume.yaml").write_text(yaml.safe_dump(cfg))
+    # smoke.yaml's key order: Snakemake compares the jobs' params in order (the smoke run's stand)
+    (work / "config" / "resume.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return "config/resume.yaml"
 
 
@@ -49,12 +50,15 @@ def _complete_lines(data: bytes, samples: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """The workflow with the base model built and one d3s run trained (4 steps, checkpoint-2), once."""
-    work = copy_workflow(tmp_path_factory.mktemp("trained"))
-    configfile = _write_config(work, _config())
-    done = run_snakemake([RUN_SUMMARY, "--cores", "1", "--configfile", configfile], work, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def trained(smoke_workflow, tmp_path_factory) -> Path:
+    """The workflow with the base model built and the d3s run trained (4 steps, checkpoint-2): the session's
+    smoke run (conftest.py; _config changes no training setting), copied with Snakemake's records, its
+    evaluations removed."""
+    work = Path(shutil.copytree(smoke_workflow, tmp_path_factory.mktemp("trained") / "work", symlinks=True))
+    for made_by_evaluation in ("eval", "logs/eval"):
+        shutil.rmtree(work / "results" / "smoke" / made_by_evaluation)
+    dry = run_snakemake([RUN_SUMMARY, "-n", "--configfile", _write_config(work, _config())], work)
+    assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout[-3000:]
     return work
 
 
