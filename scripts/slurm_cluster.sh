@@ -8,8 +8,8 @@
 #                                               ends or after D3S_SLURM_MAX_S seconds (default 1800)
 #   scripts/slurm_cluster.sh stop DIR           cancel the cluster's jobs, stop its daemons by their pid files
 # Clients: `export SLURM_CONF=DIR/etc/slurm.conf`. The cluster "d3s" has accounting (slurmdbd on a private
-# MariaDB: the executor plugin reads job states with sacct and checks accounts with sacctmgr, as on a real
-# cluster) with the account d3s-test for root; partitions d3s-gpu (default) and d3s-cpu on one node "localhost"
+# MariaDB: the executor plugin checks accounts with sacctmgr and reads job states with sacct where squeue no
+# longer lists a job, as on a real cluster) with the account d3s-test for root; partitions d3s-gpu (default) and d3s-cpu on one node "localhost"
 # with 2 CPUs, 64000 MB (declared; memory is not a consumable here) and two GPUs of type "fake" (gres.conf
 # points at /dev/null: jobs get CUDA_VISIBLE_DEVICES and run on the CPU).
 set -euo pipefail
