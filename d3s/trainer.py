@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import inspect
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanmax, nanmin
 
 from d3s import trl_contract
 from d3s.callbacks.checkpoints import CheckpointSaveErrors, CpuRanksOptimizerLoad, D3SCheckpointState
@@ -30,8 +31,11 @@ from d3s.callbacks.logs import (
     sample_anatomy,
     token_anatomy,
 )
+from d3s.objective import LossTerms, Objective, selection_loss
 from d3s.rewards import bind_answer_policy
-from d3s.savings import DeferredLogprobPasses, KeptTokenHead
+from d3s.savings import DeferredLogprobPasses
+from d3s.savings.deferred import has_multimodal_inputs
+from d3s.savings.kept_head import head_model, kept_token_head_blocker, kept_token_logps
 from d3s.selection import (
     corrected_loss_mask,
     renormalize_advantages,
@@ -50,15 +54,14 @@ from d3s.vllm_engine import (
 
 __all__ = ["D3SConfig", "D3STrainer"]
 
+logger = logging.get_logger(__name__)
+
 
 @dataclass
 class HookState:
     """Values TRL's call chain does not hand to the hook that needs them (docs/trl-hooks-proposal.md)."""
 
     rewards_per_func: torch.Tensor | None = None  # TRL's rewards, which it does not return
-    loss_inputs: dict | None = None  # the loss call's inputs, for the hooks TRL calls without them
-    token_mask: torch.Tensor | None = None  # the loss call's token mask (None: every token trains)
-    loss_entropies: torch.Tensor | None = None  # the loss call's gradient-pass entropies
     anatomy_tokens_due: bool = False  # the next token selection writes the anatomy log's token record
     old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
     old_policy_entropies: torch.Tensor | None = None
@@ -67,27 +70,7 @@ class HookState:
     old_policy_pass_done: bool = False  # that pass ran for real in this scoring
 
 
-class SelectedTokensBeta(float):
-    """beta for TRL's ``per_token_loss + self.beta * per_token_kl`` (added after its token mask): the KL then
-    trains the selected tokens only (the paper's "only selected tokens contribute to the gradient")."""
-
-    def __new__(cls, beta: float, hook_state: HookState) -> SelectedTokensBeta:
-        coefficient = super().__new__(cls, beta)
-        coefficient.hook_state = hook_state
-        return coefficient
-
-    def __mul__(self, other: Any) -> Any:
-        mask = self.hook_state.token_mask
-        if isinstance(other, torch.Tensor) and mask is not None:
-            return float(self) * (other * mask)
-        return float(self) * other
-
-    __rmul__ = __mul__
-
-
-class D3STrainer(
-    KeptTokenHead, DeferredLogprobPasses, CpuRanksOptimizerLoad, CheckpointSaveErrors, GRPOTrainer
-):
+class D3STrainer(DeferredLogprobPasses, CpuRanksOptimizerLoad, CheckpointSaveErrors, GRPOTrainer):
     """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask."""
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
@@ -142,15 +125,16 @@ class D3STrainer(
             if defer:  # savings: only the kept rows are forwarded
                 selected = self.run_deferred_logprob_passes(selected)
                 self._take_old_policy_entropies(selected)
-        if excluding and "importance_sampling_ratio" in selected:
-            selected = self._exclude_zeroed(selected)
         self._log_selection(keep, all_advantages, kept, kept_advantages, zeroed)
         self._hook_state.old_policy_entropies_wanted = False
         entropies = selected.pop("old_policy_entropies", None)
         if selects_tokens and self.args.token_scope != "micro_batch":
             selected["token_mask"] = self._select_tokens(selected, entropies)
-            if self.args.token_norm == "selected":  # dapo's normaliser: the kept tokens of every rank
-                selected["num_items_in_batch"] = self.accelerator.gather(selected["token_mask"].sum()).sum()
+        if self.owns_loss:  # the loss tokens of the generation batch, every rank: dapo's D
+            loss_mask = self._valid_tokens(selected)
+            if self.args.token_norm == "selected" and "token_mask" in selected:
+                loss_mask = selected["token_mask"]
+            selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return selected
 
     # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts -------------------------------
@@ -160,8 +144,7 @@ class D3STrainer(
         by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
-        valid = batch["completion_mask"] * batch.get("tool_mask", 1)  # without what _exclude_zeroed took out
-        return self._rank_tokens(batch, entropies, valid.bool())
+        return self._rank_tokens(batch, entropies, self._valid_tokens(batch).bool())
 
     def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         scores = token_scores(inputs["advantages"], entropies, self.args.token_rule)
@@ -194,26 +177,63 @@ class D3STrainer(
         return keep
 
     def _compute_loss(self, model, inputs):
-        training = self.model.training
-        token_mask = inputs.get("token_mask") if training else None
-        micro_batch = training and self.args.token_scope == "micro_batch" and self._token_keep_ratio() < 1.0
-        # TRL calls get_high_entropy_mask (which returns the mask) only while this is < 1
-        self.top_entropy_quantile = 0.0 if token_mask is not None or micro_batch else 1.0
-        self._hook_state.token_mask, given = token_mask, inputs
-        # TRL's loss mask becomes the kept tokens: the sequence ratio averages over them, and every
-        # denominator counts them (token_norm "selected")
-        kept_as_loss_mask = token_mask is not None and (
-            self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"
-        )
-        if kept_as_loss_mask:
-            inputs = {**inputs, "tool_mask": inputs.get("tool_mask", 1) * token_mask}
-        self._hook_state.loss_inputs = inputs
-        with self._kl_on_selected_tokens(training):
+        if not self.model.training:
+            return super()._compute_loss(model, inputs)
+        if not self.owns_loss:  # grpo: TRL's loss, untouched
             loss = super()._compute_loss(model, inputs)
-        if training:
-            self._log_loss_call(given, kept_as_loss_mask)
-            loss = loss * self._zeroed_rows_out_of_mean(inputs)
-        return loss
+            self._log_update_tokens(self._valid_tokens(inputs), None)
+            return loss
+        valid = self._valid_tokens(inputs)
+        token_mask = inputs.get("token_mask")
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        size, extras = inputs["completion_ids"].size(1), {k: inputs[k] for k in _MODEL_INPUTS if k in inputs}
+        if self.kept_token_head and token_mask is not None and not has_multimodal_inputs(extras):
+            with self.accelerator.autocast():  # savings: the LM head's gradient only at the kept tokens
+                logps, entropies = kept_token_logps(
+                    model,
+                    head_model(self.model),
+                    ids,
+                    attention,
+                    size,
+                    token_mask,
+                    self.temperature,
+                    self.args.cast_lm_head_to_fp32,
+                )
+        else:
+            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, ids, attention, size, compute_entropy=True, **extras
+            )
+        if token_mask is None and self._token_keep_ratio() < 1.0:  # token_scope micro_batch: ranked here
+            token_mask = self._rank_tokens(inputs, entropies.detach(), valid.bool())
+        kept = valid if token_mask is None else valid * token_mask
+        old_logps = inputs.get("old_per_token_logps")
+        rows_counted = torch.ones_like(valid[:, 0], dtype=torch.bool)
+        is_weight = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_weight = inputs["importance_sampling_ratio"]
+            if self._excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
+                loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+                rows_counted = ~zeroed_rollouts(is_weight, loss_mask)
+        accumulation = self.current_gradient_accumulation_steps
+        terms = selection_loss(
+            self.objective,
+            logps,
+            logps.detach() if old_logps is None else old_logps,  # on-policy: TRL skipped the old pass
+            inputs.get("ref_per_token_logps"),
+            inputs["advantages"],
+            valid,
+            kept,
+            is_weight,
+            rows_counted=rows_counted,
+            accumulation=accumulation,
+            dapo_denominator=inputs["num_items_in_batch"].clamp(min=1.0)
+            / self.accelerator.num_processes
+            * accumulation
+            / self.args.steps_per_generation,
+        )
+        self._log_objective(terms, inputs["advantages"], entropies, valid, token_mask)
+        return terms.loss
 
     # ---- 3. vLLM's importance-sampling correction: what it zeroed is out of the update -------------------
 
@@ -229,44 +249,6 @@ class D3STrainer(
     def _may_zero_rollouts(self) -> bool:
         """TRL's *_mask modes set a ratio outside the clip range to zero (the truncate modes clip it)."""
         return self.vllm_importance_sampling_mode in ("sequence_mask", "token_mask")
-
-    def _exclude_zeroed(self, batch: dict) -> dict:
-        """The zeroed tokens leave the loss mask (no policy or KL term), so every denominator drops them."""
-        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
-        batch["tool_mask"] = corrected_loss_mask(batch["importance_sampling_ratio"], loss_mask)
-        batch["num_items_in_batch"] = self.accelerator.gather(batch["tool_mask"].sum()).sum()
-        return batch
-
-    def _zeroed_rows_out_of_mean(self, inputs: dict) -> float:
-        """Losses that average over the micro-batch's rows (grpo, sapo, dr_grpo, luspo) still count a zeroed
-        rollout, whose terms are all zero: rescale so the mean is over the other rows."""
-        if self.loss_type not in ROW_MEAN_LOSSES or "importance_sampling_ratio" not in inputs:
-            return 1.0
-        if not self._excludes_zeroed():
-            return 1.0
-        rows = inputs["completion_mask"].shape[0]
-        zeroed = int(zeroed_rollouts(inputs["importance_sampling_ratio"], inputs["completion_mask"]).sum())
-        return rows / (rows - zeroed) if zeroed < rows else 1.0
-
-    def get_high_entropy_mask(
-        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
-    ) -> torch.Tensor:
-        """The mask chosen for the generation batch, not TRL's entropy quantile (``threshold`` unused)."""
-        state = self._hook_state
-        if state.token_mask is None:  # token_scope "micro_batch": TRL's place, ranked here
-            state.token_mask = self._rank_tokens(state.loss_inputs, entropies, mask.bool())
-        return state.token_mask
-
-    @contextmanager
-    def _kl_on_selected_tokens(self, training: bool):
-        """kl_tokens "selected": TRL's beta * KL counts the selected tokens only, for this loss call."""
-        beta = self.beta
-        if training and beta != 0.0 and self.args.kl_tokens == "selected":
-            self.beta = SelectedTokensBeta(beta, self._hook_state)
-        try:
-            yield
-        finally:
-            self.beta = beta
 
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
@@ -294,16 +276,33 @@ class D3STrainer(
             self.add_callback(JsonlMetricsCallback(os.path.join(self.args.output_dir, self.args.metrics_log)))
         self.add_callback(NanGuardCallback())  # after the metrics log, so the NaN step is recorded
         self.add_callback(D3SCheckpointState())
-        if (
-            self._excludes_zeroed()
-            and self.loss_type in ROW_MEAN_LOSSES
-            and (self._entropy_bonus_enabled or self.aux_loss_enabled)
-        ):
+        self.owns_loss = self.args.uses_selection_loss()  # else TRL's loss (grpo)
+        self.kept_token_head = False  # savings: the gradient pass projects only the kept tokens
+        if self.args.kept_token_logprobs and self.args.token_rule != "none":
+            blocker = kept_token_head_blocker(self)
+            self.kept_token_head = blocker is None
+            if blocker:
+                logger.warning(
+                    "kept-token log-probs are off, the LM head runs at every position: %s", blocker
+                )
+        if self.owns_loss and self.aux_loss_enabled:
             raise ValueError(
-                f"zeroed_rollouts excluded rescales loss_type {self.loss_type!r}'s mean over rows, which "
-                "would scale the entropy bonus or router aux loss too: set zeroed_rollouts: trl, or "
-                "entropy_coef 0 and no router aux loss"
+                f"method {self.args.method!r} trains with the selection loss, which adds no router aux "
+                "loss: set router_aux_loss_coef 0, or train method grpo (TRL's own loss)"
             )
+        self.objective = Objective(
+            loss_type=self.loss_type,
+            sequence_level=self.importance_sampling_level == "sequence",
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=self.args.delta,
+            beta=self.beta,
+            kl_on_kept_tokens=self.args.kl_tokens == "selected",
+            kl_bias_correction=self.args.use_bias_correction_kl,
+            kept_tokens_normalise=self.args.token_rule != "none"
+            and (self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"),
+            max_completion_length=self.max_completion_length,
+        )
 
     def _token_keep_ratio(self) -> float:
         """K at the current point of the schedule; 1 when the method has no token level."""
@@ -368,9 +367,6 @@ class D3STrainer(
                 )
                 selected[key] = self.accelerator.gather(padded)[shares[rank]]
         selected["advantages"] = kept_advantages.view_as(shares)[rank].to(output["advantages"].dtype)
-        loss_mask = selected["completion_mask"] * selected.get("tool_mask", 1)
-        # TRL counted the tokens of all rollouts before we dropped any; dapo's normaliser needs the kept ones.
-        selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return selected
 
     # ---- metrics and the anatomy log -----------------------------------------------------------------------
@@ -410,18 +406,21 @@ class D3STrainer(
         )
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """TRL's log-prob pass, the one place d3s changes it: placeholders for the passes deferred past
+        selection (savings), and the entropies of TRL's old-policy pass, which the token level ranks by."""
+        placeholder = self.deferred_placeholder(*args, **kwargs)
+        if placeholder is not None:
+            return placeholder
         state = self._hook_state
-        # TRL's (or the deferred) old-policy pass is the first no-gradient pass of the policy while scoring
+        # TRL's (or the eager) old-policy pass is the first no-gradient pass of the policy while scoring
         old_policy_pass = (
             state.old_policy_entropies_wanted and model is self.model and not torch.is_grad_enabled()
         )
         if old_policy_pass:
             kwargs["compute_entropy"] = True
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        if old_policy_pass and entropies is not None:  # None: a placeholder while the pass is deferred
+        if old_policy_pass:
             state.old_policy_entropies, state.old_policy_entropies_wanted = entropies, False
-        if kwargs.get("compute_entropy") and torch.is_grad_enabled():  # the gradient pass of _compute_loss
-            state.loss_entropies = entropies
         return logps, entropies, aux
 
     def _runs_old_policy_pass(self) -> bool:
@@ -438,19 +437,54 @@ class D3STrainer(
             batch["old_policy_entropies"] = self._hook_state.old_policy_entropies
             self._hook_state.old_policy_entropies = None
 
-    def _log_loss_call(self, inputs: dict, kept_as_loss_mask: bool) -> None:
-        chosen, metrics = self._hook_state.token_mask, self._metrics["train"]
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        if kept_as_loss_mask:  # TRL logged the entropy over its loss mask, the kept tokens: log every token's
-            entropy, count = self._summed_over_ranks(self._hook_state.loss_entropies.detach() * mask, mask)
-            metrics["entropy"][-1] = (entropy / count.clamp(min=1)).item()
-        used = mask.bool() if chosen is None else chosen
-        trained, count = self._summed_over_ranks(used, mask)
+    def _log_objective(
+        self, terms: LossTerms, advantages: torch.Tensor, entropies: torch.Tensor, valid, token_mask
+    ) -> None:
+        """TRL's loss metrics (entropy over every valid token, the KL and the clip fractions over the loss
+        mask), and the tokens that trained."""
+        metrics, mask = self._metrics["train"], terms.loss_mask
+
+        def masked_mean(values: torch.Tensor, over: torch.Tensor) -> float:
+            if values.shape[1] == 1:  # sequence level: one value per rollout
+                total, count = self._summed_over_ranks(values, torch.ones_like(values))
+            else:
+                total, count = self._summed_over_ranks(values * over, over)
+            return (total / count.clamp(min=1)).item()
+
+        metrics["entropy"].append(masked_mean(entropies.detach(), valid))
+        if terms.kl is not None:
+            metrics["kl"].append(masked_mean(terms.kl.detach(), mask))
+        advantage = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        ratio = terms.ratio.detach()
+        low = ((ratio < 1 - self.epsilon_low) & (advantage < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (advantage > 0)).float()
+        metrics["clip_ratio/low_mean"].append(masked_mean(low, mask))
+        metrics["clip_ratio/high_mean"].append(masked_mean(high, mask))
+        metrics["clip_ratio/region_mean"].append(masked_mean(torch.maximum(low, high), mask))
+
+        def per_rollout(values: torch.Tensor) -> torch.Tensor:
+            return values.squeeze(1) if values.shape[1] == 1 else (values * mask).sum(-1) / mask.sum(-1)
+
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_rollout(low))).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_rollout(high))).item())
+        self._log_update_tokens(valid, token_mask)
+
+    def _log_update_tokens(self, valid: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+        metrics = self._metrics["train"]
+        used = valid.bool() if token_mask is None else token_mask.bool() & valid.bool()
+        trained, count = self._summed_over_ranks(used, valid)
         self._checkpoint_state().update_tokens_total += int(trained.item())
         metrics["selection/update_tokens"].append(trained.item())
-        if chosen is None:  # every token trained: the selected entropy is TRL's entropy
+        if token_mask is None:  # every token trained: the selected entropy is the entropy
             metrics["selection/entropy_selected"].append(metrics["entropy"][-1])
         metrics["selection/token_keep_fraction"].append((trained / count.clamp(min=1)).item())
+
+    def _valid_tokens(self, batch: dict) -> torch.Tensor:
+        """m: the completion tokens that may train, without what vLLM's correction zeroed (when excluded)."""
+        valid = batch["completion_mask"] * batch.get("tool_mask", 1)
+        if self._excludes_zeroed() and "importance_sampling_ratio" in batch:
+            valid = corrected_loss_mask(batch["importance_sampling_ratio"], valid)
+        return valid
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:
@@ -459,6 +493,17 @@ class D3STrainer(
 
 
 # Per-rollout tensors of TRL's generation batch that are left-padded: they pad first when pooled across ranks.
-# TRL's loss types that average over the rows of a micro-batch (not over a token count).
-ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 _LEFT_PADDED = {"prompt_ids", "prompt_mask"}
+# Model inputs of a generation batch beyond the text, passed to the log-prob pass by keyword (as TRL does).
+_MODEL_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)

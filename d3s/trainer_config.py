@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from d3s.callbacks.checkpoints import FULL_STATE_CHECKPOINTS
 from d3s.methods import get_method
+from d3s.objective import CLIPPED_LOSSES
 from d3s.rewards import ANSWER_POLICIES
 from d3s.selection import (
     SAMPLE_RULES,
@@ -229,11 +230,7 @@ class D3SConfig(GRPOConfig):
                 "multi_objective_aggregation='sum_then_normalize'"
             )
         self._validate_token_loss()
-        if self.token_rule != "none" and self.use_liger_kernel:
-            raise ValueError(
-                "token-level selection uses TRL's entropy-mask hook, which Liger kernels skip; "
-                "set use_liger_kernel=False or token_rule='none'"
-            )
+        self._validate_selection_loss()
         # TRL splits the kept rows into steps_per_generation micro-batches and silently drops a remainder,
         # and every rank must hold the same number of rows: N x (per-device batch) / G must be whole.
         micro = self.per_device_train_batch_size
@@ -244,6 +241,34 @@ class D3SConfig(GRPOConfig):
                     "rows per micro-batch, not a whole number: TRL would drop rows. Make "
                     f"per_device_train_batch_size ({micro}) a multiple of num_generations ({G}), or choose "
                     f"keep values N with N x {micro} divisible by {G}."
+                )
+
+    def uses_selection_loss(self) -> bool:
+        """Whether the trainer computes the loss itself (d3s/objective.py): every method that selects rollouts
+        or tokens, or takes what vLLM's correction zeroed out of the loss. Otherwise (grpo, and gspo without
+        vLLM's correction) it is TRL's own loss, unchanged."""
+        excludes_zeroed = (
+            self.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
+        )
+        return self.sample_rule != "none" or self.token_rule != "none" or excludes_zeroed
+
+    def _validate_selection_loss(self) -> None:
+        """What TRL's loss offers beyond the selection loss's clipped-ratio family, refused up front."""
+        if not self.uses_selection_loss():
+            return
+        unsupported = {
+            "loss_type": (self.loss_type not in CLIPPED_LOSSES, f"one of {', '.join(CLIPPED_LOSSES)}"),
+            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "unset"),
+            "entropy_coef": (self.entropy_coef != 0.0, "0"),
+            "use_adaptive_entropy": (self.use_adaptive_entropy, "false"),
+            "use_liger_kernel": (self.use_liger_kernel, "false"),
+        }
+        for name, (refused, wanted) in unsupported.items():
+            if refused:
+                raise ValueError(
+                    f"method {self.method!r} trains with the selection loss (d3s/objective.py, "
+                    f"docs/fidelity.md), which needs {name} {wanted}; got {getattr(self, name)!r}. Change "
+                    f"{name}, or train method grpo (TRL's own loss)"
                 )
 
     def _validate_token_loss(self) -> None:

@@ -9,14 +9,18 @@ from __future__ import annotations
 import importlib
 
 TRL_VERSION = "1.16.0"
+TRANSFORMERS_VERSION = "5.17.0"
 
 # GRPOTrainer methods overridden or called, and what for.
 TRAINER_METHODS = (
     "_calculate_rewards",  # the gathered rewards, which _generate_and_score_completions does not return
     "_generate_and_score_completions",  # select the kept rollouts and re-index the batch
-    "_compute_loss",  # the token mask as TRL's loss mask (GSPO, token_norm), the KL on kept tokens
-    "get_high_entropy_mask",  # returns the batch's token mask (TRL multiplies the policy term by it)
+    "_compute_loss",  # TRL's loss for grpo; the selection methods' loss replaces it (d3s/objective.py)
     "_get_per_token_logps_and_entropies",  # old-policy entropies; savings: placeholders, kept-token head
+)
+# transformers.Trainer methods overridden (d3s/callbacks/checkpoints.py).
+TRANSFORMERS_TRAINER_METHODS = (
+    "_load_optimizer_and_scheduler",  # multi-process CPU runs resume their optimizer state on the CPU
 )
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
 TRAINER_ATTRIBUTES = (
@@ -24,14 +28,16 @@ TRAINER_ATTRIBUTES = (
     "reward_weights",
     "num_generations",
     "scale_rewards",
-    "top_entropy_quantile",  # TRL calls get_high_entropy_mask only when it is < 1 (read on every loss call)
     "_tokenizer",
     "temperature",  # kept-token head: log-probs of logits / temperature, as TRL's
-    "beta",  # read in _compute_loss as `self.beta * per_token_kl`, added after the token mask (kl_tokens)
+    "beta",  # with the next five: the selection loss's settings (d3s.objective.Objective)
     "loss_type",
     "importance_sampling_level",
-    "_entropy_bonus_enabled",
-    "aux_loss_enabled",  # with the entropy bonus: refused where zeroed rollouts rescale a mean over rows
+    "epsilon_low",
+    "epsilon_high",
+    "max_completion_length",
+    "_entropy_bonus_enabled",  # kept-token head: the bonus trains every token's entropy
+    "aux_loss_enabled",  # refused with the selection loss, which adds no router aux loss
     "ref_model",
     "num_iterations",  # with the next two: whether TRL runs its old-policy pass (the token entropies)
     "use_vllm",
@@ -89,6 +95,17 @@ def check_trl_contract() -> None:
                 continue
             if not hasattr(module, name):
                 raise _mismatch(f"{module_name}.{name}")
+    from transformers import Trainer
+
+    for name in TRANSFORMERS_TRAINER_METHODS:
+        if not callable(getattr(Trainer, name, None)):
+            import transformers
+
+            raise ImportError(
+                f"d3s relies on transformers.Trainer.{name} of transformers {TRANSFORMERS_VERSION} (the "
+                f"pinned version; d3s/trl_contract.py), which the installed {transformers.__version__} does "
+                f"not have. Install transformers=={TRANSFORMERS_VERSION}, or port d3s/callbacks/."
+            )
     from trl.generation.vllm_generation import VLLMGeneration
 
     for name in VLLM_GENERATION_METHODS:

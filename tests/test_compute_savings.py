@@ -252,8 +252,10 @@ def test_kept_token_head_equals_the_masked_computation(
         results[kept] = _loss_and_grads(trainer, inputs)
         monkeypatch.undo()
         if kept:  # no-gradient scoring of every valid token, then the gradient pass on the kept ones only
+            # (before them, TRL's fused head in the backbone's pass, with no label to score)
             keep = results[kept][2]
-            assert projected == [(int(inputs["completion_mask"].sum()), False), (int(keep.sum()), True)]
+            valid, kept_count = int(inputs["completion_mask"].sum()), int(keep.sum())
+            assert projected[-2:] == [(valid, False), (kept_count, True)]
             assert keep.sum() < inputs["completion_mask"].sum()
 
     (loss, grads, keep, metrics), (ref_loss, ref_grads, ref_keep, ref_metrics) = results[True], results[False]
@@ -272,7 +274,6 @@ def test_kept_token_head_equals_the_masked_computation(
     [
         ("d3s", {"beta": 0.04, "kl_tokens": "all"}, "KL term trains every token"),
         ("d3s", {"token_scope": "micro_batch"}, "inside the loss"),
-        ("d3s", {"loss_type": "vespo"}, "per-token losses"),
     ],
 )
 def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
@@ -287,3 +288,17 @@ def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
         trainer = make_trainer(tiny_sft_model, args)
     assert trainer.kept_token_head is False
     assert reason in caplog.text
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"loss_type": "vespo"}, "loss_type"),
+        ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+        ({"entropy_coef": 0.01}, "entropy_coef"),
+    ],
+)
+def test_the_selection_loss_refuses_what_it_does_not_compute(tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=f"selection loss .* needs {named}"):
+        D3SConfig.for_method("d3s", output_dir=str(tmp_path), **(TINY_TRAINER_ARGS | overrides))
+    D3SConfig.for_method("grpo", output_dir=str(tmp_path), **(TINY_TRAINER_ARGS | overrides))  # TRL's loss

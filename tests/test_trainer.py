@@ -113,7 +113,7 @@ def test_gspo_needs_its_trl_settings(tmp_path):
 @pytest.mark.parametrize(
     ("module", "name", "named"),
     [
-        ("trl", "GRPOTrainer.get_high_entropy_mask", "GRPOTrainer.get_high_entropy_mask"),
+        ("trl", "GRPOTrainer._compute_loss", "GRPOTrainer._compute_loss"),
         ("trl.kernels", "ChunkedLogProbFunction", "trl.kernels.ChunkedLogProbFunction"),
         (
             "trl.generation.vllm_generation",

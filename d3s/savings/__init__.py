@@ -1,8 +1,8 @@
 """The two opt-in, exact compute savings (same losses and gradients; docs/fidelity.md, "Compute savings"):
-``DeferredLogprobPasses`` (``defer_logprob_passes``) and ``KeptTokenHead`` (``kept_token_logprobs``)."""
+``DeferredLogprobPasses`` (``defer_logprob_passes``) and ``kept_token_logps`` (``kept_token_logprobs``)."""
 
-from d3s import trl_contract  # noqa: F401 - checks the TRL internals these mixins use, at import
+from d3s import trl_contract  # noqa: F401 - checks the TRL internals these savings use, at import
 from d3s.savings.deferred import DeferredLogprobPasses
-from d3s.savings.kept_head import KeptTokenHead
+from d3s.savings.kept_head import kept_token_logps
 
-__all__ = ["DeferredLogprobPasses", "KeptTokenHead"]
+__all__ = ["DeferredLogprobPasses", "kept_token_logps"]

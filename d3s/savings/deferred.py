@@ -23,7 +23,7 @@ def has_multimodal_inputs(kwargs: dict) -> bool:
 
 
 class DeferredLogprobPasses:
-    """Mixin for D3STrainer (before GRPOTrainer in its bases)."""
+    """Mixin for D3STrainer: the deferral's state and passes (its log-prob pass asks deferred_placeholder)."""
 
     @contextmanager
     def logprob_passes_deferred(self, defer: bool, old_policy_pass_eager: bool = False) -> Iterator[None]:
@@ -38,13 +38,16 @@ class DeferredLogprobPasses:
         finally:
             state.deferring_logprobs = state.old_policy_pass_eager = False
 
-    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+    def deferred_placeholder(self, *args, **kwargs) -> tuple | None:
+        """What TRL's log-prob pass (called with ``args``, ``kwargs``) returns while deferred: zeros of its
+        shape; None where the pass runs for real (not deferring, or the eager old-policy pass, which TRL runs
+        first)."""
         state = self._hook_state
         if not state.deferring_logprobs:
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        if state.old_policy_pass_eager and not state.old_policy_pass_done:  # TRL runs it first
+            return None
+        if state.old_policy_pass_eager and not state.old_policy_pass_done:
             state.old_policy_pass_done = True
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            return None
         if has_multimodal_inputs(kwargs):
             raise ValueError(
                 "rollout selection defers log-prob passes, which multimodal inputs do not support; "

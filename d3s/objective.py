@@ -1,0 +1,101 @@
+"""The selection methods' loss, in the order and notation of docs/fidelity.md ("Objectives").
+
+For the rollouts i of a micro-batch, their valid completion tokens m_i, the kept tokens T_i (m_i without a
+token level), advantages A_i, log-probs of the policy, the old policy (that generated) and the reference:
+
+    token level      r_it = exp(log pi_theta - log pi_old)_it
+    sequence (GSPO)  r_i  = exp(mean_{t in T_i} (log pi_theta - log pi_old)_it)
+    policy term      P_it = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i) w_it      on T
+    KL term          K_it = beta (exp(ref - logp) - (ref - logp) - 1) [x r_it]              on T (or all of m)
+    loss             the sum of P + K over the loss mask, divided as ``loss_type`` divides it
+
+w_it is vLLM's importance-sampling weight (1 without vLLM's correction), [x r] TRL's bias-corrected KL. The
+loss mask is T where the kept tokens set the denominator (``token_norm: selected``) or the sequence mean, m
+otherwise. Pure tensor math: the trainer computes the log-probs and the masks (d3s/trainer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The clipped-ratio losses of TRL that the selection methods use; each divides the summed terms differently.
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The settings of the loss (the trainer's, from its D3SConfig)."""
+
+    loss_type: str  # grpo: mean of the rows' token means; bnpo: token mean; dr_grpo: / rows x L; dapo: / D
+    sequence_level: bool  # GSPO's sequence ratio r_i
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None  # two-sided clipping: r capped at delta (TRL's `delta`)
+    beta: float
+    kl_on_kept_tokens: bool  # kl_tokens "selected" (the paper); False: every valid token
+    kl_bias_correction: bool  # TRL's use_bias_correction_kl: K_it x r_it
+    kept_tokens_normalise: bool  # the loss mask is T (token_norm "selected", or the sequence mean)
+    max_completion_length: int  # dr_grpo's L
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor
+    ratio: torch.Tensor  # r, after the delta cap: (B, T), or (B, 1) at the sequence level
+    kl: torch.Tensor | None  # (B, T), unmasked
+    loss_mask: torch.Tensor  # (B, T)
+
+
+def selection_loss(
+    objective: Objective,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    kept: torch.Tensor,
+    is_weight: torch.Tensor | None,
+    *,
+    rows_counted: torch.Tensor,
+    accumulation: float,
+    dapo_denominator: torch.Tensor | float,
+) -> LossTerms:
+    """The loss of one micro-batch. ``valid`` m and ``kept`` T (a subset of m) are 0/1 tensors of ``logps``'s
+    shape; ``rows_counted`` the rows a mean over rows counts (vLLM's correction may zero a whole rollout);
+    ``accumulation`` the micro-batches of the optimizer step; ``dapo_denominator`` D per accumulation
+    window."""
+    o = objective
+    advantage = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    log_ratio = logps - old_logps
+    if o.sequence_level:
+        log_ratio = (log_ratio * kept).sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high)
+    capped = ratio if o.delta is None else torch.clamp(ratio, max=o.delta)
+    per_token = -torch.min(capped * advantage, clipped * advantage) * kept
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    kl = None
+    if o.beta != 0.0:
+        log_ref_ratio = ref_logps - logps
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        if o.kl_bias_correction:
+            kl = kl * ratio
+        per_token = per_token + o.beta * kl * (kept if o.kl_on_kept_tokens else valid)
+
+    loss_mask = kept if o.kept_tokens_normalise else valid
+    summed = per_token * loss_mask
+    if o.loss_type == "grpo":
+        row_means = summed.sum(-1) / loss_mask.sum(-1).clamp(min=1.0)
+        loss = row_means.sum() / rows_counted.sum().clamp(min=1) / accumulation
+    elif o.loss_type == "bnpo":
+        loss = summed.sum() / loss_mask.sum().clamp(min=1.0) / accumulation
+    elif o.loss_type == "dr_grpo":
+        loss = summed.sum() / (rows_counted.sum().clamp(min=1) * o.max_completion_length) / accumulation
+    elif o.loss_type == "dapo":
+        loss = summed.sum() / dapo_denominator
+    else:
+        raise ValueError(f"the selection loss has no loss_type {o.loss_type!r}; use one of {CLIPPED_LOSSES}")
+    return LossTerms(loss=loss, ratio=capped, kl=kl, loss_mask=loss_mask)
