@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -26,16 +25,14 @@ from d3s.callbacks.checkpoints import CheckpointSaveErrors, CpuRanksOptimizerLoa
 from d3s.callbacks.logs import (
     JsonlMetricsCallback,
     NanGuardCallback,
-    append_anatomy,
-    token_anatomy,
 )
-from d3s.objective import Objective, selection_loss
+from d3s.objective import selection_loss
 from d3s.rewards import bind_answer_policy
+from d3s.rows import keep_rows, valid_tokens
 from d3s.savings import DeferredLogprobPasses
 from d3s.savings.deferred import has_multimodal_inputs
-from d3s.savings.kept_head import head_model, kept_token_head_blocker, kept_token_logps
+from d3s.savings.kept_head import head_model, kept_token_head_enabled, kept_token_logps
 from d3s.selection import (
-    corrected_loss_mask,
     renormalize_advantages,
     select_samples,
     token_keep_mask,
@@ -52,8 +49,6 @@ from d3s.vllm_engine import (
 )
 
 __all__ = ["D3SConfig", "D3STrainer"]
-
-logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -87,10 +82,10 @@ class D3STrainer(
         )
         selects_tokens = self.model.training and self._token_keep_ratio() < 1.0
         self._hook_state.old_policy_entropies_wanted = selects_tokens and self._runs_old_policy_pass()
-        excluding = self.model.training and self._excludes_zeroed()
+        excluding = self.model.training and self.args.excludes_zeroed()
         defer = drops_rollouts and self.args.defer_logprob_passes
         with self.logprob_passes_deferred(
-            defer, old_policy_pass_eager=excluding and self._may_zero_rollouts()
+            defer, old_policy_pass_eager=excluding and self.args.may_zero_rollouts()
         ):
             output = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, advantages
         self._take_old_policy_entropies(output)
@@ -132,7 +127,7 @@ class D3STrainer(
         if selects_tokens and self.args.token_scope != "micro_batch":
             selected["token_mask"] = self._select_tokens(selected, entropies)
         if self.owns_loss:  # the loss tokens of the generation batch, every rank: dapo's D
-            loss_mask = self._valid_tokens(selected)
+            loss_mask = valid_tokens(self.args, selected)
             if self.args.token_norm == "selected" and "token_mask" in selected:
                 loss_mask = selected["token_mask"]
             selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
@@ -145,7 +140,7 @@ class D3STrainer(
         by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
-        return self._rank_tokens(batch, entropies, self._valid_tokens(batch).bool())
+        return self._rank_tokens(batch, entropies, valid_tokens(self.args, batch).bool())
 
     def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         scores = token_scores(inputs["advantages"], entropies, self.args.token_rule)
@@ -158,23 +153,7 @@ class D3STrainer(
         rank = self.accelerator.process_index
         all_keep = token_keep_mask(all_scores, all_valid, token_keep_ratio, scope)
         keep = all_keep[rank * rows : (rank + 1) * rows, :cols]
-        if self._hook_state.anatomy_tokens_due:
-            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
-            if self.accelerator.is_main_process:
-                record = token_anatomy(
-                    self.state.global_step,
-                    token_keep_ratio,
-                    inputs,
-                    entropies,
-                    scores,
-                    keep,
-                    valid,
-                    self.args.anatomy_examples,
-                    self.processing_class.decode,
-                )
-                append_anatomy(self.args.output_dir, record)
-        entropy, count = self._summed_over_ranks(entropies.detach() * keep, keep)
-        self._metrics["train"]["selection/entropy_selected"].append((entropy / count.clamp(min=1)).item())
+        self._log_token_selection(inputs, entropies, scores, keep, valid, token_keep_ratio)
         return keep
 
     def _compute_loss(self, model, inputs):
@@ -182,9 +161,9 @@ class D3STrainer(
             return super()._compute_loss(model, inputs)
         if not self.owns_loss:  # grpo: TRL's loss, untouched
             loss = super()._compute_loss(model, inputs)
-            self._log_update_tokens(self._valid_tokens(inputs), None)
+            self._log_update_tokens(valid_tokens(self.args, inputs), None)
             return loss
-        valid = self._valid_tokens(inputs)
+        valid = valid_tokens(self.args, inputs)
         token_mask = inputs.get("token_mask")
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -213,7 +192,7 @@ class D3STrainer(
         is_weight = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_weight = inputs["importance_sampling_ratio"]
-            if self._excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
+            if self.args.excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
                 loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
                 rows_counted = ~zeroed_rollouts(is_weight, loss_mask)
         accumulation = self.current_gradient_accumulation_steps
@@ -235,21 +214,6 @@ class D3STrainer(
         )
         self._log_objective(terms, inputs["advantages"], entropies, valid, token_mask)
         return terms.loss
-
-    # ---- 3. vLLM's importance-sampling correction: what it zeroed is out of the update -------------------
-
-    def _excludes_zeroed(self) -> bool:
-        """Whether this run takes what vLLM's correction zeroed out of selection and the loss (the method's
-        ``zeroed_rollouts``, with the correction on)."""
-        return (
-            self.args.zeroed_rollouts == "excluded"
-            and self.use_vllm
-            and self.vllm_importance_sampling_correction
-        )
-
-    def _may_zero_rollouts(self) -> bool:
-        """TRL's *_mask modes set a ratio outside the clip range to zero (the truncate modes clip it)."""
-        return self.vllm_importance_sampling_mode in ("sequence_mask", "token_mask")
 
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
@@ -278,51 +242,21 @@ class D3STrainer(
         self.add_callback(NanGuardCallback())  # after the metrics log, so the NaN step is recorded
         self.add_callback(D3SCheckpointState())
         self.owns_loss = self.args.uses_selection_loss()  # else TRL's loss (grpo)
-        self.kept_token_head = False  # savings: the gradient pass projects only the kept tokens
-        if self.args.kept_token_logprobs and self.args.token_rule != "none":
-            blocker = kept_token_head_blocker(self)
-            self.kept_token_head = blocker is None
-            if blocker:
-                logger.warning(
-                    "kept-token log-probs are off, the LM head runs at every position: %s", blocker
-                )
+        self.kept_token_head = self.args.kept_token_logprobs and kept_token_head_enabled(self)  # savings
         if self.owns_loss and self.aux_loss_enabled:
             raise ValueError(
                 f"method {self.args.method!r} trains with the selection loss, which adds no router aux "
                 "loss: set router_aux_loss_coef 0, or train method grpo (TRL's own loss)"
             )
-        self.objective = Objective(
-            loss_type=self.loss_type,
-            sequence_level=self.importance_sampling_level == "sequence",
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
-            beta=self.beta,
-            kl_on_kept_tokens=self.args.kl_tokens == "selected",
-            kl_bias_correction=self.args.use_bias_correction_kl,
-            kept_tokens_normalise=self.args.token_rule != "none"
-            and (self.importance_sampling_level == "sequence" or self.args.token_norm == "selected"),
-            max_completion_length=self.max_completion_length,
-        )
+        self.objective = self.args.objective()
 
     def _token_keep_ratio(self) -> float:
         """K at the current point of the schedule; 1 when the method has no token level."""
-        if self.args.token_rule == "none":
-            return 1.0
-        return self.selection_schedule.token_keep_ratio(self.training_progress())
+        return self.args.token_keep_ratio_at(self.training_progress())
 
     def training_progress(self) -> float:
         """p = step / max_steps, where the schedule of N and K is read."""
         return self.state.global_step / self.state.max_steps if self.state.max_steps > 0 else 0.0
-
-    @property
-    def update_tokens_total(self) -> int:
-        """Tokens that reached the policy gradient, all ranks, all steps (saved with checkpoints)."""
-        return self._checkpoint_state().update_tokens_total
-
-    def _checkpoint_state(self) -> D3SCheckpointState:
-        # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
-        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, D3SCheckpointState))
 
     def _no_grad_pass(self, model, batch: dict, **kwargs) -> tuple:
         """TRL's log-prob pass over the rows of a generation batch, without gradient (as TRL's own passes)."""
@@ -342,33 +276,7 @@ class D3STrainer(
         return rewards
 
     def _keep_rows(self, output: dict, kept: torch.Tensor, kept_advantages: torch.Tensor) -> dict:
-        """Index every per-rollout tensor by the kept rows, each rank taking an equal share."""
-        num_processes, rank = self.accelerator.num_processes, self.accelerator.process_index
-        local_rows = output["advantages"].shape[0]
-        share = kept.numel() // num_processes  # D3SConfig validated the divisibility
-        shares = kept.view(num_processes, share)
-        owners = torch.arange(num_processes, device=kept.device).unsqueeze(1)
-        rank_local = bool(((shares // local_rows) == owners).all())  # identical on every rank
-        selected = dict(output)
-        for key, value in output.items():
-            if isinstance(value, list) and len(value) == local_rows:
-                raise ValueError(f"rollout selection does not support list-valued generation output {key!r}")
-            if key == "advantages" or not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            if value.shape[0] != local_rows:
-                raise ValueError(
-                    f"cannot down-sample generation output {key!r} of shape {tuple(value.shape)}"
-                )
-            if rank_local:
-                selected[key] = value[shares[rank] - rank * local_rows]
-            else:  # cross-group selection left ranks uneven: pool the rows, then deal out equal shares
-                pad = self._tokenizer.pad_token_id if key.endswith("_ids") else 0
-                padded = self.accelerator.pad_across_processes(
-                    value, dim=1, pad_index=pad, pad_first=key in _LEFT_PADDED
-                )
-                selected[key] = self.accelerator.gather(padded)[shares[rank]]
-        selected["advantages"] = kept_advantages.view_as(shares)[rank].to(output["advantages"].dtype)
-        return selected
+        return keep_rows(output, kept, kept_advantages, self.accelerator, self._tokenizer.pad_token_id)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         """TRL's log-prob pass, the one place d3s changes it: placeholders for the passes deferred past
@@ -402,21 +310,7 @@ class D3STrainer(
             batch["old_policy_entropies"] = self._hook_state.old_policy_entropies
             self._hook_state.old_policy_entropies = None
 
-    def _valid_tokens(self, batch: dict) -> torch.Tensor:
-        """m: the completion tokens that may train, without what vLLM's correction zeroed (when excluded)."""
-        valid = batch["completion_mask"] * batch.get("tool_mask", 1)
-        if self._excludes_zeroed() and "importance_sampling_ratio" in batch:
-            valid = corrected_loss_mask(batch["importance_sampling_ratio"], valid)
-        return valid
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training and "loss" in logs:
-            logs["selection/update_tokens_cumulative"] = float(self.update_tokens_total)
-        super().log(logs, start_time)
-
-
-# Per-rollout tensors of TRL's generation batch that are left-padded: they pad first when pooled across ranks.
-_LEFT_PADDED = {"prompt_ids", "prompt_mask"}
 # Model inputs of a generation batch beyond the text, passed to the log-prob pass by keyword (as TRL does).
 _MODEL_INPUTS = (
     "pixel_values",

@@ -10,7 +10,7 @@ from trl import GRPOConfig
 
 from d3s.callbacks.checkpoints import FULL_STATE_CHECKPOINTS
 from d3s.methods import get_method
-from d3s.objective import CLIPPED_LOSSES
+from d3s.objective import CLIPPED_LOSSES, Objective
 from d3s.rewards import ANSWER_POLICIES
 from d3s.selection import (
     SAMPLE_RULES,
@@ -243,14 +243,43 @@ class D3SConfig(GRPOConfig):
                     f"keep values N with N x {micro} divisible by {G}."
                 )
 
+    def excludes_zeroed(self) -> bool:
+        """Whether what vLLM's correction zeroed leaves selection and the loss (``zeroed_rollouts``, with the
+        correction on)."""
+        return (
+            self.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    def token_keep_ratio_at(self, progress: float) -> float:
+        """K at the point ``progress`` of training; 1 when the method has no token level."""
+        return 1.0 if self.token_rule == "none" else self.selection_schedule.token_keep_ratio(progress)
+
+    def may_zero_rollouts(self) -> bool:
+        """TRL's *_mask modes set a ratio outside the clip range to zero (the truncate modes clip it)."""
+        return self.vllm_importance_sampling_mode in ("sequence_mask", "token_mask")
+
+    def objective(self) -> Objective:
+        """The selection loss's settings (d3s/objective.py)."""
+        sequence_level = self.importance_sampling_level == "sequence"
+        return Objective(
+            loss_type=self.loss_type,
+            sequence_level=sequence_level,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            delta=self.delta,
+            beta=self.beta,
+            kl_on_kept_tokens=self.kl_tokens == "selected",
+            kl_bias_correction=self.use_bias_correction_kl,
+            kept_tokens_normalise=self.token_rule != "none"
+            and (sequence_level or self.token_norm == "selected"),
+            max_completion_length=self.max_completion_length,
+        )
+
     def uses_selection_loss(self) -> bool:
         """Whether the trainer computes the loss itself (d3s/objective.py): every method that selects rollouts
         or tokens, or takes what vLLM's correction zeroed out of the loss. Otherwise (grpo, and gspo without
         vLLM's correction) it is TRL's own loss, unchanged."""
-        excludes_zeroed = (
-            self.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
-        )
-        return self.sample_rule != "none" or self.token_rule != "none" or excludes_zeroed
+        return self.sample_rule != "none" or self.token_rule != "none" or self.excludes_zeroed()
 
     def _validate_selection_loss(self) -> None:
         """What TRL's loss offers beyond the selection loss's clipped-ratio family, refused up front."""

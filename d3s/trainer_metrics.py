@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from d3s.callbacks.logs import append_anatomy, sample_anatomy
+from d3s.callbacks.checkpoints import D3SCheckpointState
+from d3s.callbacks.logs import append_anatomy, sample_anatomy, token_anatomy
 from d3s.objective import LossTerms
 
 
@@ -88,3 +89,37 @@ class SelectionMetrics:
         if token_mask is None:  # every token trained: the selected entropy is the entropy
             metrics["selection/entropy_selected"].append(metrics["entropy"][-1])
         metrics["selection/token_keep_fraction"].append((trained / count.clamp(min=1)).item())
+
+    @property
+    def update_tokens_total(self) -> int:
+        """Tokens that reached the policy gradient, all ranks, all steps (saved with checkpoints)."""
+        return self._checkpoint_state().update_tokens_total
+
+    def _checkpoint_state(self) -> D3SCheckpointState:
+        # looked up: Trainer replaces the instance when it restores callback states from a checkpoint
+        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, D3SCheckpointState))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training and "loss" in logs:
+            logs["selection/update_tokens_cumulative"] = float(self.update_tokens_total)
+        super().log(logs, start_time)
+
+    def _log_token_selection(self, inputs, entropies, scores, keep, valid, token_keep_ratio: float) -> None:
+        """The selected tokens' entropy, and the anatomy log's token record at its steps."""
+        if self._hook_state.anatomy_tokens_due:
+            self._hook_state.anatomy_tokens_due = False  # the first selection of the step stands for it
+            if self.accelerator.is_main_process:
+                record = token_anatomy(
+                    self.state.global_step,
+                    token_keep_ratio,
+                    inputs,
+                    entropies,
+                    scores,
+                    keep,
+                    valid,
+                    self.args.anatomy_examples,
+                    self.processing_class.decode,
+                )
+                append_anatomy(self.args.output_dir, record)
+        entropy, count = self._summed_over_ranks(entropies.detach() * keep, keep)
+        self._metrics["train"]["selection/entropy_selected"].append((entropy / count.clamp(min=1)).item())

@@ -12,8 +12,11 @@ import torch
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
+from transformers.utils import logging
 from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+logger = logging.get_logger(__name__)
 
 # Vocabulary tile width of TRL's fused head (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
 VOCAB_CHUNK = 32768
@@ -42,13 +45,21 @@ def kept_token_head_blocker(trainer) -> str | None:
     """Why unselected tokens may still need a gradient in ``trainer``'s loss (None: the kept-token head is
     exact there)."""
     args = trainer.args
-    if args.token_rule == "none":
-        return "the method has no token level"
     if args.token_scope == "micro_batch":
         return "token_scope micro_batch chooses the token mask inside the loss, after the forward pass"
     if trainer.beta != 0.0 and args.kl_tokens == "all":
         return "beta != 0 with kl_tokens all: the KL term trains every token"
     return kept_token_head_unsupported(head_model(trainer.model))
+
+
+def kept_token_head_enabled(trainer) -> bool:
+    """Whether the kept-token head is exact in ``trainer``'s loss; where it is not, a warning says why."""
+    if trainer.args.token_rule == "none":  # no token level: nothing to save
+        return False
+    blocker = kept_token_head_blocker(trainer)
+    if blocker:
+        logger.warning("kept-token log-probs are off, the LM head runs at every position: %s", blocker)
+    return blocker is None
 
 
 def head_model(model: PreTrainedModel) -> PreTrainedModel:
