@@ -29,10 +29,9 @@ from d3s.orchestration.commands import (
     vllm_serve_command,
 )
 from d3s.orchestration.gpu_slots import GpuSlots, assign_gpus, job_gpus, visible_gpu_ids
+from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
 from d3s.orchestration.processes import start_process_group, stop_process_group
 from d3s.orchestration.run_config import (
-    TrainLaunch,
-    VllmServerSettings,
     batch_settings,
     build_run_config,
     check_workflow_config,
