@@ -133,16 +133,6 @@ def _wait_for_file(path: Path, within_s: float = 60.0) -> str:
 # ---- commands and settings ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "module", ["commands", "gpu_slots", "processes", "vllm_server", "run_config", "training_job"]
-)
-def test_each_orchestration_module_imports_on_its_own(module):
-    """No import cycle between the modules: each imports first in a fresh interpreter."""
-    code = f"import d3s.orchestration.{module}"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-
-
 def test_accelerate_command_follows_its_config_file():
     options = {"config_file": "ddp.yaml", "main_process_port": 29555, "threads_per_process": 2}
     command = accelerate_command(["worker.py", "a"], num_processes=2, **options)
