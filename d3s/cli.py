@@ -82,7 +82,8 @@ def run_plan(args: argparse.Namespace) -> int:
     import yaml
 
     from d3s.memory_plan import PlanError, format_plan, plan_config, read_cache, write_cache
-    from d3s.orchestration.run_config import validate_config
+    from d3s.orchestration.commands import ACCELERATE_DIR
+    from d3s.orchestration.run_config import train_launch, validate_config
     from d3s.runs.config import one_line
 
     try:
@@ -91,10 +92,11 @@ def run_plan(args: argparse.Namespace) -> int:
         if not isinstance(config, dict):
             raise PlanError(f"{args.config}: not a workflow config (a mapping; see config/paper/)")
         validate_config(config)  # the workflow's one structural check, the same one-line errors
+        launch = train_launch(config["train"], ACCELERATE_DIR)  # how the workflow would launch the training
         start = time.perf_counter()
         cache = read_cache()
         entries = len(cache)
-        plan = plan_config(config, cache=cache)
+        plan = plan_config(config, launch, cache=cache)
     except (OSError, yaml.YAMLError, PlanError, KeyError, ValueError) as err:
         print(f"d3s plan: error: {one_line(err)}", file=sys.stderr)
         return 2

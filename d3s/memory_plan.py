@@ -1,8 +1,10 @@
 """The per-GPU memory plan of a workflow config's training and evaluation jobs (`d3s plan`).
 
 1- and 2-layer traces (d3s.memory_trace) scaled linearly to the layer count, plus formulas for DeepSpeed's
-sharding, the reference model, DDP's buckets and vLLM (docs/gpu.md, "Memory plan"). Traces are cached in
-d3s/memory_plan_cache.json; ``check_fit`` reads only that cache (no torch): the parse-time check stays fast.
+sharding, the reference model, DDP's buckets and vLLM (docs/gpu.md, "Memory plan"). How the training jobs
+run (their GPUs, the vLLM server's, the accelerate config) is the caller's TrainLaunch, the one the workflow
+launches with. Traces are cached in d3s/memory_plan_cache.json; ``check_fit`` reads only that cache (no
+torch): the parse-time check stays fast.
 """
 
 from __future__ import annotations
@@ -13,57 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from d3s.architectures import ARCHITECTURES, CONFIG_KEYS, MODEL_ARCHITECTURES
 from d3s.methods import get_method, method_trainer
-from d3s.orchestration.commands import DEFAULT_ACCELERATE_CONFIG, accelerate_config_path
 from d3s.orchestration.gpu_slots import job_gpus
+from d3s.orchestration.launch import TrainLaunch
 
 GIB = 2**30
 CACHE_PATH = Path(__file__).with_name("memory_plan_cache.json")
 CACHE_VERSION = 1
-
-# Published config.json values of the paper's backbones (written here: nothing is downloaded).
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "qwen2.5-math-1.5b": dict(
-        family="qwen2", hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=151936,
-        tied=True, max_positions=4096, rms_norm_eps=1e-6,
-    ),
-    "qwen2.5-math-7b": dict(
-        family="qwen2", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064,
-        tied=False, max_positions=4096, rms_norm_eps=1e-6,
-    ),
-    "qwen2.5-3b": dict(  # PODS's own runs (Qwen2.5-3B-Instruct)
-        family="qwen2", hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936,
-        tied=True, max_positions=32768, rms_norm_eps=1e-6,
-    ),
-    "llama-3.1-8b": dict(
-        family="llama", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
-        tied=False, max_positions=131072, rms_norm_eps=1e-5,
-    ),
-}  # fmt: skip
-# The names of those values in a transformers config.
-CONFIG_KEYS = {
-    "hidden": "hidden_size",
-    "intermediate": "intermediate_size",
-    "layers": "num_hidden_layers",
-    "heads": "num_attention_heads",
-    "kv_heads": "num_key_value_heads",
-    "vocab": "vocab_size",
-    "tied": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
-    "rms_norm_eps": "rms_norm_eps",
-}
-MODEL_ARCHITECTURES = {
-    "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
-    "Qwen/Qwen2.5-Math-1.5B-Instruct": "qwen2.5-math-1.5b",
-    "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
-    "Qwen/Qwen2.5-Math-7B-Instruct": "qwen2.5-math-7b",
-    "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b",
-    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
-    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
-    "nvidia/OpenMath2-Llama3.1-8B": "llama-3.1-8b",
-}
 
 # train.memory_plan and its defaults
 MEMORY_PLAN_DEFAULTS = {
@@ -205,23 +164,6 @@ def write_cache(cache: Mapping[str, Any], path: Path = CACHE_PATH) -> None:
 # ---- plans ------------------------------------------------------------------------------------------------
 
 
-ACCELERATE_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
-
-
-def _zero_stage(config: Mapping[str, Any]) -> tuple[int, bool]:
-    """(ZeRO stage, optimizer offloaded to the CPU) from the accelerate config; stage 0: no DeepSpeed."""
-    name = dict(config["train"].get("launch") or {}).get("accelerate_config", DEFAULT_ACCELERATE_CONFIG)
-    try:
-        path = accelerate_config_path(str(name), ACCELERATE_DIR)
-    except ValueError:  # no such file: planned without DeepSpeed (the workflow's check names the file)
-        return 0, False
-    data = yaml.safe_load(path.read_text()) or {}
-    if data.get("distributed_type") != "DEEPSPEED":
-        return 0, False
-    deepspeed = dict(data.get("deepspeed_config") or {})
-    return int(deepspeed.get("zero_stage", 2)), deepspeed.get("offload_optimizer_device", "none") == "cpu"
-
-
 def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
     """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N)."""
     micro = int(trainer.get("per_device_train_batch_size", 8))
@@ -236,17 +178,16 @@ def plan_training(
     method: str,
     arch: Mapping[str, Any],
     settings: Mapping[str, Any],
+    launch: TrainLaunch,
     *,
     cache: dict[str, Any],
     trace: bool,
 ) -> JobPlan | None:
-    """The per-GPU peak of one training step of ``method`` (None: not in the cache and ``trace`` is off)."""
-    train = config["train"]
-    gpus = job_gpus(train.get("resources"))
-    trainer = method_trainer(train, method)
-    stage, offload = _zero_stage(config)
-    server = bool(trainer.get("use_vllm")) and trainer.get("vllm_mode", "colocate") == "server"
-    processes = max(1, gpus - (1 if server else 0))  # the planner assumes the default one-GPU server
+    """The per-GPU peak of one training step of ``method`` on the training GPUs of ``launch`` (None: not in
+    the cache and ``trace`` is off)."""
+    trainer = method_trainer(config["train"], method)
+    stage, offload = launch.zero_stage()
+    processes = launch.processes  # the vLLM server's GPUs (server mode) train nothing
     rows = kept_rows(method, trainer)
     completion = int(trainer.get("max_completion_length", 512))
     prompt = int(settings["prompt_tokens"])
@@ -282,7 +223,7 @@ def plan_training(
         "engine buffers": buffers,
     }
     vllm_note = ""
-    if trainer.get("use_vllm") and not server:
+    if trainer.get("use_vllm") and trainer.get("vllm_mode", "colocate") == "colocate":
         share = float(trainer.get("vllm_gpu_memory_utilization", 0.3)) * float(settings["gpu_memory_gib"])
         asleep = bool(trainer.get("vllm_enable_sleep_mode"))
         update_vllm = VLLM_ASLEEP_GIB if asleep else share
@@ -297,7 +238,7 @@ def plan_training(
     engine = f"ZeRO-{stage}" if stage else "fp32 + bf16 autocast"
     engine += ", optimizer on CPU" if offload else ""
     label = f"train {method}: {rows} rows x ({prompt} + {completion}) tokens, {processes} x {engine}"
-    return JobPlan(label, gpus, components, vllm_note)
+    return JobPlan(label, launch.job_gpus, components, vllm_note)
 
 
 def plan_evaluation(
@@ -329,18 +270,23 @@ def plan_evaluation(
 
 
 def plan_config(
-    config: Mapping[str, Any], *, trace: bool = True, cache: dict[str, Any] | None = None
+    config: Mapping[str, Any],
+    launch: TrainLaunch,
+    *,
+    trace: bool = True,
+    cache: dict[str, Any] | None = None,
 ) -> ConfigPlan | None:
-    """Every training job's and the evaluation job's plan; None for a CPU config (no GPUs asked for), or when
-    ``trace`` is off and a geometry is not cached."""
+    """Every training job's and the evaluation job's plan, the training jobs on the GPUs, processes and
+    accelerate config of ``launch`` (run_config.train_launch of ``config``: the plan recomputes none of them);
+    None for a CPU config (no GPUs asked for), or when ``trace`` is off and a geometry is not cached."""
     settings = plan_settings(config)
-    if job_gpus(config["train"].get("resources")) == 0:
+    if launch.job_gpus == 0:
         return None
     arch = architecture_of(config["base_model"])
     cache = read_cache() if cache is None else cache
     jobs: dict[str, JobPlan] = {}
     for method in config["methods"]:
-        job = plan_training(config, method, arch, settings, cache=cache, trace=trace)
+        job = plan_training(config, method, arch, settings, launch, cache=cache, trace=trace)
         if job is None:
             return None
         geometry = job.job.split(":", 1)[1]
@@ -368,15 +314,15 @@ def setting_to_change(job: JobPlan) -> str:
     }.get(largest, "train.launch.accelerate_config (zero3, or offload_optimizer_device: cpu)")
 
 
-def check_fit(config: Mapping[str, Any]) -> str | None:
-    """One line naming the setting to change when a cached plan does not fit; None when it fits, when the
-    config asks for no GPUs, when the check is off, when the model's architecture is not one the planner
-    knows, or when no cached trace covers it (no tracing here)."""
+def check_fit(config: Mapping[str, Any], launch: TrainLaunch) -> str | None:
+    """One line naming the setting to change when the cached plan of ``config``, trained as ``launch`` says,
+    does not fit; None when it fits, when the config asks for no GPUs, when the check is off, when the model's
+    architecture is not one the planner knows, or when no cached trace covers it (no tracing here)."""
     # a base model built in code (gpu-smoke) is small, and not an architecture the planner knows
     if not plan_settings(config)["check"] or config["base_model"].get("kind") != "path":
         return None
     try:
-        plan = plan_config(config, trace=False)
+        plan = plan_config(config, launch, trace=False)
     except PlanError:
         return None  # an architecture the planner does not know: `d3s plan` says so; the run is not refused
     over = plan.too_big() if plan is not None else []

@@ -1,6 +1,6 @@
 """Trace one training step's memory with the real model code under fake tensors (no GPU, no download).
 
-A model with published dimensions (d3s.memory_plan.ARCHITECTURES) and TRL's fused LM head runs one
+A model with published dimensions (d3s.architectures.ARCHITECTURES) and TRL's fused LM head runs one
 micro-batch (checkpointed forward, GRPO loss, backward, fused AdamW with its state allocated) under
 ``FakeTensorMode`` and ``MemTracker``; it follows CUDA where the CPU differs (docs/gpu.md, "CPU vs GPU").
 This module imports torch and transformers: the planner imports it only to trace.
@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 
-from d3s.memory_plan import CONFIG_KEYS
+from d3s.architectures import CONFIG_KEYS
 
 TRACKER_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 

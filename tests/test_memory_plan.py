@@ -11,15 +11,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from d3s.architectures import ARCHITECTURES
 from d3s.memory_plan import (
-    ARCHITECTURES,
     GIB,
+    ConfigPlan,
     check_fit,
     layer_traces,
     parameter_count,
     plan_config,
     scale_to_layers,
 )
+from d3s.orchestration.commands import ACCELERATE_DIR
+from d3s.orchestration.run_config import train_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAPER = sorted((REPO_ROOT / "config" / "paper").glob("*.yaml"))
@@ -30,29 +33,38 @@ def _config(name: str) -> dict:
     return yaml.safe_load((REPO_ROOT / "config" / "paper" / name).read_text())
 
 
+def _plan(config: dict) -> ConfigPlan | None:
+    """The cached plan of ``config``, its training launched as the workflow launches it."""
+    return plan_config(config, train_launch(config["train"], ACCELERATE_DIR), trace=False)
+
+
+def _check(config: dict) -> str | None:
+    return check_fit(config, train_launch(config["train"], ACCELERATE_DIR))
+
+
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
 def test_every_paper_config_fits_from_the_cache(path: Path) -> None:
     config = yaml.safe_load(path.read_text())
-    plan = plan_config(config, trace=False)
+    plan = _plan(config)
     assert plan is not None, f"{path.name}: a geometry is missing from d3s/memory_plan_cache.json (d3s plan)"
     assert not plan.too_big()
-    assert check_fit(config) is None
+    assert _check(config) is None
 
 
 def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_the_setting() -> None:
     config = _config("single-gpu-qwen2.5-math-1.5b.yaml")
     config["train"]["memory_plan"] = {"gpu_memory_gib": 40}
-    problem = check_fit(config)
+    problem = _check(config)
     assert problem is not None and "\n" not in problem
     assert "trainer.vllm_gpu_memory_utilization" in problem or "trainer.max_completion_length" in problem
     assert "train.memory_plan.check: false" in problem
     config["train"]["memory_plan"]["check"] = False
-    assert check_fit(config) is None
+    assert _check(config) is None
 
 
 def test_cpu_configs_have_no_plan() -> None:
     config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
-    assert plan_config(config, trace=False) is None and check_fit(config) is None
+    assert _plan(config) is None and _check(config) is None
 
 
 def test_snakemake_dry_run_refuses_a_config_that_cannot_fit(tmp_path: Path) -> None:
@@ -112,7 +124,23 @@ def test_the_trace_agrees_with_the_h100_figures(completion: int) -> None:
 
 def test_selection_methods_plan_their_kept_rows() -> None:
     config = copy.deepcopy(_config("qwen2.5-math-7b.yaml"))
-    plan = plan_config(config, trace=False)
+    plan = _plan(config)
     labels = [job.job for job in plan.jobs]
     assert any("pods" in label and "8 rows" in label for label in labels)
     assert any("d3s" in label and "32 rows" in label for label in labels)
+
+
+def test_server_mode_plans_the_gpus_the_vllm_server_leaves() -> None:
+    """Server mode: the job's GPUs less tensor_parallel_size x data_parallel_size serve, the rest train and
+    shard the optimizer state; a server the user runs (vllm_server_base_url) takes none of the job's."""
+    config = _config("qwen2.5-math-1.5b.yaml")  # 8 GPUs, ZeRO-2
+    trainer = config["train"]["trainer"]
+    trainer["vllm_mode"] = "server"
+    config["train"]["launch"]["vllm_server"] = {"tensor_parallel_size": 2}
+    served = _plan(config).jobs[0]
+    psi = parameter_count(ARCHITECTURES["qwen2.5-math-1.5b"])
+    assert "6 x ZeRO-2" in served.job and served.gpus == 8 and "vLLM" not in served.components
+    assert served.components["optimizer"] == pytest.approx(12 * psi / 6 / GIB)
+    del config["train"]["launch"]["vllm_server"]
+    trainer["vllm_server_base_url"] = "http://elsewhere:8000"
+    assert "8 x ZeRO-2" in _plan(config).jobs[0].job

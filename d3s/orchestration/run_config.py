@@ -3,7 +3,6 @@ each of its runs (build_run_config, prepare_training_job)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -12,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from d3s.memory_plan import check_fit
 from d3s.methods import method_trainer
 from d3s.orchestration.commands import (
     DEFAULT_ACCELERATE_CONFIG,
@@ -24,6 +24,7 @@ from d3s.orchestration.commands import (
     vllm_serve_command,
 )
 from d3s.orchestration.gpu_slots import cuda_available, job_gpus
+from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
 from d3s.vllm_engine import cpu_vllm_installed
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -32,36 +33,6 @@ SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
 # Trainer fields that fix the batch; with train.prompts_per_step the workflow derives them per GPU count.
 BATCH_FIELDS = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size")
-
-
-@dataclasses.dataclass(frozen=True)
-class VllmServerSettings:
-    """``trl vllm-serve`` options (train.launch.vllm_server); the server gets tp x dp GPUs of the job."""
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    enable_prefix_caching: bool | None = None
-    startup_timeout_s: float = 1200.0
-    extra_args: tuple[str, ...] = ()
-
-    @property
-    def gpus(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainLaunch:
-    """How one training job runs: its GPUs, the accelerate config, and the vLLM server it starts (if any)."""
-
-    job_gpus: int
-    accelerate_config: Path
-    server: VllmServerSettings | None = None
-
-    @property
-    def train_gpus(self) -> int:
-        return self.job_gpus - (self.server.gpus if self.server else 0)
 
 
 def train_launch(
@@ -165,7 +136,7 @@ def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -
 
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
     """Processes of a training job: one per training GPU, or one on the CPU."""
-    return max(1, train_launch(train_cfg, accelerate_dir).train_gpus)
+    return train_launch(train_cfg, accelerate_dir).processes
 
 
 def typed_config_overrides(config_args: Sequence[str] | None) -> dict[str, Any]:
@@ -223,8 +194,6 @@ def check_workflow_config(
     """Everything a workflow config is checked for at parse time, pure and fast (no data, network, model or
     TRL import): the schema, then what it cannot express (relations between keys, the GPUs against the
     batch, the memory plan from cached traces); ValueError with one line starting "config "."""
-    from d3s.memory_plan import check_fit
-
     validate_config(config, schema)
     if config["analysis"]["reference"] not in config["methods"]:
         reference = config["analysis"]["reference"]
@@ -233,12 +202,12 @@ def check_workflow_config(
         )
     train_cfg = config["train"]
     try:
-        processes = training_processes(train_cfg, accelerate_dir)
+        launch = train_launch(train_cfg, accelerate_dir)
         for method in config["methods"]:
-            _method_trainer(train_cfg, method, processes)
+            _method_trainer(train_cfg, method, launch.processes)
     except ValueError as exc:
         raise ValueError(f"config {exc}") from None
-    problem = check_fit(config)
+    problem = check_fit(config, launch)
     if problem:
         raise ValueError(f"config {problem}")
 

@@ -30,7 +30,7 @@ config = coerce_run_config(
         task=smk.params.task,
         output_dir=run_dir,
         threads=int(smk.threads),
-        processes=max(1, launch.train_gpus),
+        processes=launch.processes,
     )
 )
 # A job cut off midway resumes from its last checkpoint (resume: auto); one whose configuration really changed
