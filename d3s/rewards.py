@@ -387,7 +387,8 @@ class _MathVerifyGrader:
 
 
 # The worker: a plain subprocess (multiprocessing pool workers may not start multiprocessing children),
-# spoken to over a multiprocessing.connection.Connection (pickled messages).
+# spoken to over a multiprocessing.connection.Connection (pickled messages). pebble.ProcessPool was measured
+# against this pool and not adopted (DEVELOPERS.md, "The grading pool").
 
 
 def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -202,6 +203,34 @@ def test_worker_killed_while_idle_is_replaced() -> None:
         assert fresh.restarts == 1
 
 
+def test_worker_dying_mid_answer_is_replaced_and_results_keep_their_order() -> None:
+    # A worker killed while it grades (out of memory, a crash): that answer is wrong with an error, the
+    # answers around it, which the other worker finishes first, come back in their places.
+    completions = [rf"\boxed{{{i}}}" for i in range(8)]
+    completions[3] = HANGING[0]
+    golds = [str(i) for i in range(8)]
+    with Grader(num_workers=2, time_limit=LIMIT_S) as fresh:
+        fresh.grade_many([r"\boxed{1}"] * 2, ["1"] * 2)  # start both workers
+        graded: list[list[rewards.GradeResult]] = []
+        thread = threading.Thread(
+            target=lambda: graded.append(fresh.grade_many(completions, golds, "last_boxed"))
+        )
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not (busy := [w for w in fresh._workers if w.job and w.job[0] == 3]):  # grading the tower
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        busy[0].process.kill()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert fresh.restarts == 1 and fresh.timeouts == 0  # killed before its limit
+    results = graded[0]
+    assert results[3].error == "grading worker died" and not results[3].correct and not results[3].timed_out
+    for i, result in enumerate(results):
+        if i != 3:
+            assert result.correct and result.extracted == str(i) and result.error is None, (i, result)
+
+
 def test_inline_grader_without_limit() -> None:
     inline = Grader(time_limit=None)
     assert inline.grade(r"\boxed{\frac{1}{2}}", "0.5").correct
@@ -236,6 +265,8 @@ def test_time_limit_from_non_main_threads() -> None:
     assert not thread.is_alive()
     assert results["right"].correct  # type: ignore[attr-defined]
     assert results["hang"].timed_out and not results["hang"].correct  # type: ignore[attr-defined]
+    # math-verify's reading and the bounded one each overran: each cost the limit, not more
+    assert 2 * LIMIT_S <= results["hang"].seconds < 2 * LIMIT_S + 1.0  # type: ignore[attr-defined]
 
 
 def test_default_grader_shared_by_thread_pool() -> None:
@@ -246,9 +277,12 @@ def test_default_grader_shared_by_thread_pool() -> None:
 
 
 def _grade_in_child(payload: tuple[str, str]) -> tuple[bool, bool, float]:
+    # A pool worker is daemonic: it may not start multiprocessing children (so no process pool such as
+    # concurrent.futures or pebble can grade here: DEVELOPERS.md); the grader's plain subprocess it may.
+    assert multiprocessing.current_process().daemon
     completion, gold = payload
-    with Grader(time_limit=LIMIT_S) as child_grader:  # a daemonic pool worker may not fork children;
-        result = child_grader.grade(completion, gold)  # the grader uses a subprocess, which it may
+    with Grader(time_limit=LIMIT_S) as child_grader:
+        result = child_grader.grade(completion, gold)
     return result.correct, result.timed_out, result.seconds
 
 
