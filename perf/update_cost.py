@@ -371,7 +371,7 @@ def tail_after_last_selected(
         mask, prompt = completion_mask[part], prompt_lengths[part]
         scores = token_scores(advantages[part], entropies[part], "adv_entropy")
         keep = token_keep_mask(scores, mask, token_keep_ratio, "batch")
-        positions = torch.arange(mask.shape[1])
+        positions = torch.arange(mask.shape[1], device=mask.device)
         last = torch.where(keep, positions, torch.full_like(positions, -1)).amax(dim=1)  # -1: nothing kept
         lengths = mask.sum(dim=1)
         saved += float((lengths - (last + 1)).sum())

@@ -225,15 +225,25 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     _assert_same_gradients(_gradients(d3s), _gradients(masked))
 
 
-def test_tail_after_last_selected_by_hand(update_cost) -> None:
+# cuda: `perf/update_cost.py --device cuda` once failed here (GPU rollouts, CPU positions)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+        ),
+    ],
+)
+def test_tail_after_last_selected_by_hand(update_cost, device) -> None:
     """Two rows of 4 completion tokens after 2 prompt tokens; K = 25 % keeps (0, 0) and (1, 2)."""
-    entropies = torch.tensor([[0.9, 0.1, 0.1, 0.1], [0.1, 0.1, 0.8, 0.1]])
-    mask = torch.ones(2, 4, dtype=torch.long)
+    entropies = torch.tensor([[0.9, 0.1, 0.1, 0.1], [0.1, 0.1, 0.8, 0.1]], device=device)
+    mask = torch.ones(2, 4, dtype=torch.long, device=device)
     fractions = update_cost.tail_after_last_selected(
         entropies,
         mask,
-        torch.tensor([1.0, 1.0]),
-        torch.tensor([2, 2]),
+        torch.tensor([1.0, 1.0], device=device),
+        torch.tensor([2, 2], device=device),
         token_keep_ratio=0.25,
         micro_batch_rows=2,
     )
