@@ -6,7 +6,6 @@ import torch
 from accelerate import Accelerator
 
 from d3s.selection import corrected_loss_mask
-from d3s.trainer_config import D3SConfig
 
 # Per-rollout tensors of TRL's generation batch that are left-padded: they pad first when pooled across ranks.
 _LEFT_PADDED = {"prompt_ids", "prompt_mask"}
@@ -46,9 +45,9 @@ def keep_rows(
     return selected
 
 
-def valid_tokens(args: D3SConfig, batch: dict) -> torch.Tensor:
+def valid_tokens(excludes_zeroed: bool, batch: dict) -> torch.Tensor:
     """m: the completion tokens that may train, without what vLLM's correction zeroed (when excluded)."""
     valid = batch["completion_mask"] * batch.get("tool_mask", 1)
-    if args.excludes_zeroed() and "importance_sampling_ratio" in batch:
+    if excludes_zeroed and "importance_sampling_ratio" in batch:
         valid = corrected_loss_mask(batch["importance_sampling_ratio"], valid)
     return valid

@@ -254,10 +254,6 @@ class D3SConfig(GRPOConfig):
         """K at the point ``progress`` of training; 1 when the method has no token level."""
         return 1.0 if self.token_rule == "none" else self.selection_schedule.token_keep_ratio(progress)
 
-    def may_zero_rollouts(self) -> bool:
-        """TRL's *_mask modes set a ratio outside the clip range to zero (the truncate modes clip it)."""
-        return self.vllm_importance_sampling_mode in ("sequence_mask", "token_mask")
-
     def objective(self) -> Objective:
         """The selection loss's settings (d3s/objective.py)."""
         sequence_level = self.importance_sampling_level == "sequence"

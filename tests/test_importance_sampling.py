@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers import TINY_TRAINER_ARGS, make_trainer
 
+from d3s.rows import valid_tokens
 from d3s.selection import corrected_loss_mask, max_variance_subset, select_samples, zeroed_rollouts
 
 G = 8
@@ -255,11 +256,9 @@ def test_zeroed_rollouts_take_no_slot_and_leave_the_denominators(tmp_path, tiny_
 
     # -- the loss mask, the token slots and the denominators -----------------------------------------------
     live = torch.tensor([i not in FORCED for i in kept])
-    loss_mask = selected["completion_mask"] * selected.get("tool_mask", 1)
-    if excluded:
-        assert torch.equal(loss_mask.sum(1), torch.where(live, lengths, 0))
-    else:
-        assert "tool_mask" not in selected
+    assert "tool_mask" not in selected  # nothing passes through TRL's tool mask
+    loss_mask = valid_tokens(excluded, selected)  # m, the tokens the selection loss may train
+    assert torch.equal(loss_mask.sum(1), torch.where(live, lengths, 0) if excluded else lengths)
     counted = int(lengths[live].sum()) if excluded else int(lengths.sum())
     if "token_mask" in selected:
         token_mask = selected["token_mask"]
