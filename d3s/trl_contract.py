@@ -57,11 +57,13 @@ MODULE_NAMES = {
         "nanmax",
         "nanmin",
         "use_adapter",
-        "FusedCausalLMOutput",
         "maybe_gather_lm_head_ctx",
+        # the fused head GRPOTrainer puts on the policy: the kept-token head calls the model with
+        # fused_lm_head=True and no label to score (d3s/savings/kept_head.py); memory_trace.py adds it too
+        "add_fused_lm_head",
     ),
     "trl.models.utils": ("disable_gradient_checkpointing",),
-    "trl.kernels": ("ChunkedLogProbFunction",),
+    "trl.kernels": ("ChunkedLogProbFunction", "chunked_logprob"),  # chunked_logprob: memory_trace.py
     # LLM: the engine class TRL builds its colocated engine with, given a dtype while it does (vllm_dtype)
     "trl.generation.vllm_generation": ("VLLMGeneration", "LLM"),
 }
