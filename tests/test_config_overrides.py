@@ -67,14 +67,14 @@ def test_config_values_apply_on_top_of_the_default(offline_work):
     assert d3s["output_dir"] == "results/tiny/runs/d3s/seed1"
     assert d3s["trainer"]["max_steps"] == 20  # the override, an integer
     # the rest is the default's: its trainer, data and task (config/config.yaml)
-    assert (d3s["trainer"]["per_device_train_batch_size"], d3s["trainer"]["save_steps"]) == (64, 10)
+    assert (d3s["trainer"]["per_device_train_batch_size"], d3s["trainer"]["save_steps"]) == (256, 10)
     assert d3s["dataset"] == {"min_ops": 3, "max_ops": 7, "max_operand": 9, "bounded": True} | {
         "name": "synthetic",
         "count": 2000,
     }
     jobs = _job_counts(out)
-    assert (jobs["train"], jobs["evaluate_final"]) == (4, 4)
-    assert jobs["evaluate_checkpoint"] == 4  # step 10 of 20 steps, checkpoints every 10
+    assert (jobs["train"], jobs["evaluate_run"]) == (4, 4)  # eval.jobs run: one evaluation job per run
+    assert "evaluate_checkpoint" not in jobs and "evaluate_final" not in jobs
 
 
 def test_config_values_apply_on_top_of_a_configfile_that_replaces_the_default(offline_work):

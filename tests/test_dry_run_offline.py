@@ -37,7 +37,8 @@ def test_dry_run_offline_without_data(config, dry_run):
     jobs = " ".join(dry_run(config).split())  # the dry run's job table, one line
     cfg = yaml.safe_load(config.read_text())
     assert f"train {len(cfg['methods']) * len(cfg['seeds'])}" in jobs
-    assert "evaluate_final" in jobs and "report" in jobs
+    per_run = (cfg["eval"].get("jobs") or "model") == "run"  # eval.jobs (config/schema.yaml's default)
+    assert ("evaluate_run" if per_run else "evaluate_final") in jobs and "report" in jobs
 
 
 def test_batch_geometry_fails_at_parse_time_offline(offline_work):

@@ -64,13 +64,16 @@ def slurm() -> Iterator[dict[str, str]]:
 def test_profile_names_the_workflows_gpu_rules(dry_run):
     """set-resources of the Slurm profile names the rules that run models, as they are named: a renamed rule
     silently loses its GPU partition and --nodes=1 (as evaluate did, split into evaluate_checkpoint and
-    evaluate_final)."""
+    evaluate_final, then joined in evaluate_run)."""
     profile = (REPO_ROOT / "workflow" / "profiles" / "slurm" / "profile.v9+.yaml").read_text()
     line = next(line for line in profile.splitlines() if "?for rule in" in line)
     named = set(yaml.safe_load(line.split(" in ", 1)[1].rstrip(":")))
-    rules = {job["rule"] for job in dry_run_jobs(dry_run(REPO_ROOT / "config" / "smoke.yaml"))}
+    # both shapes of eval.jobs: smoke.yaml's `model`, the default's `run`
+    configs = [REPO_ROOT / "config" / name for name in ("smoke.yaml", "config.yaml")]
+    rules = {job["rule"] for config in configs for job in dry_run_jobs(dry_run(config))}
     model_rules = {rule for rule in rules if rule == "train" or rule.startswith("evaluate")}
-    assert named == model_rules == {"train", "evaluate_base", "evaluate_checkpoint", "evaluate_final"}
+    evaluations = {"evaluate_base", "evaluate_checkpoint", "evaluate_final", "evaluate_run"}
+    assert named == model_rules == {"train"} | evaluations
 
 
 # Holds each training process once its checkpoint-2 is complete, while the file D3S_TEST_HOLD_FILE exists:

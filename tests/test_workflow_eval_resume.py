@@ -156,3 +156,53 @@ def test_evaluation_resumes_only_the_same_model_and_sample_settings(work):
     assert (
         work / "results" / "smoke" / "runs" / "d3s" / "seed0" / "train_summary.json"
     ).stat().st_mtime_ns == trained
+
+
+@pytest.mark.slow
+def test_killed_run_evaluation_resumes_every_model(work, tmp_path):
+    """eval.jobs run: one job evaluates the run's checkpoint, then its final model. SIGKILL it midway through
+    the final model; the re-run keeps the finished checkpoint's samples (nothing generated again) and resumes
+    the final model's, and each model keeps its own summary, manifest and resume key."""
+    problems, final_samples = 8, 4  # smoke.yaml's eval.samples
+    configfile = _write_config(work, _config(problems=problems, final_limit=problems, jobs="run"))
+    evals = work / "results" / "smoke" / "eval" / "d3s" / "seed0"
+    samples = evals / "final" / "synthetic" / "samples.jsonl"
+    target = [str((evals / "final" / "summary.json").relative_to(work)), "--cores", "1"]
+    target += ["--configfile", configfile]
+
+    with open(tmp_path / "first.log", "w") as log:
+        job = subprocess.Popen(
+            SNAKEMAKE + target, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + 300
+        while not (samples.is_file() and samples.read_bytes().count(b"\n") >= 3 * final_samples):
+            assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the final evaluation wrote no 3 problems within 300 s"
+            time.sleep(0.05)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert (evals / "step2" / "synthetic" / "summary.json").is_file()  # the checkpoint was done
+    assert not (evals / "final" / "summary.json").exists(), "the kill missed the evaluation"
+    checkpoint_samples = (evals / "step2" / "synthetic" / "samples.jsonl").read_bytes()
+    kept = _complete_lines(samples.read_bytes(), final_samples)
+    finished = len({json.loads(line)["problem_id"] for line in kept.splitlines()})
+    assert 3 <= finished < problems
+
+    assert run_snakemake([*target, "--unlock"], work).returncode == 0
+    again = run_snakemake([*target, "--rerun-incomplete"], work, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+
+    step2 = json.loads((evals / "step2" / "synthetic" / "manifest.json").read_text())
+    assert (step2["problems_resumed"], step2["problems_generated"]) == (problems, 0)
+    assert (evals / "step2" / "synthetic" / "samples.jsonl").read_bytes() == checkpoint_samples
+    final = json.loads((evals / "final" / "synthetic" / "manifest.json").read_text())
+    assert (final["problems_resumed"], final["problems_generated"]) == (finished, problems - finished)
+    assert samples.read_bytes().startswith(kept)
+    for point in ("step2", "final"):
+        summary = json.loads((evals / point / "summary.json").read_text())
+        assert summary["benchmarks"]["synthetic"]["n_problems"] == problems
+        key = json.loads((evals / point / "resume_key.json").read_text())
+        model = "checkpoint-2" if point == "step2" else "final"
+        assert key["settings"]["--model"].endswith(f"runs/d3s/seed0/{model}")
+    log = (work / "results" / "smoke" / "logs" / "eval" / "d3s_seed0.log").read_text()
+    assert "=== model 2 of 2: final" in log and "resuming the evaluation in" in log

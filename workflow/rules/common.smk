@@ -48,6 +48,7 @@ CHECKS_OF_RULE = {
     "evaluate_base": ("base_model", "eval_benchmarks"),
     "evaluate_checkpoint": ("eval_benchmarks",),
     "evaluate_final": ("eval_benchmarks",),
+    "evaluate_run": ("eval_benchmarks",),
 }
 
 

@@ -1,6 +1,7 @@
-"""Snakemake script of rules evaluate_checkpoint, evaluate_final and evaluate_base: one model per job, its
-STEPS in order inside one GPU lease; resumes only the same model and sample settings (docs/workflow.md,
-"Evaluation resumes" and "eval.kl")."""
+"""Snakemake script of rules evaluate_run (a run's checkpoints and final model, in training order),
+evaluate_checkpoint, evaluate_final and evaluate_base (one model each): every model's STEPS in order, all
+inside one process and one GPU lease; each model resumes only the same model and sample settings
+(docs/workflow.md, "Evaluation resumes" and "eval.kl")."""
 
 import json
 import os
@@ -99,34 +100,52 @@ def measure_kl(job: EvalJob) -> None:
 
 # The job's steps, in order. Each takes the EvalJob, writes under job.out and resumes on its own.
 STEPS: list[tuple[str, Callable[[EvalJob], None]]] = [("generate and grade (d3s eval)", generate_and_grade)]
-if ev.get("kl") and smk.rule in ("evaluate_checkpoint", "evaluate_final"):  # the base model has KL 0
+if ev.get("kl") and smk.rule != "evaluate_base":  # the base model has KL 0
     # Before generation, so summary.json (the rule's output, written by d3s eval) still comes last.
     STEPS.insert(0, ("KL to the initial policy (eval.kl)", measure_kl))
 
-model = str(smk.params.model)
-if smk.rule == "evaluate_checkpoint" and not (Path(model) / "config.json").is_file():
-    raise SystemExit(
-        f"checkpoint {model} is missing: re-run training for this run (delete its train_summary.json)"
-    )
-out = Path(smk.output.summary).parent
-limit = int(smk.params.limit) if smk.params.limit else None
-with gpu_job(smk.log[0], gpus, label=f"{smk.rule} {dict(smk.wildcards)}", mode="a") as gpu_ids:
-    print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {smk.rule} {model}", flush=True)
-    if gpus:  # before vLLM or torch touch CUDA in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-        print(f"GPU(s) {gpu_ids}", flush=True)
-    job = EvalJob(
-        model, out, int(smk.params.samples), list(smk.params.k), limit, list(gpu_ids) if gpus else []
-    )
+
+def evaluated_models() -> list[tuple[str, Path, dict]]:
+    """(model, evaluation directory, its point's settings) of each model the job evaluates, in order."""
+    outs = [Path(path).parent for path in smk.output]
+    if smk.rule == "evaluate_run":
+        run = Path(smk.params.run)
+        points = zip(smk.params.points, outs, strict=True)
+        return [(str(run / point["model"]), out, point) for point, out in points]
+    point = {"samples": smk.params.samples, "k": smk.params.k, "limit": smk.params.limit}
+    return [(str(smk.params.model), outs[0], point)]
+
+
+def evaluate(job: EvalJob) -> None:
+    """One model: its resume key checked (older work of another model or settings moved aside), then STEPS."""
+    print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {smk.rule} {job.model}", flush=True)
     # the resume key: the model's files (checksums; a hub id has none) and the sample settings
     files = {name: sha256_file(path) for name, path in model_files(job.model).items()}
     settings = {k: v for k, v in eval_options(job).items() if k not in EVALUATION_PER_ATTEMPT}
     key = {"model_files": files, "settings": settings}
-    outcome = keep_or_move_aside(out, key, RESUME_KEY_FILE)
+    outcome = keep_or_move_aside(job.out, key, RESUME_KEY_FILE)
     if outcome:
         print(outcome, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / RESUME_KEY_FILE, key)
+    job.out.mkdir(parents=True, exist_ok=True)
+    write_json(job.out / RESUME_KEY_FILE, key)
     for name, step in STEPS:
         print(f"step: {name}", flush=True)
         step(job)
+
+
+models = evaluated_models()
+if smk.rule != "evaluate_base":  # a run's models: every checkpoint must still be there
+    missing = [model for model, _, _ in models if not (Path(model) / "config.json").is_file()]
+    if missing:
+        fix = "re-run training for this run (delete its train_summary.json)"
+        raise SystemExit(f"checkpoint {missing[0]} is missing: {fix}")
+with gpu_job(smk.log[0], gpus, label=f"{smk.rule} {dict(smk.wildcards)}", mode="a") as gpu_ids:
+    if gpus:  # before vLLM or torch touch CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        print(f"GPU(s) {gpu_ids}", flush=True)
+    for number, (model, out, point) in enumerate(models, start=1):
+        if len(models) > 1:
+            print(f"=== model {number} of {len(models)}: {out.name}", flush=True)
+        limit = int(point["limit"]) if point["limit"] else None
+        ks, devices = list(point["k"]), list(gpu_ids) if gpus else []
+        evaluate(EvalJob(model, out, int(point["samples"]), ks, limit, devices))
