@@ -282,6 +282,9 @@ def test_report_names_the_manifests_it_came_from(results):
             assert f"[{path}]({path})" in report
     assert "| training runs | 4 | `" in report and "| consistent |" in report
     assert "- Sources (manifests checked):\n  - training runs: 4 manifest(s), settings `" in report
+    # the regime the verdicts belong to: the batch and each method's update tokens per step (800 and 80)
+    regime = "- Regime: 2 prompts x 4 rollouts per step; tokens in the update per step (mean over steps and "
+    assert regime + "seeds): grpo 800, d3s 80. The verdicts above belong to this regime" in report
 
 
 def test_report_refuses_mixed_settings_unless_allowed(results):

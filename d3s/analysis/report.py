@@ -166,6 +166,21 @@ def _model_line(results: Path, config: dict) -> str:
     )
 
 
+def _regime_line(metrics: pd.DataFrame, trainer: dict, methods: list) -> str:
+    """The regime the verdicts belong to: prompts and rollouts per step, and each method's mean update tokens
+    per step (the logged ``selection/update_tokens``; the papers train on the order of 10^5)."""
+    generations = trainer.get("num_generations") or 8
+    rollouts = trainer.get("per_device_train_batch_size", 0) * trainer.get("gradient_accumulation_steps", 1)
+    line = f"{rollouts // generations} prompts x {generations} rollouts per step"
+    column = "selection/update_tokens"
+    if column in metrics and not metrics[column].isna().all():
+        means = metrics.groupby("method")[column].mean()
+        line += "; tokens in the update per step (mean over steps and seeds): " + ", ".join(
+            f"{method} {means[method]:,.0f}" for method in methods if method in means.index
+        )
+    return line
+
+
 def _main_table(
     long: pd.DataFrame, efficiency: pd.DataFrame, metrics: pd.DataFrame, methods: list, kmax: int
 ):
@@ -244,6 +259,7 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         n_seeds=len(seeds),
         seeds=", ".join(map(str, seeds)),
         max_steps=trainer["max_steps"],
+        regime=_regime_line(metrics, trainer, methods),
         threads=config["train"].get("threads", 1),
         benchmarks=", ".join(ev["benchmarks"]),
         samples=ev["samples"],
