@@ -131,7 +131,9 @@ def value_at(times: Sequence[float], values: Sequence[float], at: float) -> tupl
     return float(np.interp(at, t[order], v[order])), bool(at > t.max() or at < t.min())
 
 
-def gap_slope(x: Sequence[float], gaps: Sequence[Sequence[float]], level: float = LEVEL) -> dict[str, float]:
+def gap_slope(
+    x: Sequence[float], gaps: Sequence[Sequence[float]], level: float = LEVEL, detectable: bool = True
+) -> dict[str, float]:
     """The slope of the gap against ``x`` (log10 update tokens per step, one per point) from the per-seed
     gaps of each point: ordinary least squares on the point means (the same slope as OLS on every seed's gap
     when the points have equal seeds), b = sum_j w_j mean_j with w_j = (x_j - mean x) / sum (x - mean x)^2.
@@ -169,8 +171,26 @@ def gap_slope(x: Sequence[float], gaps: Sequence[Sequence[float]], level: float 
         "ci_low": result["estimate"] - half,
         "ci_high": result["estimate"] + half,
         "p_value": float(2 * stats.t.sf(abs(t), df)),
-        "mde": detectable_shift(df, level) * se,
+        "mde": detectable_shift(df, level) * se if detectable else math.nan,
     }
+
+
+def wall_clock_gaps(
+    curves: pd.DataFrame, final: pd.Series, method: str, reference: str
+) -> tuple[dict[Any, float], int]:
+    """Per seed of ``final`` (the method's final Pass@1 by seed, on [0, 1]): the method's final Pass@1 minus
+    the reference's learning curve (``curves``: method, seed, step, value, wall_clock; d3s.analysis.tables.
+    learning_curves) interpolated at the method's own training wall-clock (its curve's last step), in points;
+    and the number of seeds whose wall-clock lay beyond the reference's run (the reference's final value)."""
+    gaps, clamped = {}, 0
+    for seed, value in final.items():
+        own = curves[(curves["method"] == method) & (curves["seed"] == seed)]
+        spent = float(own.loc[own["step"].idxmax(), "wall_clock"]) if len(own) else math.nan
+        ref = curves[(curves["method"] == reference) & (curves["seed"] == seed)]
+        at, outside = value_at(ref["wall_clock"], ref["value"], spent)
+        clamped += outside
+        gaps[seed] = 100 * (value - at)
+    return gaps, clamped
 
 
 # ---- the sweep's points ------------------------------------------------------------------------------------
@@ -202,13 +222,7 @@ def point_gaps(
             [method, reference]
         ].dropna()
         step_gaps = 100 * (pairs[method] - pairs[reference])
-        clock_gaps, clamped = {}, 0
-        for seed in pairs.index:
-            ref = curves[(curves["method"] == reference) & (curves["seed"] == seed)]
-            spent = totals["wall_clock"].get((method, seed), math.nan)
-            at, outside = value_at(ref["wall_clock"], ref["value"], spent)
-            clamped += outside
-            clock_gaps[seed] = 100 * (pairs.at[seed, method] - at)
+        clock_gaps, clamped = wall_clock_gaps(curves, pairs[method], method, reference)
         gaps += [{"method": method, "seed": s, "measure": "steps", "gap": g} for s, g in step_gaps.items()]
         gaps += [
             {"method": method, "seed": s, "measure": "wall_clock", "gap": g} for s, g in clock_gaps.items()

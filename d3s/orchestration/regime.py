@@ -84,6 +84,12 @@ def plan_sweep(config_path: str, accelerate_dir: str | os.PathLike[str] = ACCELE
             f"config regime: {config_path} has no regime section; a sweep config sets e.g. "
             "regime: {prompts_per_step: [8, 16, 32, 64]} (config/regime.yaml)"
         )
+    prompts = raw["regime"].get("prompts_per_step") if isinstance(raw["regime"], dict) else None
+    if isinstance(prompts, list) and len(prompts) < 2:
+        raise ValueError(
+            f"config regime.prompts_per_step: {prompts} is one point; a slope needs at least 2, e.g. "
+            "[8, 16, 32, 64]"
+        )
     config = copy.deepcopy(raw)
     validate_config(config)  # the one structural check, defaults filled in; one-line errors
     methods, reference = config["methods"], config["analysis"]["reference"]
