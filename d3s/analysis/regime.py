@@ -506,7 +506,15 @@ def report_markdown(
         },
     )
     ours = table.groupby("method")["update_tokens_per_step"].agg(["min", "max"])
-    reach = "; ".join(f"{m} {row['min']:,.0f}-{row['max']:,.0f}" for m, row in ours.iterrows())
+    reach = "; ".join(
+        f"{m} {row['min']:,.0f}-{row['max']:,.0f}"
+        + (
+            f" ({math.log10(paper.update_tokens(m)[1] / row['max']):.1f} decades below the paper's)"
+            if m in METHODS
+            else ""
+        )
+        for m, row in ours.iterrows()
+    )
     mixed = check.get("mixed") or []
     provenance = (
         "The points' manifests agree in every setting but the batch "
@@ -525,7 +533,7 @@ def report_markdown(
 The gaps of {methods} to {table["reference"].iloc[0]} at {len(points)} regimes: P = {prompts} prompts per
 step x G = {trainer.get("num_generations")} rollouts, every other setting the config's ({seeds} paired seeds,
 {steps} steps). Each point is a complete experiment with its own report: {reports}.
-Update tokens per step here: {reach}; the paper's regime (estimated below) is 1.5-3 decades higher.
+Update tokens per step here, smallest to largest point: {reach}; the paper's regime is estimated below.
 
 ## The gaps per regime ([tables/regime_gap.csv](tables/regime_gap.csv))
 
