@@ -326,3 +326,19 @@ def test_regime_sweep_smoke_end_to_end(tmp_path):
     report = (root / "report.md").read_text()
     assert "figures/regime_gap.png" in report and "P = 2 (" in report and "paper's regime" in report
     assert "agree in every setting but the batch" in report
+
+
+@pytest.mark.parametrize(
+    ("experiment", "valid"),
+    [("regime/p8", True), ("tiny", True), ("a.b/c-d_e", True), ("../x", False), ("a/../b", False)]
+    + [(".", False), ("a/", False), ("/abs", False)],
+)
+def test_experiment_names_may_nest_but_not_leave_results(experiment, valid):
+    config = yaml.safe_load((REPO_ROOT / "config" / "regime-smoke.yaml").read_text()) | {
+        "experiment": experiment
+    }
+    if valid:
+        validate_config(config)
+    else:
+        with pytest.raises(ValueError, match=r"^config experiment: .* does not match"):
+            validate_config(config)
