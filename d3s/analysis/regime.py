@@ -287,12 +287,11 @@ def trend_claims(table: pd.DataFrame, gaps: pd.DataFrame, reference: str) -> pd.
                 f"OLS over {len(at)} points (P = {points}); x = log10 of the method's update tokens per step"
             )
             if not math.isnan(result["df"]):
-                note += f"; Welch-Satterthwaite df {result['df']:.1f}"
+                note += f"; standard error {result['se']:.2f}, Welch-Satterthwaite df {result['df']:.1f}"
             elif len(at) > 1:
                 note += "; no interval: a point has fewer than 2 seeds"
             row = _row(claim, method, reference, result, note)
             row["verdict"] = verdict(row["ci_low"], row["ci_high"], claim.direction, claim.null)
-            row["seed_sd"] = result["se"]  # the slope's standard error (no per-seed differences here)
             rows.append(row)
     claims = pd.DataFrame(rows).reindex(columns=COLUMNS)
     claims["protocol"] = ""
