@@ -111,6 +111,12 @@ def run_plan(args: argparse.Namespace) -> int:
     return 1 if plan.too_big() else 0
 
 
+def _run_regime(args: argparse.Namespace) -> int:
+    from d3s.orchestration.regime import run_regime
+
+    return run_regime(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="d3s", description="D3S / PODS / GRPO reproduction suite")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml"
     )
     plan.set_defaults(handler=run_plan)
+
+    regime = sub.add_parser(
+        "regime",
+        help="the regime sweep: the workflow at each prompts-per-step of a config's regime section, then the "
+        "gaps to the reference against update tokens per step (docs/workflow.md, 'The regime sweep')",
+    )
+    regime.add_argument("--config", required=True, help="sweep config, e.g. config/regime.yaml")
+    regime.add_argument("--cores", type=int, default=2, help="snakemake --cores of every point (default 2)")
+    regime.add_argument(
+        "-n", "--dry-run", action="store_true", help="check the config and print the commands; run nothing"
+    )
+    regime.set_defaults(handler=_run_regime)
 
     from d3s.evaluation.cli import add_eval_arguments, run_eval
 

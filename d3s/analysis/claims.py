@@ -65,18 +65,24 @@ def verdict(low: float, high: float, direction: int, null: float) -> str:
     return "supported" if (low > null) == (direction > 0) else "refuted"
 
 
-def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = POWER) -> float:
-    """Smallest true mean difference that a paired two-sided t-test at ``level`` detects with ``power``
-    (exact, from the noncentral t distribution of the test statistic)."""
-    if n < 2 or math.isnan(sd):
-        return float("nan")
-    df, critical = n - 1, stats.t.ppf(1 - (1 - level) / 2, n - 1)
+def detectable_shift(df: float, level: float = LEVEL, power: float = POWER) -> float:
+    """The true effect, in standard errors, that a two-sided t-test with ``df`` degrees of freedom at
+    ``level`` detects with ``power`` (exact, from the noncentral t distribution of the test statistic)."""
+    critical = stats.t.ppf(1 - (1 - level) / 2, df)
 
     def shortfall(shift: float) -> float:
         lower_tail = np.nan_to_num(stats.nct.cdf(-critical, df, shift))  # NaN where it underflows to 0
         return stats.nct.sf(critical, df, shift) + lower_tail - power
 
-    return float(optimize.brentq(shortfall, 0.0, 100.0) * sd / math.sqrt(n))
+    return float(optimize.brentq(shortfall, 0.0, 100.0))
+
+
+def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = POWER) -> float:
+    """Smallest true mean difference that a paired two-sided t-test at ``level`` detects with ``power``
+    (exact, from the noncentral t distribution of the test statistic)."""
+    if n < 2 or math.isnan(sd):
+        return float("nan")
+    return detectable_shift(n - 1, level, power) * sd / math.sqrt(n)
 
 
 def t_interval(values: Iterable[float], level: float = LEVEL) -> dict[str, float]:
