@@ -7,7 +7,7 @@
 #
 #   bash scripts/device_regime.sh SECONDS [CONFIG]      # CONFIG: default config/regime.yaml
 #
-# Writes under $OUT: log.txt and regime.tgz (the sweep's small files: tables, figures, reports, manifests,
+# Writes under $OUT: log.txt, each point's snakemake log (p<P>.log) and regime.tgz (the sweep's small files: tables, figures, reports, manifests,
 # summaries and logs; no weights).
 set -u
 set -o pipefail
@@ -24,7 +24,9 @@ export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH JUPYTER_PATH=$SITE/share/jupyt
 stamp() { echo "=== $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*"; }
 
 pack() {
-    find results/regime -type f -size -4M \
+    local experiment
+    experiment=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['experiment'])" "$CONFIG")
+    find "results/$experiment" -type f -size -4M \
         \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.log' -o -name '*.txt' \
         -o -name '*.csv' -o -name '*.yaml' -o -name '*.png' -o -name '*.pdf' \) \
         -not -path '*/checkpoint-*/*' -not -path '*/final/*' -not -path '*/base_model/*' 2>/dev/null |
@@ -42,11 +44,43 @@ main() {
         stamp "wheels installed"
     fi
     python3 -c "import sys, torch, trl, transformers; print(sys.version.split()[0], torch.__version__, trl.__version__, transformers.__version__)"
-    local limit=$((BUDGET - 30 - ($(date +%s) - START)))
+    local limit=$((BUDGET - 40 - ($(date +%s) - START)))
+    # The points side by side, not one after another as `d3s regime` runs them: its --dry-run prints each
+    # step's snakemake command; the base model first, then every point on a share of the cores weighted by
+    # P + 16 (a run's fixed cost is about 16 prompts' worth), then `d3s regime` itself, which finds the points
+    # done and writes the sweep's analysis.
+    python3 -m d3s.cli regime --config "$CONFIG" --cores 1 --dry-run | grep -v '^#' >"$OUT/commands.txt" || return 2
+    mapfile -t commands <"$OUT/commands.txt"
+    stamp "base model: ${commands[0]}"
+    eval "timeout -k 20 -s TERM $limit ${commands[0]/--cores 1/--cores $CORES}" >"$OUT/base.log" 2>&1 || {
+        tail -20 "$OUT/base.log"
+        return 1
+    }
+    local weights=0 pids=() command p
+    for command in "${commands[@]:1}"; do
+        p=${command#*experiment=*/p}
+        weights=$((weights + ${p%% *} + 16))
+    done
+    limit=$((BUDGET - 40 - ($(date +%s) - START)))
+    for command in "${commands[@]:1}"; do
+        p=${command#*experiment=*/p}
+        p=${p%% *}
+        local cores=$(((CORES * (p + 16) + weights / 2) / weights))
+        ((cores < 1)) && cores=1
+        stamp "P = $p on $cores cores (limit ${limit}s)"
+        eval "timeout -k 20 -s TERM $limit ${command/--cores 1/--cores $cores --nolock}" >"$OUT/p$p.log" 2>&1 &
+        pids+=($!)
+    done
+    local failed=0 pid
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    stamp "points done (failed: $failed)"
+    for command in "${commands[@]:1}"; do
+        p=${command#*experiment=*/p}
+        grep -E "steps \(|Error|error" "$OUT/p${p%% *}.log" | tail -3
+    done
+    limit=$((BUDGET - 25 - ($(date +%s) - START)))
     stamp "d3s regime (limit ${limit}s)"
-    # TERM: Snakemake stops its jobs and marks their outputs incomplete; the next call reruns them
-    timeout -k 20 -s TERM "$limit" python3 -m d3s.cli \
-        regime --config "$CONFIG" --cores "$CORES"
+    timeout -k 10 -s TERM "$limit" python3 -m d3s.cli regime --config "$CONFIG" --cores "$CORES"
     local code=$?
     stamp "d3s regime exit $code"
     pack
