@@ -29,7 +29,7 @@ pack() {
     find "results/$experiment" -type f -size -4M \
         \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.log' -o -name '*.txt' \
         -o -name '*.csv' -o -name '*.yaml' -o -name '*.png' -o -name '*.pdf' \) \
-        -not -path '*/checkpoint-*/*' -not -path '*/final/*' -not -path '*/base_model/*' 2>/dev/null |
+        -not -path '*/checkpoint-*/*' -not -path '*/runs/*/final/*' -not -path '*/base_model/*' 2>/dev/null |
         tar -czf "$OUT/regime.tgz" -T - 2>/dev/null
 }
 

@@ -28,16 +28,14 @@ from d3s.analysis.claims import (
     Claim,
     _row,
     detectable_shift,
-    difference_row,
     holm,
     paired_t,
-    per_seed_pass_at_k,
     pods_protocol,
     ratio_row,
     verdict,
 )
-from d3s.analysis.io import load_evals, load_metrics
-from d3s.analysis.tables import learning_curves, markdown_table
+from d3s.analysis.io import load_metrics
+from d3s.analysis.tables import markdown_table
 from d3s.methods import METHODS, Method, method_trainer
 from d3s.provenance.manifest import atomic_write_text, write_json
 from d3s.provenance.settings_check import MixedSettingsError, compare, load_provenance
@@ -200,13 +198,20 @@ def point_gaps(
     results: Path, methods: Sequence[str], reference: str, allow_mixed: bool = False
 ) -> tuple[list[dict[str, Any]], pd.DataFrame]:
     """One point's rows of the gap table (one per method but the reference) and its per-seed gaps (method,
-    seed, measure, gap in points)."""
-    evals = load_evals(results, allow_mixed=allow_mixed)
+    seed, measure, gap in points), from the point's own tables, which its notebooks and report wrote from its
+    checked manifests: ``learning_curves.csv`` (Pass@1 by method, seed and step, the last step the final
+    model's evaluation, and the training wall-clock reached) and ``claims.csv`` (the Pass@1 and Pass@k rows,
+    taken as they are); update tokens and step times from the runs' metrics."""
+    tables = results / "tables"
+    for name in ("learning_curves.csv", "claims.csv", "pass_at_k.csv"):
+        if not (tables / name).is_file():
+            raise FileNotFoundError(
+                f"{tables / name} is missing: run the point's workflow to its report first"
+            )
+    curves = pd.read_csv(tables / "learning_curves.csv")
+    point_claims = pd.read_csv(tables / "claims.csv")
+    kmax = int(pd.read_csv(tables / "pass_at_k.csv")["k"].max())
     metrics = load_metrics(results, allow_mixed=allow_mixed)
-    curves = learning_curves(evals, metrics, k=1)
-    final = per_seed_pass_at_k(evals, 1)
-    kmax = int(evals.loc[evals["final"].astype(bool), "k"].max())
-    final_k = per_seed_pass_at_k(evals, kmax)
     run_means = metrics.groupby(["method", "seed"], as_index=False).mean(numeric_only=True)
 
     def per_seed(column: str) -> pd.DataFrame:
@@ -214,27 +219,31 @@ def point_gaps(
             return pd.DataFrame(columns=["method", "seed", "value"])
         return run_means[["method", "seed", column]].rename(columns={column: "value"})
 
+    def claim_row(name: str, method: str) -> dict[str, Any]:
+        row = point_claims[(point_claims["claim"] == name) & (point_claims["method"] == method)]
+        if row.empty:
+            raise ValueError(f"{tables / 'claims.csv'} has no {name} row of {method}")
+        return row.iloc[0].to_dict()
+
     tokens = per_seed(UPDATE_TOKENS).groupby("method")["value"].mean()
     totals = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()].set_index(["method", "seed"])
+    final = totals["value"].unstack("method")  # the final models' Pass@1, seeds x methods, on [0, 1]
     rows, gaps = [], []
-    for method in (m for m in methods if m != reference and m in set(final["method"])):
-        pairs = final.pivot_table(index="seed", columns="method", values="value")[
-            [method, reference]
-        ].dropna()
+    for method in (m for m in methods if m != reference and m in final):
+        pairs = final[[method, reference]].dropna()
         step_gaps = 100 * (pairs[method] - pairs[reference])
         clock_gaps, clamped = wall_clock_gaps(curves, pairs[method], method, reference)
         gaps += [{"method": method, "seed": s, "measure": "steps", "gap": g} for s, g in step_gaps.items()]
         gaps += [
             {"method": method, "seed": s, "measure": "wall_clock", "gap": g} for s, g in clock_gaps.items()
         ]
-        p1 = difference_row(CLAIMS["pass_at_1"], final, method, reference, 100)
-        pk = difference_row(CLAIMS["pass_at_k"], final_k, method, reference, 100)
+        p1, pk = claim_row("pass_at_1", method), claim_row("pass_at_k", method)
         clock = _row(WALL_CLOCK_GAP, method, reference, paired_t(clock_gaps.values()))
         step_time = ratio_row(CLAIMS["step_time"], per_seed("step_time"), method, reference)
         row = {
             "method": method,
             "reference": reference,
-            "seeds": p1["seeds"],
+            "seeds": int(p1["seeds"]),
             "update_tokens_per_step": tokens.get(method, math.nan),
             "reference_update_tokens_per_step": tokens.get(reference, math.nan),
         }
