@@ -70,7 +70,7 @@ def test_config_values_apply_on_top_of_the_default(offline_work):
     assert (d3s["trainer"]["per_device_train_batch_size"], d3s["trainer"]["save_steps"]) == (256, 10)
     assert d3s["dataset"] == {"min_ops": 3, "max_ops": 7, "max_operand": 9, "bounded": True} | {
         "name": "synthetic",
-        "count": 2000,
+        "count": 4000,
     }
     jobs = _job_counts(out)
     assert (jobs["train"], jobs["evaluate_run"]) == (4, 4)  # eval.jobs run: one evaluation job per run
