@@ -18,6 +18,9 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
+# How long a test waits for a running workflow to reach the point where it kills it: a guard against a hang,
+# not a speed check. 300 s failed when two suites shared the 2 cores (the job was healthy, only slow).
+HANG_GUARD_S = 900
 
 # Row counts of the real copies in ../shared/data (see its README); math_level3to5 loses 2 rows with
 # an empty answer.

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow
+from helpers import HANG_GUARD_S, REPO_ROOT, SNAKEMAKE, copy_workflow
 from safetensors.torch import load_file
 
 from d3s.orchestration.commands import accelerate_command, free_port
@@ -177,13 +177,13 @@ def _kill_midway_and_rerun(work: Path, env: dict, tmp_path: Path, *, hold_server
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + HANG_GUARD_S
         while not marker.is_file():
             first_log = (tmp_path / "first.log").read_text()[-3000:]
             assert job.poll() is None, first_log + (
                 (work / LOG).read_text()[-3000:] if (work / LOG).is_file() else ""
             )
-            assert time.monotonic() < deadline, "no checkpoint-2 within 300 s"
+            assert time.monotonic() < deadline, f"no checkpoint-2 within {HANG_GUARD_S} s"
             time.sleep(0.1)
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
@@ -361,7 +361,7 @@ def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + HANG_GUARD_S
         while not all(
             (work / runs[method] / f"checkpoint-{step}" / "d3s_state.json").is_file()
             for method, step in killed_after.items()
@@ -369,7 +369,8 @@ def test_killed_deepspeed_jobs_resume_under_snakemake(tmp_path, engine):
             logs = [work / f"results/smoke/logs/train/{m}_seed0.log" for m in killed_after]
             tails = "".join(log.read_text()[-3000:] for log in logs if log.is_file())
             assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:] + tails
-            assert time.monotonic() < deadline, f"no {killed_after} checkpoints within 400 s\n" + tails
+            late = f"no {killed_after} checkpoints within {HANG_GUARD_S} s\n"
+            assert time.monotonic() < deadline, late + tails
             time.sleep(0.2)
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
