@@ -70,7 +70,7 @@ else:
             summaries=[f"{EVAL_DIR}/{point['point']}/summary.json" for point in RUN_POINTS],
         params:
             points=RUN_POINTS,
-            run=RUN_DIR,
+            run=lambda wildcards, input: str(Path(input.summary).parent),  # the run's folder
             eval=EV_PARAMS,
             task=TASK,
             reference=BASE_MODEL,  # the initial policy of the KL (eval.kl)
