@@ -107,6 +107,7 @@ def test_config_values_apply_on_top_of_a_configfile_that_replaces_the_default(of
     [
         ("methods=[grpo,d3z]", "config methods[1]: unknown method 'd3z'; valid methods: grpo, pods,"),
         ("method=[d3s]", "config (top level): unknown key(s) ['method']; valid: experiment,"),
+        ("eval={jobs: checkpoint}", "config eval.jobs: 'checkpoint' is not one of ['model', 'run']"),
     ],
 )
 def test_a_bad_config_value_is_refused_in_one_line(offline_work, override, message):
