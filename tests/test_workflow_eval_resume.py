@@ -49,6 +49,24 @@ def _complete_lines(data: bytes, samples: int) -> bytes:
     return b"".join(line + b"\n" for line in lines if counts[json.loads(line)["problem_id"]] == samples)
 
 
+def _kill_after_three_problems(
+    target: list[str], work: Path, samples: Path, per_problem: int, log: Path
+) -> None:
+    """Run Snakemake on ``target`` and SIGKILL its process group once ``samples`` holds 3 problems'
+    samples: midway through that evaluation."""
+    with open(log, "w") as out:
+        job = subprocess.Popen(
+            SNAKEMAKE + target, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not (samples.is_file() and samples.read_bytes().count(b"\n") >= 3 * per_problem):
+            assert job.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no 3 problems evaluated within {HANG_GUARD_S} s"
+            time.sleep(0.05)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
 @pytest.fixture(scope="module")
 def trained(smoke_workflow, tmp_path_factory) -> Path:
     """The workflow with the base model built and the d3s run trained (4 steps, checkpoint-2): the session's
@@ -77,17 +95,7 @@ def test_killed_checkpoint_evaluation_resumes_under_snakemake(work, tmp_path):
     samples = out / "synthetic" / "samples.jsonl"
     target = [str((out / "summary.json").relative_to(work)), "--cores", "1", "--configfile", configfile]
 
-    with open(tmp_path / "first.log", "w") as log:
-        job = subprocess.Popen(
-            SNAKEMAKE + target, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not (samples.is_file() and samples.read_bytes().count(b"\n") >= 3 * CHECKPOINT_SAMPLES):
-            assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no 3 problems evaluated within {HANG_GUARD_S} s"
-            time.sleep(0.05)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+    _kill_after_three_problems(target, work, samples, CHECKPOINT_SAMPLES, tmp_path / "first.log")
     assert not (out / "summary.json").exists(), "the kill missed the evaluation: raise PROBLEMS"
     kept = _complete_lines(samples.read_bytes(), CHECKPOINT_SAMPLES)
     finished = len({json.loads(line)["problem_id"] for line in kept.splitlines()})
@@ -170,17 +178,7 @@ def test_killed_run_evaluation_resumes_every_model(work, tmp_path):
     target = [str((evals / "final" / "summary.json").relative_to(work)), "--cores", "1"]
     target += ["--configfile", configfile]
 
-    with open(tmp_path / "first.log", "w") as log:
-        job = subprocess.Popen(
-            SNAKEMAKE + target, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not (samples.is_file() and samples.read_bytes().count(b"\n") >= 3 * final_samples):
-            assert job.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no 3 final problems within {HANG_GUARD_S} s"
-            time.sleep(0.05)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+    _kill_after_three_problems(target, work, samples, final_samples, tmp_path / "first.log")
     assert (evals / "step2" / "synthetic" / "summary.json").is_file()  # the checkpoint was done
     assert not (evals / "final" / "summary.json").exists(), "the kill missed the evaluation"
     checkpoint_samples = (evals / "step2" / "synthetic" / "samples.jsonl").read_bytes()
