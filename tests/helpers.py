@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,33 @@ def save_tiny(path: str | Path, seed: int = 0, **model_kwargs) -> Path:
     build_model(tokenizer, seed=seed, **model_kwargs).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def serve_as_vllm(
+    trainer: Any, engine_logprobs: Callable[[int, list[int], list[int], Any], list[float]]
+) -> None:
+    """Make TRL train as if vLLM had generated: transformers generates (``use_vllm`` off for that call), and
+    TRL receives ``engine_logprobs(position, prompt_ids, completion_ids, model)`` (no gradient) as the
+    engine's per-token log-probs of each completion, so its importance-sampling correction sees the
+    mismatch a test forces. The correction's settings stay the caller's."""
+    import torch
+
+    generate = trainer._generate
+
+    def fake_generate(prompts):
+        trainer.use_vllm = False
+        try:
+            out = list(generate(prompts))
+        finally:
+            trainer.use_vllm = True
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with torch.no_grad():
+            rows = enumerate(zip(out[0], out[1], strict=True))
+            out[4] = [
+                engine_logprobs(position, prompt, completion, model)
+                for position, (prompt, completion) in rows
+            ]
+        return tuple(out)
+
+    trainer.use_vllm = True
+    trainer._generate = fake_generate

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from helpers import TINY_TRAINER_ARGS, make_trainer
+from helpers import TINY_TRAINER_ARGS, make_trainer, serve_as_vllm
 
 from d3s.rows import valid_tokens
 from d3s.selection import corrected_loss_mask, max_variance_subset, select_samples, zeroed_rollouts
@@ -121,32 +121,19 @@ FORCED = {0, 1, 2, 3, 4, 5, 6, 8, 9, 20}
 def _force_mismatch(trainer):
     """Transformers generates; TRL receives the policy's log-probs of each completion as vLLM's, shifted by
     -shift on the first token: sequence ratio exp(shift)."""
-    generate = trainer._generate
 
-    def fake_generate(prompts):
-        trainer.use_vllm = False
-        try:
-            out = list(generate(prompts))
-        finally:
-            trainer.use_vllm = True
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        logprobs = []
-        with torch.no_grad():
-            for position, (prompt, completion) in enumerate(zip(out[0], out[1], strict=True)):
-                ids = torch.tensor([list(prompt) + list(completion)])
-                logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / trainer.temperature
-                own = logits.log_softmax(-1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
-                own[0] -= _shift(position, FORCED)
-                logprobs.append(own.tolist())
-        out[4] = logprobs
-        return tuple(out)
+    def engine_logprobs(position, prompt, completion, model):
+        ids = torch.tensor([list(prompt) + list(completion)])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / trainer.temperature
+        own = logits.log_softmax(-1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
+        own[0] -= _shift(position, FORCED)
+        return own.tolist()
 
-    trainer.use_vllm = True
+    serve_as_vllm(trainer, engine_logprobs)
     trainer.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = "sequence_mask"
     trainer.vllm_importance_sampling_clip_min = None
     trainer.vllm_importance_sampling_clip_max = 3.0
-    trainer._generate = fake_generate
 
 
 def _run(model_path, tmp_path, method, **overrides):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from helpers import TINY_TRAINER_ARGS
+from helpers import TINY_TRAINER_ARGS, serve_as_vllm
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 G = 8
@@ -251,31 +251,19 @@ def sampling_shift(row: tuple) -> float:
 
 
 def force_mismatch(trainer, record: dict) -> None:
-    """As tests/test_importance_sampling.py: transformers generates, and TRL receives the generating
-    policy's own log-probs as vLLM's, the first token's lowered by the row's shift, so that its sequence
-    ratio is exp(shift). The correction's settings are the config's (run_trainer); only ``use_vllm`` is
-    switched on here."""
-    generate = trainer._generate
+    """As tests/test_importance_sampling.py, through helpers.serve_as_vllm: transformers generates, and TRL
+    receives the generating policy's own log-probs as vLLM's, the first token's lowered by the row's shift,
+    so that its sequence ratio is exp(shift). The correction's settings are the config's (run_trainer);
+    only ``use_vllm`` is switched on here."""
 
-    def fake_generate(prompts):
-        trainer.use_vllm = False
-        try:
-            out = list(generate(prompts))
-        finally:
-            trainer.use_vllm = True
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        sampling = []
-        with torch.no_grad(), one_thread():
-            for prompt, completion in zip(out[0], out[1], strict=True):
-                own, _ = row_passes(model, torch.tensor(prompt), torch.tensor(completion), TEMPERATURE)
-                own[0] -= sampling_shift((tuple(prompt), tuple(completion)))
-                sampling.append(own.tolist())
-                record["sampling"][(tuple(prompt), tuple(completion))] = own.double()
-        out[4] = sampling
-        return tuple(out)
+    def engine_logprobs(position, prompt, completion, model):
+        with one_thread():
+            own, _ = row_passes(model, torch.tensor(prompt), torch.tensor(completion), TEMPERATURE)
+        own[0] -= sampling_shift((tuple(prompt), tuple(completion)))
+        record["sampling"][(tuple(prompt), tuple(completion))] = own.double()
+        return own.tolist()
 
-    trainer.use_vllm = True
-    trainer._generate = fake_generate
+    serve_as_vllm(trainer, engine_logprobs)
 
 
 def run_trainer(model_path, tmp_path, monkeypatch, method, overrides, mismatch=False):
