@@ -21,10 +21,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # These tests set the suite's length (pytest --durations, quiet 2-core machine, 2026-11-26): they start
 # first, longest first, and the short ones fill the gaps.
 LONGEST_FIRST = (
+    # with the Slurm and eval-resume tests (WITH_THE_SMOKE_RUN) the longest unit, about 1,100 s
+    "tests/test_workflow.py::test_smoke_workflow_end_to_end",
     "tests/test_resume_workflow.py::test_killed_deepspeed_jobs_resume_under_snakemake[zero3]",
     "tests/test_resume_workflow.py::test_killed_server_mode_job_resumes_with_new_ports",
     "tests/test_vllm_workflow.py",
-    "tests/test_workflow.py::test_smoke_workflow_end_to_end",
+    "tests/test_regime.py",
     "tests/test_workflow_eval_resume.py",
     "tests/test_vllm_colocate.py",
     "tests/test_faults.py",
