@@ -67,7 +67,7 @@ def test_config_values_apply_on_top_of_the_default(offline_work):
     assert d3s["output_dir"] == "results/tiny/runs/d3s/seed1"
     assert d3s["trainer"]["max_steps"] == 20  # the override, an integer
     # the rest is the default's: its trainer, data and task (config/config.yaml)
-    assert (d3s["trainer"]["per_device_train_batch_size"], d3s["trainer"]["save_steps"]) == (256, 10)
+    assert (d3s["trainer"]["per_device_train_batch_size"], d3s["trainer"]["save_steps"]) == (512, 5)
     assert d3s["dataset"] == {"min_ops": 3, "max_ops": 7, "max_operand": 9, "bounded": True} | {
         "name": "synthetic",
         "count": 4000,
