@@ -7,7 +7,8 @@
 #   bash scripts/gpu_checks.sh STEPS SECONDS
 #
 # STEPS, comma-separated:
-#   tests    pytest on CUDA: tests/test_selection.py and tests/test_gpu_smoke_config.py (their CUDA-only tests)
+#   tests    pytest on CUDA: tests/test_selection.py, tests/test_gpu_smoke_config.py and the truncation table's
+#            by-hand case of tests/test_perf_scripts.py (their CUDA-only tests)
 #   trainer  pytest tests/test_trainer.py (trainers on the CPU)
 #   smoke    snakemake --cores 4 --configfile config/gpu-smoke.yaml; a later call resumes where it was cut off
 #            (results/ and .snakemake/ stay on a warm machine). With smoke, tests and trainer run beside the
@@ -72,6 +73,8 @@ pytest_run() {
     echo "end $(date +%s) exit $code" >>"$WORK/pytest-$name.time"
     return $code
 }
+CUDA_TESTS=(tests/test_selection.py tests/test_gpu_smoke_config.py
+    "tests/test_perf_scripts.py::test_tail_after_last_selected_by_hand")
 show_pytest() {
     stamp "pytest $1 exit $2 ($(tr '\n' ' ' <"$WORK/pytest-$1.time"))"
     grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$WORK/pytest-$1.txt" | tail -25
@@ -103,10 +106,10 @@ main() {
     if has tests; then
         if has smoke; then
             stamp "pytest test_selection + test_gpu_smoke_config, beside the workflow"
-            OMP_NUM_THREADS=4 pytest_run selection "$(cap 240)" tests/test_selection.py tests/test_gpu_smoke_config.py &
+            OMP_NUM_THREADS=4 pytest_run selection "$(cap 240)" "${CUDA_TESTS[@]}" &
             tests_pid=$!
         else
-            pytest_run selection "$(cap 240)" tests/test_selection.py tests/test_gpu_smoke_config.py
+            pytest_run selection "$(cap 240)" "${CUDA_TESTS[@]}"
             show_pytest selection $?
         fi
     fi
