@@ -21,12 +21,24 @@ from d3s.provenance.settings_check import MixedSettingsError, load_provenance, w
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _summary(path: Path, p1: float, p4: float) -> None:
+def _summary(path: Path, p1: float, p4: float, correct: list[list[bool]] | None = None) -> None:
+    """summary.json (Pass@1 ``p1``, Pass@4 ``p4``) and its samples: ``correct`` per problem and sample, or 50
+    problems x 4 samples whose first round(200 p1) are correct (the same Pass@1)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if correct is None:
+        hits = round(200 * p1)
+        correct = [[4 * problem + sample < hits for sample in range(4)] for problem in range(50)]
     bench = {"pass_at_k": {"1": p1, "4": p4},
              "ci": {"1": [p1 - 0.05, p1 + 0.05], "4": [p4 - 0.05, p4 + 0.05]},
-             "n_problems": 50, "unparsable_gold": 0, "timeouts": 0}  # fmt: skip
+             "n_problems": len(correct), "unparsable_gold": 0, "timeouts": 0}  # fmt: skip
     path.write_text(json.dumps({"benchmarks": {"synthetic": bench}, "average": {"1": p1, "4": p4}}))
+    records = [
+        {"problem_id": str(problem), "sample_index": sample, "correct": hit, "gold_parsed": True}
+        for problem, hits in enumerate(correct)
+        for sample, hit in enumerate(hits)
+    ]
+    (path.parent / "synthetic").mkdir(exist_ok=True)
+    (path.parent / "synthetic" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     _write_manifest(path.with_name("manifest.json"), _eval_manifest(str(path.parent)))
 
 
@@ -120,6 +132,49 @@ def test_load_evals_has_base_at_step_zero_and_final_at_last_step(results):
     assert d3s["step"].tolist() == [0, 2, 4]
     assert d3s["final"].tolist() == [False, False, True]
     assert d3s["value"].tolist() == pytest.approx([0.1, 0.3, 0.4])
+
+
+def test_curve_evals_rescore_the_final_and_base_models_on_the_checkpoints_problems(results):
+    """The checkpoint of d3s seed 0 saw the first 2 problems; its final model (4 problems) and the base model
+    (50) are rescored on them, at the checkpoints' k, by hand; load_evals keeps what summary.json says."""
+    run = results / "eval" / "d3s" / "seed0"
+    _summary(run / "step2" / "summary.json", 0.5, 1.0, correct=[[True, False, True, False]] * 2)
+    final_correct = [[True, True, True, False]] + [[False] * 4] * 3
+    _summary(run / "final" / "summary.json", 0.1875, 0.25, correct=final_correct)
+    curve = io.load_curve_evals(results)
+    d3s = curve[(curve["method"] == "d3s") & (curve["seed"] == 0)]
+    # steps 0, 2, 4: the base model got its first 20 problems right; the final model 3 of 8 samples
+    assert d3s[d3s["k"] == 1]["value"].tolist() == pytest.approx([1.0, 0.5, 3 / 8])
+    # Pass@4 of 4 samples: a problem counts when any of its samples is correct
+    assert d3s[d3s["k"] == 4]["value"].tolist() == pytest.approx([1.0, 1.0, 0.5])
+    assert set(d3s["n_problems"]) == {2}
+    assert "average" not in set(curve["benchmark"])
+    evals = io.load_evals(results)
+    final = evals[(evals["method"] == "d3s") & (evals["seed"] == 0) & evals["final"] & (evals["k"] == 1)]
+    assert final["value"].tolist() == [0.1875]  # as summary.json says
+    # the other runs' checkpoints saw all 50 problems: their curves keep the evaluations' own Pass@1
+    other = curve[(curve["method"] == "grpo") & (curve["seed"] == 1) & (curve["k"] == 1)]
+    assert other["value"].tolist() == pytest.approx([0.1, 0.2, 0.31])
+
+
+def test_curve_evals_refuse_a_final_evaluation_without_the_checkpoints_problems(results):
+    run = results / "eval" / "d3s" / "seed0"
+    _summary(run / "final" / "summary.json", 0.25, 0.5, correct=[[True] * 4] * 10)  # 10 of the 50 problems
+    with pytest.raises(ValueError, match="lacks 40 of the checkpoints' problems.*checkpoint_limit"):
+        io.load_curve_evals(results)
+
+
+def test_efficiency_table_takes_the_final_pass_at_1_from_the_final_evaluation(results):
+    metrics = io.load_metrics(results)
+    run = results / "eval" / "d3s" / "seed0"
+    _summary(run / "step2" / "summary.json", 0.5, 0.5, correct=[[True, False, True, False]] * 2)
+    curves = tables.learning_curves(io.load_curve_evals(results), metrics)
+    finals = tables.final_pass_at_1(io.load_evals(results))
+    assert finals.set_index(["method", "seed"]).loc[("d3s", 0), "value"] == pytest.approx(0.4)
+    eff = tables.efficiency_table(curves, metrics, finals=finals).set_index("method")
+    assert eff.loc["d3s", "final_pass1"] == pytest.approx(100 * (0.4 + 0.41) / 2)
+    on_curves = tables.efficiency_table(curves, metrics).set_index("method")  # seed 0's first 2 problems: 1.0
+    assert on_curves.loc["d3s", "final_pass1"] == pytest.approx(100 * (1.0 + 0.41) / 2)
 
 
 def test_mean_ci_matches_t_interval():

@@ -4,12 +4,14 @@ refuses mixed settings (MixedSettingsError) unless ``allow_mixed=True``; rows na
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 
 from d3s.evaluation.kl import KL_FILE
+from d3s.evaluation.metrics import pass_at_k
 from d3s.provenance import layout
 from d3s.provenance.settings_check import MixedSettingsError, load_provenance
 
@@ -103,6 +105,86 @@ def load_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame(columns=["method", "seed", "step", "final", "benchmark", "k", "value"])
     return pd.DataFrame(rows).sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
+
+
+def load_curve_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:
+    """``load_evals`` with every point of a run's learning curve on one problem set: the final model's and
+    the base model's Pass@k rescored from their samples on the problems the run's checkpoints were evaluated
+    on (``eval.checkpoint_limit``, the first of each benchmark), at the checkpoints' k. Without it a curve
+    would end on more problems than its checkpoints saw, and a speedup's "best" could come from an easier
+    subset. Runs without checkpoint evaluations keep their rows as they are. No "average" rows: learning
+    curves average the benchmarks themselves (d3s.analysis.tables.learning_curves)."""
+    evals = load_evals(results, allow_mixed)
+    if evals.empty:
+        return evals
+    results = Path(results)
+    checkpoints = evals[(evals["step"] > 0) & ~evals["final"] & (evals["benchmark"] != "average")]
+    ks = checkpoints.groupby(["method", "seed"])["k"].agg(lambda k: sorted(set(k)))
+    problem_sets: dict[Path, frozenset[str]] = {}  # per checkpoint samples file
+
+    def checkpoint_problems(method: str, seed: int, benchmark: str) -> frozenset[str]:
+        rows = checkpoints[
+            (checkpoints["method"] == method)
+            & (checkpoints["seed"] == seed)
+            & (checkpoints["benchmark"] == benchmark)
+        ]
+        sets = set()
+        for manifest in sorted(set(rows["manifest"])):
+            path = results / Path(manifest).parent / benchmark / "samples.jsonl"
+            if path not in problem_sets:
+                problem_sets[path] = frozenset(str(r["problem_id"]) for r in read_jsonl(path))
+            sets.add(problem_sets[path])
+        if len(sets) != 1:
+            raise ValueError(
+                f"the checkpoints of {method} seed {seed} were evaluated on different {benchmark} problems "
+                f"({len(sets)} sets): evaluate them with one eval.checkpoint_limit"
+            )
+        return sets.pop()
+
+    rescored, drop = [], []
+    for (method, seed), run_ks in ks.items():
+        ends = evals[
+            (evals["method"] == method)
+            & (evals["seed"] == seed)
+            & (evals["final"] | (evals["step"] == 0))
+            & (evals["benchmark"] != "average")
+        ]
+        drop += list(ends.index)
+        for (manifest, benchmark), rows in ends.groupby(["manifest", "benchmark"]):
+            first = rows.iloc[0].to_dict()
+            samples = results / Path(manifest).parent / benchmark / "samples.jsonl"
+            problems = checkpoint_problems(method, seed, benchmark)
+            values = _pass_at_k_on(read_jsonl(samples), problems, run_ks, samples)
+            for k, value in values.items():
+                keep = {key: first[key] for key in ("method", "seed", "step", "final", "manifest")}
+                rescored.append(keep | {"benchmark": benchmark, "k": k, "value": value})
+                rescored[-1] |= {"ci_low": math.nan, "ci_high": math.nan, "n_problems": len(problems)}
+    kept = evals.drop(index=drop)
+    kept = kept[kept["benchmark"] != "average"]
+    out = pd.concat([kept, pd.DataFrame(rescored)], ignore_index=True)
+    return out.sort_values(["method", "seed", "benchmark", "k", "step"]).reset_index(drop=True)
+
+
+def _pass_at_k_on(
+    records: list[dict], problems: frozenset[str], ks: list[int], path: Path
+) -> dict[int, float]:
+    """Mean Pass@k over ``problems`` of one evaluation's sample records, graded as its summary was (the
+    records' own ``correct``; problems with unparsable gold left out)."""
+    by_problem: dict[str, list[dict]] = {}
+    for record in records:
+        if str(record["problem_id"]) in problems:
+            by_problem.setdefault(str(record["problem_id"]), []).append(record)
+    if missing := problems - set(by_problem):
+        raise ValueError(
+            f"{path} lacks {len(missing)} of the checkpoints' problems (e.g. {sorted(missing)[0]}): the "
+            "final evaluation must cover them (eval.checkpoint_limit <= eval.limit)"
+        )
+    counts = [
+        (len(rs), sum(bool(r["correct"]) for r in rs))
+        for rs in by_problem.values()
+        if all(r.get("gold_parsed", True) for r in rs)
+    ]
+    return {k: sum(pass_at_k(n, c, k) for n, c in counts) / len(counts) for k in ks if counts}
 
 
 def load_kl(results: str | Path, allow_mixed: bool = False) -> pd.DataFrame:

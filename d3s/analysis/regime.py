@@ -34,8 +34,8 @@ from d3s.analysis.claims import (
     ratio_row,
     verdict,
 )
-from d3s.analysis.io import load_metrics
-from d3s.analysis.tables import markdown_table
+from d3s.analysis.io import load_evals, load_metrics
+from d3s.analysis.tables import final_pass_at_1, markdown_table
 from d3s.methods import METHODS, Method, method_trainer
 from d3s.provenance.manifest import atomic_write_text, write_json
 from d3s.provenance.settings_check import MixedSettingsError, compare, load_provenance
@@ -176,7 +176,8 @@ def gap_slope(
 def wall_clock_gaps(
     curves: pd.DataFrame, final: pd.Series, method: str, reference: str
 ) -> tuple[dict[Any, float], int]:
-    """Per seed of ``final`` (the method's final Pass@1 by seed, on [0, 1]): the method's final Pass@1 minus
+    """Per seed of ``final`` (the method's final Pass@1 by seed, on [0, 1], on the problems of the curves'
+    other points: io.load_curve_evals): the method's final Pass@1 minus
     the reference's learning curve (``curves``: method, seed, step, value, wall_clock; d3s.analysis.tables.
     learning_curves) interpolated at the method's own training wall-clock (its curve's last step), in points;
     and the number of seeds whose wall-clock lay beyond the reference's run (the reference's final value)."""
@@ -199,9 +200,10 @@ def point_gaps(
 ) -> tuple[list[dict[str, Any]], pd.DataFrame]:
     """One point's rows of the gap table (one per method but the reference) and its per-seed gaps (method,
     seed, measure, gap in points), from the point's own tables, which its notebooks and report wrote from its
-    checked manifests: ``learning_curves.csv`` (Pass@1 by method, seed and step, the last step the final
-    model's evaluation, and the training wall-clock reached) and ``claims.csv`` (the Pass@1 and Pass@k rows,
-    taken as they are); update tokens and step times from the runs' metrics."""
+    checked manifests: ``learning_curves.csv`` (Pass@1 by method, seed and step on the checkpoints' problems,
+    the last step the final model, and the training wall-clock reached) and ``claims.csv`` (the Pass@1 and
+    Pass@k rows, taken as they are); the final models' own Pass@1 (the gaps at equal steps), update tokens and
+    step times from the point's evaluations and metrics."""
     tables = results / "tables"
     for name in ("learning_curves.csv", "claims.csv", "pass_at_k.csv"):
         if not (tables / name).is_file():
@@ -227,12 +229,17 @@ def point_gaps(
 
     tokens = per_seed(UPDATE_TOKENS).groupby("method")["value"].mean()
     totals = curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()].set_index(["method", "seed"])
-    final = totals["value"].unstack("method")  # the final models' Pass@1, seeds x methods, on [0, 1]
+    # seeds x methods, on [0, 1]: the final models' Pass@1 on their own evaluation (the claims' pairs), and
+    # the curves' last points, on the checkpoints' problems as the rest of each curve (io.load_curve_evals)
+    evals = load_evals(results, allow_mixed=allow_mixed)
+    final = final_pass_at_1(evals).pivot(index="seed", columns="method", values="value")
+    curve_end = totals["value"].unstack("method")
     rows, gaps = [], []
     for method in (m for m in methods if m != reference and m in final):
         pairs = final[[method, reference]].dropna()
         step_gaps = 100 * (pairs[method] - pairs[reference])
-        clock_gaps, clamped = wall_clock_gaps(curves, pairs[method], method, reference)
+        ends = curve_end[method].reindex(pairs.index)
+        clock_gaps, clamped = wall_clock_gaps(curves, ends, method, reference)
         gaps += [{"method": method, "seed": s, "measure": "steps", "gap": g} for s, g in step_gaps.items()]
         gaps += [
             {"method": method, "seed": s, "measure": "wall_clock", "gap": g} for s, g in clock_gaps.items()
@@ -547,7 +554,7 @@ Update tokens per step here, smallest to largest point: {reach}; the paper's reg
 
 Paired over seeds (95 % t intervals). "Equal wall-clock": the method's final Pass@1 against the reference's
 learning curve (checkpoint evaluations, linearly interpolated) at the method's own total training time, seed
-by seed.
+by seed, both on the checkpoints' problems (the final models' evaluations rescored on them).
 
 {markdown_table(table.to_dict("records"), gap_columns)}
 

@@ -14,7 +14,7 @@ from string import Template
 import pandas as pd
 
 from d3s.analysis.claims import claims_table
-from d3s.analysis.io import load_evals, load_metrics
+from d3s.analysis.io import load_curve_evals, load_evals, load_metrics
 from d3s.analysis.tables import cell, learning_curves, markdown_table, mean_ci, write_table
 from d3s.methods import method_trainer
 from d3s.provenance.manifest import git_state
@@ -97,7 +97,7 @@ def write_claims(results: Path, paper_dir: Path, config: dict) -> pd.DataFrame:
     }
     table = claims_table(
         evals,
-        learning_curves(evals, metrics, k=1),
+        learning_curves(load_curve_evals(results, allow_mixed=allow_mixed), metrics, k=1),
         metrics,
         [m for m in config["methods"] if m in set(evals["method"])],
         analysis.get("reference", "grpo"),

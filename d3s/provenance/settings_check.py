@@ -362,8 +362,9 @@ def _cross_group_notes(final: Sequence[Record], checkpoints: Sequence[Record]) -
     if pair["consistent"]:
         return []
     return [
-        "learning curves join the final and base evaluations with the checkpoint evaluations, which differ "
-        "by design (eval.checkpoint_* settings) in: " + "; ".join(_one_line(d) for d in pair["mixed"])
+        "learning curves join the final and base evaluations, rescored on the checkpoints' problems, with "
+        "the checkpoint evaluations, which differ by design (eval.checkpoint_* settings) in: "
+        + "; ".join(_one_line(d) for d in pair["mixed"])
     ]
 
 
