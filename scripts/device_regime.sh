@@ -14,13 +14,12 @@ set -o pipefail
 BUDGET=${1:?usage: device_regime.sh SECONDS [CONFIG]}
 CONFIG=${2:-config/regime.yaml}
 OUT=${OUT:-$PWD/regime-out}
-SITE=${SITE:-/tmp/site}
 CORES=${CORES:-$(nproc)}
 mkdir -p "$OUT"
 START=$(date +%s)
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false GIT_PYTHON_REFRESH=quiet CUDA_VISIBLE_DEVICES=""
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH JUPYTER_PATH=$SITE/share/jupyter
+export CUDA_VISIBLE_DEVICES="" # CPU only, as on the testbed
+# shellcheck source=scripts/device_env.sh
+source "$(dirname "$0")/device_env.sh" # SITE, the environment, install_wheels
 stamp() { echo "=== $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*"; }
 
 pack() {
@@ -35,14 +34,7 @@ pack() {
 
 main() {
     stamp "start: budget ${BUDGET}s, $CORES cores, $CONFIG"
-    if [[ ! -f $SITE/.installed ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-            .whl/*.whl && touch "$SITE/.installed" || {
-            echo "wheel install failed"
-            return 1
-        }
-        stamp "wheels installed"
-    fi
+    install_wheels || return 1
     python3 -c "import sys, torch, trl, transformers; print(sys.version.split()[0], torch.__version__, trl.__version__, transformers.__version__)"
     local limit=$((BUDGET - 40 - ($(date +%s) - START)))
     # The points side by side, not one after another as `d3s regime` runs them: its --dry-run prints each

@@ -29,16 +29,12 @@ BENCH_NEED=${BENCH_NEED:-100}
 BENCH_BOTH=${BENCH_BOTH:-130}
 OUT=${OUT:-$PWD/gpu-checks-out}
 TAG=${STEPS//,/-}
-SITE=${SITE:-/tmp/site}       # where the wheels are installed (pip --target)
 WORK=${WORK:-/tmp/gpu-checks} # kept between calls while the machine stays warm, as $SITE and results/ are
 mkdir -p "$OUT" "$WORK"
 START=$(date +%s)
 
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false GIT_PYTHON_REFRESH=quiet
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 # nothing can be reached there
-# JUPYTER_PATH: ipykernel's kernel 'python3' (the notebooks' -k python3), which jupyter_client starts with this
-# Python (its argv[0] 'python' is replaced by sys.executable)
-export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH JUPYTER_PATH=$SITE/share/jupyter
+# shellcheck source=scripts/device_env.sh
+source "$(dirname "$0")/device_env.sh" # SITE, the environment, install_wheels
 
 stamp() { echo "=== $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*"; }
 left() { echo $((BUDGET - RESERVE - ($(date +%s) - START))); }
@@ -82,14 +78,7 @@ show_pytest() {
 
 main() {
     stamp "start: steps $STEPS, budget ${BUDGET}s"
-    if [[ ! -f $SITE/.installed ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-            .whl/*.whl && touch "$SITE/.installed" || {
-            echo "wheel install failed"
-            return 1
-        }
-        stamp "wheels installed"
-    fi
+    install_wheels || return 1
     if [[ ! -f $WORK/env.txt ]]; then
         {
             nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
