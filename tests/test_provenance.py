@@ -134,6 +134,22 @@ def clone_eval(results: Path, method: str, seed: int, edit=None) -> Path:
     return dst
 
 
+def test_hardware_tells_cpu_generations_and_kernel_levels_apart():
+    """ "AMD EPYC" named two 2-core machines whose runs of one config diverged (docs/workflow.md, "The
+    testbed"): the manifest also records vendor, family, model and stepping, and torch's CPU kernel level."""
+    import platform
+    import re
+
+    import torch
+
+    from d3s.provenance.manifest import hardware
+
+    info = hardware()
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if Path("/proc/cpuinfo").is_file() and platform.machine() == "x86_64":
+        assert re.fullmatch(r"\w+ family \d+ model \d+ stepping \d+", info["cpu_id"])
+
+
 @pytest.mark.slow
 def test_training_manifest_records_every_listed_field(real_results, tiny_sft_model):
     manifest = read(real_results / "runs" / "grpo" / "seed0" / "manifest.json")
@@ -143,7 +159,7 @@ def test_training_manifest_records_every_listed_field(real_results, tiny_sft_mod
     assert manifest["versions"]["trl"] and manifest["versions"]["torch"]
     assert len(manifest["git"]["commit"]) == 40 and isinstance(manifest["git"]["dirty"], bool)
     assert manifest["seed"] == 0 and manifest["torch_threads"] == 1
-    assert {"cpu", "cpu_count", "gpus", "gpu_count"} <= set(manifest["hardware"])
+    assert {"cpu", "cpu_id", "cpu_capability", "cpu_count", "gpus", "gpu_count"} <= set(manifest["hardware"])
     assert manifest["finished"] and manifest["started"] <= manifest["finished"]
     for name in ("config.json", "model.safetensors", "tokenizer.json"):  # the base model's files, weights too
         assert manifest["inputs"][f"model/{name}"]["sha256"] == sha256(tiny_sft_model / name)

@@ -74,14 +74,21 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
 def hardware() -> dict[str, Any]:
     import torch
 
-    names = []
+    fields: dict[str, str] = {}
     with contextlib.suppress(OSError):  # no /proc/cpuinfo: not Linux
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    cpu = (names or [platform.processor() or platform.machine()])[0]
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
+    # "AMD EPYC" names several generations; vendor, family, model and stepping tell them apart, and torch's
+    # kernel level (AVX2, AVX512, ...) decides the float results: runs on two such machines may diverge
+    ident = [fields.get(key) for key in ("vendor_id", "cpu family", "model", "stepping")]
+    cpu_id = "{} family {} model {} stepping {}".format(*ident) if all(ident) else None
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]  # 0 without CUDA
     return {
         "cpu": cpu,
+        "cpu_id": cpu_id,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "gpus": gpus,
         "gpu_count": len(gpus),

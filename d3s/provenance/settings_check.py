@@ -67,7 +67,12 @@ THREADS_WHY = "torch threads change CPU numerics and the wall-clock compared"
 _SHARED_TAIL = (
     ("versions.*", AGREE, "package versions change what is computed"),
     ("git.*", WARN, "the code's commit and dirty flag; stated, not refused (docs/workflow.md)"),
-    ("hardware.*", WARN, "different machines: wall-clock times are not comparable across them"),
+    (
+        "hardware.*",
+        WARN,
+        "different machines: wall-clock times are not comparable across them, and another CPU "
+        "(cpu_id, cpu_capability) can change the float results and so the trajectories",
+    ),
     ("torch_interop_threads", WARN, "follows the machine's CPU count"),
     ("started", FREE, "start time"),
     ("finished", FREE, "end time"),
