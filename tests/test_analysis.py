@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO_ROOT
 from scipy import stats
 
-from d3s.analysis import figures, io, tables
+from d3s.analysis import claims, figures, io, tables
 from d3s.analysis.report import write_claims, write_report
 from d3s.provenance.settings_check import MixedSettingsError, load_provenance, write_provenance
 
@@ -169,7 +169,7 @@ def test_efficiency_table_takes_the_final_pass_at_1_from_the_final_evaluation(re
     run = results / "eval" / "d3s" / "seed0"
     _summary(run / "step2" / "summary.json", 0.5, 0.5, correct=[[True, False, True, False]] * 2)
     curves = tables.learning_curves(io.load_curve_evals(results), metrics)
-    finals = tables.final_pass_at_1(io.load_evals(results))
+    finals = claims.per_seed_pass_at_k(io.load_evals(results), 1)
     assert finals.set_index(["method", "seed"]).loc[("d3s", 0), "value"] == pytest.approx(0.4)
     eff = tables.efficiency_table(curves, metrics, finals=finals).set_index("method")
     assert eff.loc["d3s", "final_pass1"] == pytest.approx(100 * (0.4 + 0.41) / 2)

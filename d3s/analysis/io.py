@@ -12,6 +12,7 @@ import pandas as pd
 
 from d3s.evaluation.kl import KL_FILE
 from d3s.evaluation.metrics import pass_at_k
+from d3s.evaluation.runner import SAMPLES_FILE
 from d3s.provenance import layout
 from d3s.provenance.settings_check import MixedSettingsError, load_provenance
 
@@ -120,7 +121,12 @@ def load_curve_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataF
     results = Path(results)
     checkpoints = evals[(evals["step"] > 0) & ~evals["final"] & (evals["benchmark"] != "average")]
     ks = checkpoints.groupby(["method", "seed"])["k"].agg(lambda k: sorted(set(k)))
-    problem_sets: dict[Path, frozenset[str]] = {}  # per checkpoint samples file
+    read: dict[Path, list[dict]] = {}  # samples files, each read once (the base model's serves every run)
+
+    def samples(path: Path) -> list[dict]:
+        if path not in read:
+            read[path] = read_jsonl(path)
+        return read[path]
 
     def checkpoint_problems(method: str, seed: int, benchmark: str) -> frozenset[str]:
         rows = checkpoints[
@@ -128,12 +134,13 @@ def load_curve_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataF
             & (checkpoints["seed"] == seed)
             & (checkpoints["benchmark"] == benchmark)
         ]
-        sets = set()
-        for manifest in sorted(set(rows["manifest"])):
-            path = results / Path(manifest).parent / benchmark / "samples.jsonl"
-            if path not in problem_sets:
-                problem_sets[path] = frozenset(str(r["problem_id"]) for r in read_jsonl(path))
-            sets.add(problem_sets[path])
+        sets = {
+            frozenset(
+                str(r["problem_id"])
+                for r in samples(results / Path(manifest).parent / benchmark / SAMPLES_FILE)
+            )
+            for manifest in set(rows["manifest"])
+        }
         if len(sets) != 1:
             raise ValueError(
                 f"the checkpoints of {method} seed {seed} were evaluated on different {benchmark} problems "
@@ -152,9 +159,9 @@ def load_curve_evals(results: str | Path, allow_mixed: bool = False) -> pd.DataF
         drop += list(ends.index)
         for (manifest, benchmark), rows in ends.groupby(["manifest", "benchmark"]):
             first = rows.iloc[0].to_dict()
-            samples = results / Path(manifest).parent / benchmark / "samples.jsonl"
+            path = results / Path(manifest).parent / benchmark / SAMPLES_FILE
             problems = checkpoint_problems(method, seed, benchmark)
-            values = _pass_at_k_on(read_jsonl(samples), problems, run_ks, samples)
+            values = _pass_at_k_on(samples(path), problems, run_ks, path)
             for k, value in values.items():
                 keep = {key: first[key] for key in ("method", "seed", "step", "final", "manifest")}
                 rescored.append(keep | {"benchmark": benchmark, "k": k, "value": value})

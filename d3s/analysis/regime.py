@@ -30,12 +30,13 @@ from d3s.analysis.claims import (
     detectable_shift,
     holm,
     paired_t,
+    per_seed_pass_at_k,
     pods_protocol,
     ratio_row,
     verdict,
 )
 from d3s.analysis.io import load_evals, load_metrics
-from d3s.analysis.tables import final_pass_at_1, markdown_table
+from d3s.analysis.tables import markdown_table
 from d3s.methods import METHODS, Method, method_trainer
 from d3s.provenance.manifest import atomic_write_text, write_json
 from d3s.provenance.settings_check import MixedSettingsError, compare, load_provenance
@@ -232,7 +233,7 @@ def point_gaps(
     # seeds x methods, on [0, 1]: the final models' Pass@1 on their own evaluation (the claims' pairs), and
     # the curves' last points, on the checkpoints' problems as the rest of each curve (io.load_curve_evals)
     evals = load_evals(results, allow_mixed=allow_mixed)
-    final = final_pass_at_1(evals).pivot(index="seed", columns="method", values="value")
+    final = per_seed_pass_at_k(evals, 1).pivot(index="seed", columns="method", values="value")
     curve_end = totals["value"].unstack("method")
     rows, gaps = [], []
     for method in (m for m in methods if m != reference and m in final):

@@ -118,12 +118,6 @@ def speedups(
     return pd.Series(out, dtype=float)
 
 
-def final_pass_at_1(evals: pd.DataFrame) -> pd.DataFrame:
-    """method, seed, value: each final model's Pass@1 on its own evaluation (mean over benchmarks)."""
-    rows = evals[evals["final"].astype(bool) & (evals["k"] == 1) & (evals["benchmark"] != "average")]
-    return rows.groupby(["method", "seed"], as_index=False)["value"].mean()
-
-
 def efficiency_table(
     curves: pd.DataFrame,
     metrics: pd.DataFrame,
@@ -133,9 +127,9 @@ def efficiency_table(
 ):
     """The paper's Table 3 layout plus our costs: final Pass@1 (seed mean), its gain over the reference,
     update tokens and seconds per step, and the speedups to ``fraction`` of the reference's best Pass@1 in
-    steps, update tokens and wall-clock. ``finals`` (``final_pass_at_1``): the final Pass@1 from the final
-    models' own evaluation, where the curves' last points are on the checkpoints' problems
-    (d3s.analysis.io.load_curve_evals); without it, the curves' last points."""
+    steps, update tokens and wall-clock. ``finals`` (d3s.analysis.claims.per_seed_pass_at_k at k = 1): the
+    final Pass@1 from the final models' own evaluation, where the curves' last points are on the checkpoints'
+    problems (d3s.analysis.io.load_curve_evals); without it, the curves' last points."""
     final = finals if finals is not None else curves.loc[curves.groupby(["method", "seed"])["step"].idxmax()]
     per_method = final.groupby("method")["value"].agg(["mean", "count"])
     ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
