@@ -1,6 +1,7 @@
 # d3s-repro: the reproduction workflow. `snakemake --cores 2` runs the tiny offline default
 # (config/config.yaml); `snakemake --cores N --configfile config/paper/<name>.yaml` a paper configuration.
-# Stages, one file each under workflow/rules/: input checks, base model, train, evaluate, analyse, report.
+# Stages, one file each under workflow/rules/: input checks, base model, train, evaluate, analyse, report;
+# `--configfile config/studies/<name>.yaml` runs a study instead (study.smk, docs/studies.md).
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -19,6 +20,7 @@ include: "workflow/rules/common.smk"  # validates config against config/schema.y
 
 wildcard_constraints:
     method="[a-z0-9_]+",
+    base="[a-z0-9_]+",
     seed=r"\d+",
     step=r"\d+",
 
@@ -29,9 +31,10 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/study.smk"  # rules of a config's study section (docs/studies.md), if it has one
 
 
 rule all:
     default_target: True
     input:
-        report_md=f"{RESULTS}/report.md",
+        report_md=f"{RESULTS}/report.md" if STUDY is None else STUDY_REPORT,

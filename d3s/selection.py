@@ -2,7 +2,8 @@
 
 Sample level, which rollouts train: max_variance_subset, select_samples, renormalize_advantages (PODS).
 Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
-training, with round_half_up the one rounding rule for keep counts. vLLM's importance-sampling correction:
+training, with round_half_up the one rounding rule for keep counts; ScopeSwitch, the adaptive method's choice
+between cross- and intra-group selection from the gradient norm's spikes. vLLM's importance-sampling correction:
 zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity.md, "vLLM's importance-sampling
 correction").
 """
@@ -10,6 +11,7 @@ correction").
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -19,7 +21,7 @@ SampleRule = Literal["max_variance", "random", "max_reward", "none"]
 SampleScope = Literal["group", "batch"]
 TokenRule = Literal["adv_entropy", "entropy", "none"]
 TokenScope = Literal["batch", "micro_batch", "sequence"]
-ScheduleKind = Literal["constant", "linear"]
+ScheduleKind = Literal["constant", "linear", "two_phase", "cosine"]
 ZeroedRollouts = Literal["excluded", "trl"]
 
 SAMPLE_RULES: tuple[str, ...] = get_args(SampleRule)
@@ -316,8 +318,14 @@ def round_half_up(value: float) -> int:
 class Schedule:
     """(keep_per_prompt, token_keep_ratio) as a function of training progress p = step / max_steps.
 
-    ``linear``: N(p) = round_half_up((1 - p) N_init + p N_final), K(p) = (1 - p) K_init + p K_final.
-    ``constant``: the initial values throughout.
+    Each shape moves a value from its init to its final setting; N is rounded with round_half_up.
+
+    - ``constant``: the initial values throughout.
+    - ``linear`` (the paper): (1 - p) init + p final.
+    - ``two_phase``: init for the first half (p < 1/2, aggressive down-sampling), final for the second.
+    - ``cosine``: final + (init - final) (1 + cos(pi p)) / 2, slow at both ends, fastest at p = 1/2.
+
+    Every shape but ``constant`` stays between init and final, so N's reachable values are that range.
     """
 
     kind: ScheduleKind
@@ -329,11 +337,22 @@ class Schedule:
     def __post_init__(self) -> None:
         _check_choice("schedule", self.kind, SCHEDULES)
 
-    def _at(self, progress: float, init: float, final: float) -> float:
+    def weight_of_final(self, progress: float) -> float:
+        """w(p) in [0, 1]: a value at progress p is (1 - w) init + w final."""
         if math.isnan(progress):
             raise ValueError("training progress is NaN")
         p = min(max(progress, 0.0), 1.0)
-        return init if self.kind == "constant" else (1 - p) * init + p * final
+        if self.kind == "constant":
+            return 0.0
+        if self.kind == "two_phase":
+            return 0.0 if p < 0.5 else 1.0
+        if self.kind == "cosine":
+            return (1.0 - math.cos(math.pi * p)) / 2.0
+        return p
+
+    def _at(self, progress: float, init: float, final: float) -> float:
+        weight = self.weight_of_final(progress)
+        return init if weight == 0.0 else final if weight == 1.0 else (1 - weight) * init + weight * final
 
     def keep_per_prompt(self, progress: float) -> int:
         return round_half_up(self._at(progress, self.keep_per_prompt_init, self.keep_per_prompt_final))
@@ -346,3 +365,47 @@ class Schedule:
         final = self.keep_per_prompt_init if self.kind == "constant" else self.keep_per_prompt_final
         low, high = sorted((self.keep_per_prompt_init, final))
         return range(low, high + 1)
+
+
+# ---- the adaptive switch -----------------------------------------------------------------------------------
+
+
+def spike_ratios(grad_norms: Sequence[float], warmup: int = 3) -> list[float]:
+    """g_t / median(g_0 .. g_{t-1}) for every step t with at least ``warmup`` earlier steps: how far a step's
+    gradient norm jumps above what training has shown so far (NaN norms are skipped)."""
+    norms = [float(g) for g in grad_norms if not math.isnan(float(g))]
+    ratios = []
+    for t in range(max(warmup, 1), len(norms)):
+        earlier = sorted(norms[:t])
+        middle = len(earlier) // 2
+        median = earlier[middle] if len(earlier) % 2 else (earlier[middle - 1] + earlier[middle]) / 2
+        ratios.append(norms[t] / median if median > 0 else math.inf)
+    return ratios
+
+
+@dataclass(frozen=True)
+class ScopeSwitch:
+    """The adaptive method's sample scope: cross-group (``batch``) selection until the gradient norm spikes,
+    intra-group (``group``) from then on (the D3S paper's Appendix D.1: cross-group selection destabilises
+    poorly aligned models; D3S-I is stable on them).
+
+    The signal is the spike ratio of the latest optimizer step's gradient norm over the median of the earlier
+    ones (``spike_ratios``); the switch latches once a ratio exceeds ``threshold``. The threshold is a setting,
+    chosen on calibration seeds (docs/studies.md, "The adaptive switch").
+    """
+
+    threshold: float
+    warmup: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 1.0:
+            raise ValueError(f"scope switch threshold must be > 1 (a ratio to the median); got {self.threshold}")
+        if self.warmup < 1:
+            raise ValueError(f"scope switch warmup must be >= 1 step; got {self.warmup}")
+
+    def switched(self, grad_norms: Sequence[float]) -> bool:
+        """Whether some step of ``grad_norms`` (oldest first) spiked above the threshold."""
+        return any(ratio > self.threshold for ratio in spike_ratios(grad_norms, self.warmup))
+
+    def scope(self, grad_norms: Sequence[float]) -> SampleScope:
+        return "group" if self.switched(grad_norms) else "batch"

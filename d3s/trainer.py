@@ -104,7 +104,7 @@ class D3STrainer(
                 num_generations=self.num_generations,
                 keep_per_prompt=keep,
                 rule=self.args.sample_rule,
-                scope=self.args.sample_scope,
+                scope=self._sample_scope(),
                 generator=torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step),
                 eligible=None if zeroed is None else ~zeroed,
             )
@@ -250,6 +250,16 @@ class D3STrainer(
     def _excludes_zeroed(self) -> bool:  # the method's zeroed_rollouts "excluded", with vLLM's correction on
         correcting = self.use_vllm and self.vllm_importance_sampling_correction
         return self.args.zeroed_rollouts == "excluded" and correcting
+
+    def _sample_scope(self) -> str:
+        """The sample scope of this generation batch: the method's, or the adaptive switch's verdict on the
+        gradient norms of the optimizer steps so far (TrainerState.log_history, restored on resume)."""
+        switch = self.args.scope_switch()
+        if switch is None:
+            return self.args.sample_scope
+        scope = switch.scope([record["grad_norm"] for record in self.state.log_history if "grad_norm" in record])
+        self._metrics["train"]["selection/cross_group"].append(float(scope == "batch"))
+        return scope
 
     def _token_keep_ratio(self) -> float:
         """K at the current point of the schedule; 1 when the method has no token level."""

@@ -20,6 +20,7 @@ from d3s.selection import (
     TOKEN_SCOPES,
     ZEROED_ROLLOUTS,
     Schedule,
+    ScopeSwitch,
 )
 
 # Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked
@@ -48,6 +49,7 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         ["top_p", "token_keep_ratio", "token_keep_ratio_final"], (lambda v: 0 < v <= 1, "in (0, 1]")
     ),
+    "scope_switch_threshold": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
     "num_generations": (lambda v: v >= 2, ">= 2 (GRPO needs two rollouts per prompt for an advantage)"),
     "num_generations_eval": (lambda v: v >= 2, ">= 2"),
     "max_steps": (lambda v: v >= 1 or v == -1, ">= 1, or -1 to train for num_train_epochs"),
@@ -114,7 +116,13 @@ class D3SConfig(GRPOConfig):
     token_scope: str | None = _from_method("Where the top-K% of tokens is ranked.", TOKEN_SCOPES)
     token_keep_ratio: float | None = _from_method("K in (0, 1], the fraction of tokens kept (initial value).")
     token_keep_ratio_final: float | None = _from_method("K at the end of training under a linear schedule.")
-    schedule: str | None = _from_method("linear: N and K move with step / max_steps.", SCHEDULES)
+    schedule: str | None = _from_method(
+        "How N and K move with step / max_steps (constant, linear, two_phase, cosine).", SCHEDULES
+    )
+    scope_switch_threshold: float | None = _from_method(
+        "Adaptive scope: cross-group until the gradient norm's spike ratio exceeds this, then intra-group "
+        "(d3s.selection.ScopeSwitch); 0: off."
+    )
     minibatches_per_generation: int | None = _from_method("Optimizer steps per generation batch (GSPO: 4).")
     zeroed_rollouts: str | None = _from_method(
         "Rollouts and tokens vLLM's importance-sampling correction zeroed: 'excluded' takes no sample or "
@@ -185,7 +193,7 @@ class D3SConfig(GRPOConfig):
     def _resolve_from_method(self, method) -> None:
         keep_init, keep_final = method.keep_per_prompt(self.num_generations)
         same_names = ("sample_rule", "sample_scope", "renormalize", "token_rule", "token_scope", "schedule")
-        same_names += ("minibatches_per_generation", "zeroed_rollouts")
+        same_names += ("minibatches_per_generation", "zeroed_rollouts", "scope_switch_threshold")
         defaults = {name: getattr(method, name) for name in same_names} | {
             "keep_per_prompt": keep_init,
             "keep_per_prompt_final": keep_final,
@@ -231,6 +239,7 @@ class D3SConfig(GRPOConfig):
             )
         self._validate_token_loss()
         self._validate_selection_loss()
+        self._validate_scope_switch()
         # TRL splits the kept rows into steps_per_generation micro-batches and silently drops a remainder,
         # and every rank must hold the same number of rows: N x (per-device batch) / G must be whole.
         micro = self.per_device_train_batch_size
@@ -295,6 +304,32 @@ class D3SConfig(GRPOConfig):
                     f"docs/fidelity.md), which needs {name} {wanted}; got {getattr(self, name)!r}. Change "
                     f"{name}, or train method grpo (TRL's own loss)"
                 )
+
+    def _validate_scope_switch(self) -> None:
+        """The adaptive scope switches cross-group selection to intra-group, from every step's gradient norm."""
+        threshold = self.scope_switch_threshold
+        if not threshold:
+            return
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 1:
+            raise ValueError(
+                f"scope_switch_threshold must be 0 (off) or a ratio > 1 to the median gradient norm; got "
+                f"{threshold!r}"
+            )
+        if self.sample_rule == "none" or self.sample_scope != "batch":
+            raise ValueError(
+                "scope_switch_threshold switches cross-group selection to intra-group: it needs a sample_rule "
+                f"and sample_scope batch (got sample_rule {self.sample_rule!r}, sample_scope "
+                f"{self.sample_scope!r}); set scope_switch_threshold: 0 or sample_scope: batch"
+            )
+        if self.logging_steps != 1 or self.logging_strategy != "steps":
+            raise ValueError(
+                "scope_switch_threshold reads every step's gradient norm from the trainer's log: set "
+                f"logging_steps: 1 (got {self.logging_steps}, logging_strategy {self.logging_strategy!r})"
+            )
+
+    def scope_switch(self) -> ScopeSwitch | None:
+        """The adaptive scope's switch; None when the scope is fixed."""
+        return ScopeSwitch(float(self.scope_switch_threshold)) if self.scope_switch_threshold else None
 
     def _validate_token_loss(self) -> None:
         """Combinations of the token level with the loss that cannot mean what they say, refused up front."""

@@ -25,6 +25,8 @@ from d3s.orchestration.commands import (
 )
 from d3s.orchestration.gpu_slots import cuda_available, job_gpus
 from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
+from d3s.orchestration.variants import run_variants
+from d3s.studies import parse_study
 from d3s.vllm_engine import cpu_vllm_installed
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -129,9 +131,13 @@ def batch_settings(
     return trainer
 
 
-def _method_trainer(train_cfg: Mapping[str, Any], method: str, processes: int) -> dict[str, Any]:
-    """train.trainer with the method's overrides, its batch fixed for ``processes`` training processes."""
-    return batch_settings(method_trainer(train_cfg, method), train_cfg.get("prompts_per_step"), processes)
+def _method_trainer(
+    train_cfg: Mapping[str, Any], method: str, processes: int, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """train.trainer with the method's overrides (and a variant's ``overrides`` on top), its batch fixed for
+    ``processes`` training processes."""
+    trainer = method_trainer(train_cfg, method) | dict(overrides or {})
+    return batch_settings(trainer, train_cfg.get("prompts_per_step"), processes)
 
 
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
@@ -195,16 +201,21 @@ def check_workflow_config(
     TRL import): the schema, then what it cannot express (relations between keys, the GPUs against the
     batch, the memory plan from cached traces); ValueError with one line starting "config "."""
     validate_config(config, schema)
-    if config["analysis"]["reference"] not in config["methods"]:
+    try:
+        variants = run_variants(config)
+    except ValueError as exc:
+        raise ValueError(f"config {exc}") from None
+    if config["analysis"]["reference"] not in variants:
         reference = config["analysis"]["reference"]
-        raise ValueError(
-            f"config analysis.reference {reference!r} is not one of the methods {config['methods']}"
-        )
+        raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {list(variants)}")
     train_cfg = config["train"]
     try:
+        if config.get("bases") and config["base_model"]["kind"] != "tiny":
+            raise ValueError("bases: base-model variants rebuild the tiny base model; set base_model.kind tiny")
+        parse_study(config, variants)
         launch = train_launch(train_cfg, accelerate_dir)
-        for method in config["methods"]:
-            _method_trainer(train_cfg, method, launch.processes)
+        for variant in variants.values():
+            _method_trainer(train_cfg, variant.method, launch.processes, variant.trainer)
     except ValueError as exc:
         raise ValueError(f"config {exc}") from None
     problem = check_fit(config, launch)
@@ -222,10 +233,12 @@ def build_run_config(
     output_dir: str | os.PathLike[str],
     threads: int,
     processes: int = 1,
+    trainer_overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``d3s train`` config of one run (runs/<method>/seed<seed>/train.yaml); ``threads`` is the job's,
-    the config gets each training process's share, as resolved_config.yaml records it."""
-    trainer = _method_trainer(train_cfg, method, processes)
+    """The ``d3s train`` config of one run (runs/<name>/seed<seed>/train.yaml) of registry ``method``, a
+    variant's ``trainer_overrides`` on top; ``threads`` is the job's, the config gets each training process's
+    share, as resolved_config.yaml records it."""
+    trainer = _method_trainer(train_cfg, method, processes, trainer_overrides)
     dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
     if dataset["name"] == "synthetic":
         dataset = dict(task) | dataset
@@ -252,8 +265,9 @@ def resolved_trainer_configs(
     *,
     check_inputs: bool = True,
 ) -> dict[str, Any]:
-    """Every method's D3SConfig as its training job builds it (first seed), resolved on the CPU without GPUs
-    (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out per process."""
+    """Every run's D3SConfig (each method and variant) as its training job builds it (first seed), resolved
+    on the CPU without GPUs (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out
+    per process."""
     from d3s.runs.run import resolve_config
 
     train_cfg, seed, base = config["train"], int(config["seeds"][0]), config["base_model"]
@@ -266,14 +280,17 @@ def resolved_trainer_configs(
         "processes": training_processes(train_cfg, accelerate_dir),
     }
     resolved = {}
-    for method in config["methods"]:
-        output_dir = f"results/{config['experiment']}/runs/{method}/seed{seed}"
-        run = build_run_config(method=method, output_dir=output_dir, **shared)
+    for name, variant in run_variants(config).items():
+        output_dir = f"results/{config['experiment']}/runs/{name}/seed{seed}"
+        run = build_run_config(
+            method=variant.method, output_dir=output_dir, trainer_overrides=variant.trainer, **shared
+        )
         run["trainer"] = dict(run["trainer"]) | {"use_cpu": True}
         try:
-            resolved[method] = resolve_config(run, check_hardware=False, check_inputs=check_inputs)
+            resolved[name] = resolve_config(run, check_hardware=False, check_inputs=check_inputs)
         except ValueError as err:
-            raise ValueError(f"train.trainer (method {method}): {err}") from None
+            where = f"method {name}" if name == variant.method else f"variant {name}: variants.{name}.trainer"
+            raise ValueError(f"train.trainer ({where}): {err}") from None
     return resolved
 
 

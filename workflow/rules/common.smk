@@ -7,17 +7,27 @@ from pathlib import Path
 from snakemake.utils import update_config
 
 from d3s.orchestration.run_config import check_workflow_config, typed_config_overrides
+from d3s.orchestration.variants import Variant, base_model_settings, extended_config, run_variants
 from d3s.provenance.integrity import set_aside_corrupt_final_models
+from d3s.studies import parse_study
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
 ENV = "../../environment.yml"
 ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"  # accelerate configs of GPU training jobs
 # --config lists and mappings with their YAML types (Snakemake reads their values as strings: seeds=[0,1])
 update_config(config, typed_config_overrides(workflow.config_settings.config_args))
+# A config that extends another (config/studies/*.yaml extend config/config.yaml) is laid over it, in place.
+if "extends" in config:
+    _extended = extended_config(config, workflow.basedir)
+    config.clear()
+    config.update(_extended)
 # The schema (filling the defaults in) and what it cannot express; a bad config ends in one line, no job.
 check_workflow_config(config, ACCELERATE_DIR, f"{workflow.basedir}/config/schema.yaml")
 RESULTS = f"results/{config['experiment']}"
 METHODS = config["methods"]
+# Every run name: the registry's methods and a study's named variants of them (d3s.orchestration.variants).
+VARIANTS = run_variants(config)
+STUDY = parse_study(config, VARIANTS)  # None unless the config declares a study (docs/studies.md)
 SEEDS = config["seeds"]
 TRAINER = config["train"]["trainer"]
 MAX_STEPS = TRAINER["max_steps"]
@@ -33,6 +43,27 @@ ANALYSIS = config["analysis"]
 TINY_BASE = config["base_model"]["kind"] == "tiny"
 BASE_MODEL = f"{RESULTS}/base_model" if TINY_BASE else config["base_model"]["path"]
 BASE_MODEL_INPUT = [f"{BASE_MODEL}/config.json"] if TINY_BASE else []  # rule base_model's output
+
+
+def variant_of(name):
+    """The run ``name``: a declared method or variant, else the registry method of that name."""
+    return VARIANTS.get(name) or Variant(name, name)
+
+
+def base_dir(base):
+    """The folder of base model ``base`` (a name under bases; None: the config's own base model)."""
+    return BASE_MODEL if base is None else f"{RESULTS}/base_models/{base}"
+
+
+def run_base_input(wildcards):
+    """The base-model file a run waits for: the config's base model, or its variant's."""
+    base = variant_of(wildcards.method).base
+    return BASE_MODEL_INPUT if base is None else [f"{base_dir(base)}/config.json"]
+
+
+def run_base_model(wildcards):
+    """The base model a run starts from (its KL's initial policy)."""
+    return base_dir(variant_of(wildcards.method).base)
 
 
 def model_param(wildcards, input):

@@ -41,7 +41,7 @@ if EV["jobs"] == "model":
                 samples=samples,
                 k=k,
                 limit=limit,
-                reference=BASE_MODEL,  # the initial policy of the KL (eval.kl)
+                reference=run_base_model,  # the initial policy of the KL (eval.kl)
                 train=config["train"],
             threads: EV["threads"]
             resources:
@@ -73,7 +73,7 @@ else:
             run=lambda wildcards, input: str(Path(input.summary).parent),  # the run's folder
             eval=EV_PARAMS,
             task=TASK,
-            reference=BASE_MODEL,  # the initial policy of the KL (eval.kl)
+            reference=run_base_model,  # the initial policy of the KL (eval.kl)
             train=config["train"],
         threads: EV["threads"]
         resources:

@@ -3,7 +3,7 @@
 
 rule train:
     input:
-        BASE_MODEL_INPUT,
+        run_base_input,
     output:
         config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
@@ -11,6 +11,7 @@ rule train:
     # Checkpoints and logs are not outputs: a killed job resumes (docs/workflow.md, "The run logs ...").
     params:
         model=model_param,
+        variant=lambda wildcards: variant_of(wildcards.method).as_param(),  # the registry method, overrides
         train=config["train"],
         task=TASK,
         data_dir=config["train"].get("data_dir"),

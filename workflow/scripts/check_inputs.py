@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
-from d3s.methods import method_trainer
 from d3s.orchestration.run_config import resolved_trainer_configs
+from d3s.orchestration.variants import run_variants
 from d3s.provenance.manifest import atomic_write_text, now, write_json
 from d3s.runs.config import check_model_dir
 from d3s.vllm_engine import keep_vllm_out_of_this_process
@@ -17,10 +17,11 @@ from d3s.vllm_engine import keep_vllm_out_of_this_process
 
 def check_trainer_settings(request: dict[str, Any]) -> dict[str, Any]:
     config = request["config"]
-    if not any(method_trainer(config["train"], method).get("use_vllm") for method in config["methods"]):
+    variants = run_variants(config)
+    if not any(v.train_settings(config["train"]).get("use_vllm") for v in variants.values()):
         keep_vllm_out_of_this_process()  # else TRL imports it to resolve the configs: 7-9 s on the CPU
     resolved_trainer_configs(config, request["accelerate_dir"], request["task"], check_inputs=False)
-    return {"methods": list(config["methods"])}
+    return {"methods": list(variants)}
 
 
 def check_base_model(request: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from d3s.runs.run import config_differences, supersede_run
 from d3s.vllm_engine import keep_vllm_out_of_this_process
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
-method, seed = smk.wildcards.method, int(smk.wildcards.seed)
+name, seed = smk.wildcards.method, int(smk.wildcards.seed)  # a method, or a study's variant of one
+method, trainer_overrides = smk.params.variant["method"], smk.params.variant["trainer"]
 train_cfg = smk.params.train
 run_dir = Path(smk.output.config).parent
 accelerate_dir = Path(__file__).resolve().parents[1] / "accelerate"  # __file__: this script
@@ -31,6 +32,7 @@ config = coerce_run_config(
         output_dir=run_dir,
         threads=int(smk.threads),
         processes=launch.processes,
+        trainer_overrides=trainer_overrides,
     )
 )
 # A job cut off midway resumes from its last checkpoint (resume: auto); one whose configuration really changed
@@ -57,7 +59,7 @@ if launch.job_gpus == 0:
     with open(smk.log[0], "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         train(config)
 else:
-    label = f"{smk.rule} {method} seed{seed}"
+    label = f"{smk.rule} {name} seed{seed}"
     with gpu_job(smk.log[0], launch.job_gpus, label, mode="a") as gpu_ids:
         print(f"{label}: GPU(s) {gpu_ids}", flush=True)
         run_training_job(

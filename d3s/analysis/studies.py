@@ -1,0 +1,413 @@
+"""A study's analysis (docs/studies.md): one value per (run, seed) and measure, read from the run's logs and
+evaluations; the study's claims with paired 95 % intervals, Holm over the study's comparisons and the
+smallest detectable effect; its figure; and its report section, written to
+``results/<experiment>/studies/<name>/`` (report.md, claims.csv, measures.csv, figure.png|pdf and, for a
+calibration, calibration.csv).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from d3s.analysis.claims import COLUMNS, Claim, _row, holm, paired_t, t_interval
+from d3s.analysis.figures import save
+from d3s.analysis.io import read_jsonl
+from d3s.analysis.tables import markdown_table
+from d3s.orchestration.variants import Variant, run_variants
+from d3s.provenance.manifest import atomic_write_text
+from d3s.selection import spike_ratios
+from d3s.studies import MEASURES, Study, StudyClaim, parse_study
+
+KL_FILE = "kl.json"
+WARMUP = 3  # steps of history before a spike ratio counts: ScopeSwitch's default
+
+
+# ---- one value per (run, seed) -----------------------------------------------------------------------------
+
+
+def pass_at(summary: Path, k: int | None = None) -> float:
+    """Pass@k in points from an evaluation's summary.json (the mean over its benchmarks; k None: the largest
+    k evaluated); NaN when the file is missing."""
+    if not summary.is_file():
+        return math.nan
+    benchmarks = json.loads(summary.read_text(encoding="utf-8")).get("benchmarks", {})
+    values = []
+    for info in benchmarks.values():
+        table = {int(key): value for key, value in (info.get("pass_at_k") or {}).items()}
+        if table:
+            values.append(table[max(table) if k is None else k])
+    return 100 * float(np.mean(values)) if values else math.nan
+
+
+def _metrics(run: Path) -> pd.DataFrame:
+    path = run / "metrics.jsonl"
+    rows = [r for r in read_jsonl(path) if "loss" in r or "reward" in r] if path.is_file() else []
+    if not rows:
+        return pd.DataFrame()
+    return pd.DataFrame(rows).sort_values("step").drop_duplicates("step", keep="last").reset_index(drop=True)
+
+
+def _column_mean(metrics: pd.DataFrame, column: str) -> float:
+    return float(metrics[column].mean()) if column in metrics and metrics[column].notna().any() else math.nan
+
+
+def _spike(grad_norms: Sequence[float]) -> float:
+    norms = np.asarray([g for g in grad_norms if not math.isnan(g)], dtype=float)
+    return float(norms.max() / np.median(norms)) if len(norms) and np.median(norms) > 0 else math.nan
+
+
+def _eval_steps(evals: Path) -> list[int]:
+    return sorted(int(p.name[4:]) for p in evals.glob("step*") if p.name[4:].isdigit())
+
+
+def run_values(results: Path, name: str, seed: int, ood: str | None = None) -> dict[str, float]:
+    """Every measure of d3s.studies.MEASURES for run ``name`` at ``seed`` (NaN where it has no data)."""
+    run, evals = results / "runs" / name / f"seed{seed}", results / "eval" / name / f"seed{seed}"
+    metrics = _metrics(run)
+    values = dict.fromkeys(MEASURES, math.nan)
+    values["pass_at_1"] = pass_at(evals / "final" / "summary.json", 1)
+    values["pass_at_k"] = pass_at(evals / "final" / "summary.json")
+    steps = _eval_steps(evals)
+    if steps:
+        values["early_pass_at_1"] = pass_at(evals / f"step{steps[0]}" / "summary.json", 1)
+    kl_points = [evals / "final"] + [evals / f"step{step}" for step in reversed(steps)]
+    for point in kl_points:  # the last evaluated checkpoint with a KL record
+        if (point / KL_FILE).is_file():
+            values["kl"] = float(json.loads((point / KL_FILE).read_text(encoding="utf-8"))["k3"])
+            break
+    if ood is not None:
+        values["ood_pass_at_1"] = pass_at(results / "eval_ood" / ood / name / f"seed{seed}" / "summary.json", 1)
+    if metrics.empty:
+        return values
+    if "reward" in metrics:
+        last_quarter = metrics["reward"].iloc[-max(1, math.ceil(len(metrics) / 4)) :]
+        values["train_reward"] = 100 * float(last_quarter.mean())
+        values["generalization_gap"] = values["train_reward"] - values["pass_at_1"]
+    values["grad_norm"] = _column_mean(metrics, "grad_norm")
+    if "grad_norm" in metrics:
+        values["grad_norm_spike"] = _spike(metrics["grad_norm"].astype(float).tolist())
+    values["entropy"] = _column_mean(metrics, "entropy")
+    # a run without a token level trains every token: its selected tokens are all of them
+    selected = _column_mean(metrics, "selection/entropy_selected")
+    values["entropy_selected"] = values["entropy"] if math.isnan(selected) else selected
+    values["cross_group_fraction"] = _column_mean(metrics, "selection/cross_group")
+    return values
+
+
+def study_values(results: str | Path, study: Study, seeds: Sequence[int]) -> pd.DataFrame:
+    """Long table: run, seed, measure, value, for the study's runs and seeds."""
+    results = Path(results)
+    ood = study.ood.name if study.ood else None
+    rows = [
+        {"run": name, "seed": int(seed), "measure": measure, "value": value}
+        for name in study.runs
+        for seed in seeds
+        for measure, value in run_values(results, name, int(seed), ood).items()
+        if measure in study.measures
+    ]
+    return pd.DataFrame(rows, columns=["run", "seed", "measure", "value"])
+
+
+# ---- claims ------------------------------------------------------------------------------------------------
+
+
+def _wide(values: pd.DataFrame, measure: str) -> pd.DataFrame:
+    """seed x run table of one measure."""
+    rows = values[values["measure"] == measure]
+    return rows.pivot_table(index="seed", columns="run", values="value", aggfunc="mean", dropna=False)
+
+
+def _claim(spec: StudyClaim, name: str) -> Claim:
+    description, unit = MEASURES[spec.measure]
+    kind = "difference"
+    if spec.kind == "slope":
+        unit = f"{unit} per decade"
+    return Claim(name, spec.statement, unit, spec.direction, kind)
+
+
+def _paired_row(claim: Claim, differences: pd.Series, method: str, reference: str, note: str) -> dict:
+    row = _row(claim, method, reference, paired_t(differences), note)
+    clean = differences.dropna()
+    row["seed_sd"] = float(clean.std(ddof=1)) if len(clean) > 1 else math.nan
+    return row
+
+
+def slope_per_seed(table: pd.DataFrame, runs: Sequence[str], xs: Sequence[float]) -> pd.Series:
+    """Per seed, the least-squares slope of the measure against log10 x over ``runs``."""
+    logs = np.log10(np.asarray(xs, dtype=float))
+    slopes = {}
+    for seed, row in table.reindex(columns=list(runs)).iterrows():
+        y = row.to_numpy(dtype=float)
+        keep = ~np.isnan(y)
+        slopes[seed] = float(np.polyfit(logs[keep], y[keep], 1)[0]) if keep.sum() >= 2 else math.nan
+    return pd.Series(slopes, dtype=float)
+
+
+def claim_rows(values: pd.DataFrame, study: Study, variants: Mapping[str, Variant]) -> pd.DataFrame:
+    """Every claim of the study: a row per comparison (columns of d3s.analysis.claims.COLUMNS), Holm over all
+    of them."""
+    rows = []
+    for spec in study.claims:
+        table = _wide(values, spec.measure)
+        name = f"{spec.measure}_{spec.kind}"
+        claim = _claim(spec, name)
+        if spec.kind == "versus":
+            for run in spec.runs:
+                if run == spec.reference:
+                    continue
+                both = table.reindex(columns=[run, spec.reference])
+                rows.append(_paired_row(claim, both[run] - both[spec.reference], run, spec.reference, ""))
+        elif spec.kind == "slope":
+            xs = [variants[run].x for run in spec.runs]
+            slopes = slope_per_seed(table, spec.runs, xs)
+            note = "least-squares slope per seed against log10 x: " + ", ".join(
+                f"{run} {x:g}" for run, x in zip(spec.runs, xs, strict=True)
+            )
+            rows.append(_paired_row(claim, slopes, "slope", "log10 x", note))
+        else:  # interaction: (a - b) - (c - d), per seed
+            a, b, c, d = spec.runs
+            both = table.reindex(columns=[a, b, c, d])
+            contrast = (both[a] - both[b]) - (both[c] - both[d])
+            rows.append(_paired_row(claim, contrast, f"({a} - {b})", f"({c} - {d})", "interaction per seed"))
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    verdicts = zip(table["verdict"], holm(table["p_value"]), strict=True)
+    table["verdict_holm"] = [v if rejected else "inconclusive" for v, rejected in verdicts]
+    return table
+
+
+# ---- calibration (the adaptive switch's threshold) -----------------------------------------------------------
+
+
+def calibration_table(results: Path, study: Study, variants: Mapping[str, Variant]) -> pd.DataFrame:
+    """Per calibration run and seed: its largest spike ratio (d3s.selection.spike_ratios) and, for each
+    candidate threshold, whether the adaptive switch would have fired."""
+    assert study.calibration is not None
+    rows = []
+    for name in study.calibration.runs:
+        for seed in study.calibration.seeds:
+            metrics = _metrics(results / "runs" / name / f"seed{seed}")
+            norms = metrics["grad_norm"].astype(float).tolist() if "grad_norm" in metrics else []
+            ratios = spike_ratios(norms, WARMUP)
+            row = {"run": name, "base": variants[name].base or "default", "seed": seed}
+            row["max_spike_ratio"] = max(ratios) if ratios else math.nan
+            for threshold in study.calibration.thresholds:
+                row[f"switches_above_{threshold:g}"] = bool(any(r > threshold for r in ratios))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def chosen_threshold(calibration: pd.DataFrame, thresholds: Sequence[float]) -> float:
+    """The rule: the smallest candidate above every spike ratio the default base model showed (so the
+    switch never fires on the calibration runs of a well-aligned model); NaN when none is."""
+    aligned = calibration.loc[calibration["base"] == "default", "max_spike_ratio"].max()
+    above = [t for t in sorted(thresholds) if t > aligned]
+    return above[0] if above else math.nan
+
+
+# ---- figure ------------------------------------------------------------------------------------------------
+
+
+def _label(variants: Mapping[str, Variant], name: str) -> str:
+    return variants[name].label or name
+
+
+def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Variant]):
+    """One panel per figure measure: mean and 95 % t-interval over seeds (points: the seeds), per run, or
+    against x on a log axis, or one series per group of runs."""
+    import matplotlib.pyplot as plt
+
+    measures = study.figure_measures
+    fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.6), squeeze=False)
+    groups = study.figure_groups or {"": study.runs}
+    for ax, measure in zip(axes[0], measures, strict=True):
+        table = _wide(values, measure)
+        for offset, (group, runs) in enumerate(groups.items()):
+            if study.figure_axis == "x":
+                xs = np.asarray([variants[r].x for r in runs], dtype=float)
+            else:
+                xs = np.arange(len(runs)) + (offset - (len(groups) - 1) / 2) * 0.12
+            means, halves = [], []
+            for x, run in zip(xs, runs, strict=True):
+                seeds = table[run].dropna() if run in table else pd.Series(dtype=float)
+                result = t_interval(seeds)
+                means.append(result["estimate"])
+                halves.append((result["ci_high"] - result["ci_low"]) / 2)
+                ax.scatter(np.full(len(seeds), x), seeds, s=9, alpha=0.35, color=f"C{offset}")
+            halves = [0.0 if math.isnan(h) else h for h in halves]
+            ax.errorbar(xs, means, yerr=halves, marker="o", capsize=3, color=f"C{offset}", label=group or None)
+        if study.figure_axis == "x":
+            ax.set_xscale("log")
+            runs = list(groups.values())[0]
+            ax.set_xticks([variants[r].x for r in runs], [_label(variants, r) for r in runs], fontsize=8)
+        else:
+            runs = list(groups.values())[0]
+            ax.set_xticks(np.arange(len(runs)), [_label(variants, r) for r in runs], fontsize=8, rotation=20)
+        description, unit = MEASURES[measure]
+        ax.set_title(description, fontsize=9)
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if len(groups) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(study.title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, (float, np.floating)) else str(value)
+
+
+def claims_markdown(claims: pd.DataFrame) -> str:
+    columns = {
+        "claim": lambda r: r["claim"],
+        "run": lambda r: r["method"],
+        "against": lambda r: r["reference"],
+        "estimate [95 % CI]": lambda r: f"{_fmt(r['estimate'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]",
+        "unit": lambda r: r["unit"],
+        "seeds": lambda r: r["seeds"],
+        "verdict": lambda r: r["verdict"],
+        "after Holm": lambda r: r["verdict_holm"],
+        "detectable": lambda r: _fmt(r["min_detectable_effect"]),
+        "statement": lambda r: r["statement"],
+    }
+    return markdown_table((row for _, row in claims.iterrows()), columns)
+
+
+def base_pass_at_1(results: Path, base: str | None) -> float:
+    folder = results / "eval" / ("base" if base is None else f"bases/{base}")
+    return pass_at(folder / "summary.json", 1)
+
+
+def study_report(
+    results: Path,
+    study: Study,
+    config: Mapping[str, Any],
+    variants: Mapping[str, Variant],
+    values: pd.DataFrame,
+    claims: pd.DataFrame,
+    calibration: pd.DataFrame | None,
+) -> str:
+    """The study's report section (Markdown)."""
+    seeds = [int(s) for s in config["seeds"]]
+    lines = [f"## {study.title}", "", f"**The question, as the papers leave it.** {study.question}", ""]
+    if study.setup:
+        lines += [f"**Setup.** {study.setup}", ""]
+    trainer = config["train"]["trainer"]
+    lines += [
+        f"The default's testbed (config/config.yaml): {trainer.get('max_steps')} steps of "
+        f"{trainer.get('per_device_train_batch_size')} rollouts (G = {trainer.get('num_generations')}), "
+        f"seeds {', '.join(map(str, seeds))} paired across the runs (a seed fixes the data order and the "
+        "sampling), every final model evaluated on the held-out problems. Runs:",
+        "",
+    ]
+    run_rows = []
+    for name in study.runs:
+        variant = variants[name]
+        overrides = ", ".join(f"{k}: {v}" for k, v in variant.trainer.items()) or "-"
+        table = _wide(values, "pass_at_1")
+        result = t_interval(table[name].dropna()) if name in table else {"estimate": math.nan}
+        run_rows.append(
+            {
+                "run": name,
+                "label": variant.label or name,
+                "method": variant.method,
+                "overrides": overrides,
+                "base": variant.base or "default",
+                "base_pass": _fmt(base_pass_at_1(results, variant.base), 1),
+                "pass": _fmt(result["estimate"], 1),
+            }
+        )
+    columns = {
+        "run": "{run}",
+        "label": "{label}",
+        "method": "{method}",
+        "trainer overrides": "{overrides}",
+        "base model (its Pass@1)": "{base} ({base_pass})",
+        "final Pass@1 (mean)": "{pass}",
+    }
+    lines += [markdown_table(run_rows, columns), ""]
+    if study.ood is not None:
+        task = ", ".join(f"{k} {v}" for k, v in study.ood.task.items())
+        ood_base = pass_at(results / "eval_ood" / study.ood.name / "base" / "summary.json", 1)
+        lines += [
+            f"Held-out problems unlike the training ones ({study.ood.name}): the task with {task}; the base "
+            f"model's Pass@1 on them {_fmt(ood_base, 1)}.",
+            "",
+        ]
+    lines += [f"![{study.title}](figure.png)", "", "**Verdicts** (95 % intervals over the paired seeds; Holm "
+              "over the study's comparisons; 'detectable': the smallest true effect the seeds detect with 80 % "
+              "power):", "", claims_markdown(claims), ""]
+    counts = claims["verdict_holm"].value_counts().to_dict()
+    lines += [
+        "After Holm: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in ("supported", "refuted", "inconclusive"))
+        + f" of {len(claims)} comparisons.",
+        "",
+    ]
+    if calibration is not None and not calibration.empty:
+        assert study.calibration is not None
+        chosen = chosen_threshold(calibration, study.calibration.thresholds)
+        declared = sorted({float(variants[r].trainer.get("scope_switch_threshold", math.nan)) for r in study.runs
+                           if "scope_switch_threshold" in variants[r].trainer})
+        from d3s.methods import METHODS
+
+        registry = sorted({m.scope_switch_threshold for m in METHODS.values() if m.scope_switch_threshold})
+        lines += [
+            f"**Calibration** (seeds {', '.join(map(str, study.calibration.seeds))}, outside the study's): the "
+            "largest spike ratio of each calibration run (a step's gradient norm over the median of the "
+            f"earlier ones, after {WARMUP} steps) and whether each candidate threshold would have switched:",
+            "",
+            calibration.to_markdown(index=False, floatfmt=".2f") if _has_tabulate() else calibration.to_string(),
+            "",
+            f"The rule (the smallest candidate above every ratio the default base model showed) chooses "
+            f"{_fmt(chosen)}; the registry's threshold is {', '.join(map(str, registry)) or '-'}"
+            + (f", the study's runs set {declared}" if declared else "")
+            + (". They agree." if registry and chosen in registry else ". THEY DIFFER: update d3s/methods.py.")
+            ,
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_study(results: str | Path, config: Mapping[str, Any]) -> dict[str, Path]:
+    """Everything of the config's study under ``results``/studies/<name>/; returns the files written."""
+    results = Path(results)
+    variants = run_variants(config)
+    study = parse_study(config, variants)
+    if study is None:
+        raise ValueError("the config has no study section (config/studies/<name>.yaml)")
+    out = results / "studies" / study.name
+    out.mkdir(parents=True, exist_ok=True)
+    values = study_values(results, study, config["seeds"])
+    claims = claim_rows(values, study, variants)
+    calibration = calibration_table(results, study, variants) if study.calibration else None
+    written = {"measures": out / "measures.csv", "claims": out / "claims.csv", "report": out / "report.md"}
+    atomic_write_text(written["measures"], values.to_csv(index=False))
+    atomic_write_text(written["claims"], claims.to_csv(index=False))
+    if calibration is not None:
+        written["calibration"] = out / "calibration.csv"
+        atomic_write_text(written["calibration"], calibration.to_csv(index=False))
+    figure = study_figure(values, study, variants)
+    written["figure"], written["pdf"] = save(figure, out / "figure")
+    report = study_report(results, study, config, variants, values, claims, calibration)
+    atomic_write_text(written["report"], report)
+    return written
