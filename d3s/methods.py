@@ -1,8 +1,8 @@
 """The method registry: one table from method name to its selection settings.
 
 Keep counts are given as fractions of the rollouts per prompt G so one entry serves every G: the paper
-runs G = 32 with N going 8 -> 32, i.e. 0.25 G -> 1.0 G (DESIGN.md, "Decisions"). A run can override any
-field (`keep_per_prompt`, `token_keep_ratio`, ...) in its config.
+runs G = 32 with N going 8 -> 32, i.e. 0.25 G -> 1.0 G (docs/fidelity.md, the `d3s` row of "Objectives").
+A run can override any field (`keep_per_prompt`, `token_keep_ratio`, ...) in its config.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """What the selection trainer logs: selection, the loss's terms (TRL's loss metrics), the tokens that trained.
 
-A mixin of D3STrainer that overrides no TRL method (its place among the bases does not matter).
+A mixin of D3STrainer. It overrides one method, the public ``log`` (transformers' ``Trainer.log``, which
+GRPOTrainer overrides too): it adds ``selection/update_tokens_cumulative`` to a training log, then calls
+GRPOTrainer's. So it must come before GRPOTrainer among D3STrainer's bases (no other base overrides ``log``).
 """
 
 from __future__ import annotations
