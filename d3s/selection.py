@@ -2,10 +2,10 @@
 
 Sample level, which rollouts train: max_variance_subset, select_samples, renormalize_advantages (PODS).
 Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
-training, with round_half_up the one rounding rule for keep counts; ScopeSwitch, the adaptive method's choice
-between cross- and intra-group selection from the gradient norm's spikes. vLLM's importance-sampling correction:
-zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity.md, "vLLM's importance-sampling
-correction").
+training, with round_half_up the one rounding rule for keep counts; ScopeSwitch, the adaptive method's
+choice between cross- and intra-group selection from the gradient norm's spikes. vLLM's importance-sampling
+correction: zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity.md, "vLLM's
+importance-sampling correction").
 """
 
 from __future__ import annotations
@@ -360,11 +360,16 @@ class Schedule:
     def token_keep_ratio(self, progress: float) -> float:
         return self._at(progress, self.token_keep_ratio_init, self.token_keep_ratio_final)
 
-    def reachable_keep_values(self) -> range:
-        """Every keep_per_prompt the schedule can produce (for up-front validation)."""
-        final = self.keep_per_prompt_init if self.kind == "constant" else self.keep_per_prompt_final
-        low, high = sorted((self.keep_per_prompt_init, final))
-        return range(low, high + 1)
+    def reachable_keep_values(self) -> tuple[int, ...]:
+        """Every keep_per_prompt the schedule can produce, ascending (for up-front validation): the initial
+        value (constant), both ends (two_phase), or every value between them (linear, cosine)."""
+        init, final = self.keep_per_prompt_init, self.keep_per_prompt_final
+        if self.kind == "constant":
+            return (init,)
+        if self.kind == "two_phase":
+            return tuple(sorted({init, final}))
+        low, high = sorted((init, final))
+        return tuple(range(low, high + 1))
 
 
 # ---- the adaptive switch -----------------------------------------------------------------------------------
@@ -390,8 +395,8 @@ class ScopeSwitch:
     poorly aligned models; D3S-I is stable on them).
 
     The signal is the spike ratio of the latest optimizer step's gradient norm over the median of the earlier
-    ones (``spike_ratios``); the switch latches once a ratio exceeds ``threshold``. The threshold is a setting,
-    chosen on calibration seeds (docs/studies.md, "The adaptive switch").
+    ones (``spike_ratios``); the switch latches once a ratio exceeds ``threshold``. The threshold is a
+    setting, chosen on calibration seeds (docs/studies.md, "The adaptive switch").
     """
 
     threshold: float
@@ -399,7 +404,9 @@ class ScopeSwitch:
 
     def __post_init__(self) -> None:
         if not self.threshold > 1.0:
-            raise ValueError(f"scope switch threshold must be > 1 (a ratio to the median); got {self.threshold}")
+            raise ValueError(
+                f"scope switch threshold must be > 1 (a ratio to the median); got {self.threshold}"
+            )
         if self.warmup < 1:
             raise ValueError(f"scope switch warmup must be >= 1 step; got {self.warmup}")
 

@@ -133,13 +133,18 @@ def parse_study(config: Mapping[str, Any], variants: Mapping[str, Any]) -> Study
                 raise ValueError(f"study.{key}: a slope needs at least two runs")
             missing = [name for name in claim.runs if getattr(variants[name], "x", None) is None]
             if missing:
-                raise ValueError(f"study.{key}: a slope reads each run's x; set variants.<name>.x for {missing}")
+                raise ValueError(
+                    f"study.{key}: a slope reads each run's x; set variants.<name>.x for {missing}"
+                )
         if claim.measure in ("ood_pass_at_1",) and "ood" not in raw:
             raise ValueError(f"study.{key}: measure ood_pass_at_1 needs a study.ood evaluation")
         claims.append(claim)
     figure = dict(raw.get("figure") or {})
     measures = tuple(check_measure("figure.measures", m) for m in figure.get("measures", ["pass_at_1"]))
-    groups = {label: check_runs(f"figure.groups.{label}", names) for label, names in (figure.get("groups") or {}).items()}
+    groups = {
+        label: check_runs(f"figure.groups.{label}", names)
+        for label, names in (figure.get("groups") or {}).items()
+    }
     if figure.get("axis") == "x":
         missing = [name for name in runs if getattr(variants[name], "x", None) is None]
         if missing:

@@ -257,7 +257,9 @@ class D3STrainer(
         switch = self.args.scope_switch()
         if switch is None:
             return self.args.sample_scope
-        scope = switch.scope([record["grad_norm"] for record in self.state.log_history if "grad_norm" in record])
+        scope = switch.scope(
+            [record["grad_norm"] for record in self.state.log_history if "grad_norm" in record]
+        )
         self._metrics["train"]["selection/cross_group"].append(float(scope == "batch"))
         return scope
 

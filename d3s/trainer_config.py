@@ -306,7 +306,7 @@ class D3SConfig(GRPOConfig):
                 )
 
     def _validate_scope_switch(self) -> None:
-        """The adaptive scope switches cross-group selection to intra-group, from every step's gradient norm."""
+        """The adaptive scope: cross-group selection switched to intra-group by every step's gradient norm."""
         threshold = self.scope_switch_threshold
         if not threshold:
             return
@@ -317,8 +317,8 @@ class D3SConfig(GRPOConfig):
             )
         if self.sample_rule == "none" or self.sample_scope != "batch":
             raise ValueError(
-                "scope_switch_threshold switches cross-group selection to intra-group: it needs a sample_rule "
-                f"and sample_scope batch (got sample_rule {self.sample_rule!r}, sample_scope "
+                "scope_switch_threshold switches cross-group selection to intra-group: it needs a "
+                f"sample_rule and sample_scope batch (got sample_rule {self.sample_rule!r}, sample_scope "
                 f"{self.sample_scope!r}); set scope_switch_threshold: 0 or sample_scope: batch"
             )
         if self.logging_steps != 1 or self.logging_strategy != "steps":

@@ -17,6 +17,7 @@ from helpers import REPO_ROOT, SNAKEMAKE
 CONFIGS = sorted(
     p
     for p in [*REPO_ROOT.glob("config/*.yaml"), *REPO_ROOT.glob("config/paper/*.yaml")]
+    + [*REPO_ROOT.glob("config/studies/*.yaml")]
     if p.name != "schema.yaml"
 )
 
@@ -36,6 +37,16 @@ def _write(work: Path, cfg: dict, name: str = "test.yaml") -> str:
 def test_dry_run_offline_without_data(config, dry_run):
     jobs = " ".join(dry_run(config).split())  # the dry run's job table, one line
     cfg = yaml.safe_load(config.read_text())
+    if "study" in cfg:  # a study (docs/studies.md): its runs, laid over the config it extends
+        from d3s.orchestration.variants import extended_config
+
+        cfg = extended_config(cfg, REPO_ROOT)
+        calibration = cfg["study"].get("calibration") or {"runs": [], "seeds": []}
+        runs = len(cfg["study"]["runs"]) * len(cfg["seeds"]) + len(calibration["runs"]) * len(
+            calibration["seeds"]
+        )
+        assert f"train {runs}" in jobs and "study_report 1" in jobs
+        return
     assert f"train {len(cfg['methods']) * len(cfg['seeds'])}" in jobs
     per_run = (cfg["eval"].get("jobs") or "model") == "run"  # eval.jobs (config/schema.yaml's default)
     assert ("evaluate_run" if per_run else "evaluate_final") in jobs and "report" in jobs

@@ -603,7 +603,7 @@ def test_constant_schedule():
     assert {s.token_keep_ratio(p / 10) for p in range(11)} == {0.3}
     assert list(s.reachable_keep_values()) == [4]
     with pytest.raises(ValueError, match="schedule must be one of"):
-        Schedule("cosine", 1, 1, 1.0, 1.0)
+        Schedule("exponential", 1, 1, 1.0, 1.0)
 
 
 # ---- one rounding rule for keep counts ---------------------------------------------------------------------

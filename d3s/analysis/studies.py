@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from d3s.analysis.claims import COLUMNS, Claim, _row, holm, paired_t, t_interval
 from d3s.analysis.figures import save
@@ -83,7 +85,9 @@ def run_values(results: Path, name: str, seed: int, ood: str | None = None) -> d
             values["kl"] = float(json.loads((point / KL_FILE).read_text(encoding="utf-8"))["k3"])
             break
     if ood is not None:
-        values["ood_pass_at_1"] = pass_at(results / "eval_ood" / ood / name / f"seed{seed}" / "summary.json", 1)
+        values["ood_pass_at_1"] = pass_at(
+            results / "eval_ood" / ood / name / f"seed{seed}" / "summary.json", 1
+        )
     if metrics.empty:
         return values
     if "reward" in metrics:
@@ -182,7 +186,7 @@ def claim_rows(values: pd.DataFrame, study: Study, variants: Mapping[str, Varian
     return table
 
 
-# ---- calibration (the adaptive switch's threshold) -----------------------------------------------------------
+# ---- calibration (the adaptive switch's threshold) ---------------------------------------------------------
 
 
 def calibration_table(results: Path, study: Study, variants: Mapping[str, Variant]) -> pd.DataFrame:
@@ -241,7 +245,9 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
                 halves.append((result["ci_high"] - result["ci_low"]) / 2)
                 ax.scatter(np.full(len(seeds), x), seeds, s=9, alpha=0.35, color=f"C{offset}")
             halves = [0.0 if math.isnan(h) else h for h in halves]
-            ax.errorbar(xs, means, yerr=halves, marker="o", capsize=3, color=f"C{offset}", label=group or None)
+            ax.errorbar(
+                xs, means, yerr=halves, marker="o", capsize=3, color=f"C{offset}", label=group or None
+            )
         if study.figure_axis == "x":
             ax.set_xscale("log")
             runs = list(groups.values())[0]
@@ -306,7 +312,7 @@ def study_report(
         lines += [f"**Setup.** {study.setup}", ""]
     trainer = config["train"]["trainer"]
     lines += [
-        f"The default's testbed (config/config.yaml): {trainer.get('max_steps')} steps of "
+        f"The testbed: {trainer.get('max_steps')} steps of "
         f"{trainer.get('per_device_train_batch_size')} rollouts (G = {trainer.get('num_generations')}), "
         f"seeds {', '.join(map(str, seeds))} paired across the runs (a seed fixes the data order and the "
         "sampling), every final model evaluated on the held-out problems. Runs:",
@@ -346,46 +352,59 @@ def study_report(
             f"model's Pass@1 on them {_fmt(ood_base, 1)}.",
             "",
         ]
-    lines += [f"![{study.title}](figure.png)", "", "**Verdicts** (95 % intervals over the paired seeds; Holm "
-              "over the study's comparisons; 'detectable': the smallest true effect the seeds detect with 80 % "
-              "power):", "", claims_markdown(claims), ""]
+    lines += [
+        f"![{study.title}](figure.png)",
+        "",
+        "**Verdicts** (95 % intervals over the paired seeds; Holm "
+        "over the study's comparisons; 'detectable': the smallest true effect the seeds detect with 80 % "
+        "power):",
+        "",
+        claims_markdown(claims),
+        "",
+    ]
     counts = claims["verdict_holm"].value_counts().to_dict()
     lines += [
-        "After Holm: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in ("supported", "refuted", "inconclusive"))
+        "After Holm: "
+        + ", ".join(f"{counts.get(v, 0)} {v}" for v in ("supported", "refuted", "inconclusive"))
         + f" of {len(claims)} comparisons.",
         "",
     ]
     if calibration is not None and not calibration.empty:
         assert study.calibration is not None
         chosen = chosen_threshold(calibration, study.calibration.thresholds)
-        declared = sorted({float(variants[r].trainer.get("scope_switch_threshold", math.nan)) for r in study.runs
-                           if "scope_switch_threshold" in variants[r].trainer})
+        declared = sorted(
+            {
+                float(variants[r].trainer.get("scope_switch_threshold", math.nan))
+                for r in study.runs
+                if "scope_switch_threshold" in variants[r].trainer
+            }
+        )
         from d3s.methods import METHODS
 
         registry = sorted({m.scope_switch_threshold for m in METHODS.values() if m.scope_switch_threshold})
         lines += [
-            f"**Calibration** (seeds {', '.join(map(str, study.calibration.seeds))}, outside the study's): the "
-            "largest spike ratio of each calibration run (a step's gradient norm over the median of the "
+            f"**Calibration** (seeds {', '.join(map(str, study.calibration.seeds))}, outside the study's): "
+            "the largest spike ratio of each calibration run (a step's gradient norm over the median of the "
             f"earlier ones, after {WARMUP} steps) and whether each candidate threshold would have switched:",
             "",
-            calibration.to_markdown(index=False, floatfmt=".2f") if _has_tabulate() else calibration.to_string(),
+            _frame_markdown(calibration),
             "",
             f"The rule (the smallest candidate above every ratio the default base model showed) chooses "
             f"{_fmt(chosen)}; the registry's threshold is {', '.join(map(str, registry)) or '-'}"
             + (f", the study's runs set {declared}" if declared else "")
-            + (". They agree." if registry and chosen in registry else ". THEY DIFFER: update d3s/methods.py.")
-            ,
+            + (
+                ". They agree."
+                if registry and chosen in registry
+                else ". THEY DIFFER: update d3s/methods.py."
+            ),
             "",
         ]
     return "\n".join(lines)
 
 
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _frame_markdown(frame: pd.DataFrame) -> str:
+    columns = {str(c): (lambda r, c=c: _fmt(r[c]) if isinstance(r[c], float) else str(r[c])) for c in frame}
+    return markdown_table((row for _, row in frame.iterrows()), columns)
 
 
 def write_study(results: str | Path, config: Mapping[str, Any]) -> dict[str, Path]:
@@ -397,10 +416,13 @@ def write_study(results: str | Path, config: Mapping[str, Any]) -> dict[str, Pat
         raise ValueError("the config has no study section (config/studies/<name>.yaml)")
     out = results / "studies" / study.name
     out.mkdir(parents=True, exist_ok=True)
+    written_config = out / "config.yaml"  # what the study ran, resolved (read_study rebuilds it from here)
+    atomic_write_text(written_config, yaml.safe_dump(dict(config), sort_keys=False))
     values = study_values(results, study, config["seeds"])
     claims = claim_rows(values, study, variants)
     calibration = calibration_table(results, study, variants) if study.calibration else None
-    written = {"measures": out / "measures.csv", "claims": out / "claims.csv", "report": out / "report.md"}
+    written = {"config": written_config, "measures": out / "measures.csv", "claims": out / "claims.csv"}
+    written["report"] = out / "report.md"
     atomic_write_text(written["measures"], values.to_csv(index=False))
     atomic_write_text(written["claims"], claims.to_csv(index=False))
     if calibration is not None:
@@ -411,3 +433,68 @@ def write_study(results: str | Path, config: Mapping[str, Any]) -> dict[str, Pat
     report = study_report(results, study, config, variants, values, claims, calibration)
     atomic_write_text(written["report"], report)
     return written
+
+
+# ---- reading a study's folder back (notebooks/studies.ipynb, the index) ------------------------------------
+
+
+@dataclass(frozen=True)
+class StudyResults:
+    """A study's folder as write_study left it."""
+
+    folder: Path
+    config: dict[str, Any]
+    study: Study
+    variants: dict[str, Variant]
+    values: pd.DataFrame
+    claims: pd.DataFrame
+
+    def figure(self):
+        return study_figure(self.values, self.study, self.variants)
+
+    def verdicts(self) -> dict[str, int]:
+        counts = self.claims["verdict_holm"].value_counts().to_dict()
+        return {verdict: int(counts.get(verdict, 0)) for verdict in ("supported", "refuted", "inconclusive")}
+
+
+def read_study(folder: str | Path) -> StudyResults:
+    """A study's folder (results/<experiment>/studies/<name>/, or a committed copy) with its spec rebuilt."""
+    folder = Path(folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+    variants = run_variants(config)
+    study = parse_study(config, variants)
+    assert study is not None, f"{folder}/config.yaml has no study section"
+    values = pd.read_csv(folder / "measures.csv")
+    claims = pd.read_csv(folder / "claims.csv")
+    return StudyResults(folder, config, study, variants, values, claims)
+
+
+def study_folders(root: str | Path) -> list[Path]:
+    """The study folders under ``root`` (each with a report.md), in the order of docs/studies.md."""
+    found = {p.parent.name: p.parent for p in Path(root).glob("*/report.md")}
+    order = [name for name in STUDY_ORDER if name in found] + sorted(set(found) - set(STUDY_ORDER))
+    return [found[name] for name in order]
+
+
+STUDY_ORDER = ("token_level", "sample_level", "schedule", "alignment", "adaptive", "generalization")
+
+
+def index_markdown(root: str | Path, times: Mapping[str, str] | None = None) -> str:
+    """A table of the studies under ``root``: each study's verdict counts after Holm and, per claim row, its
+    estimate and verdict (and the wall time, where ``times`` gives one)."""
+    rows = []
+    for folder in study_folders(root):
+        result = read_study(folder)
+        counts = result.verdicts()
+        rows.append(
+            {
+                "study": f"[{result.study.name}]({folder.name}/report.md)",
+                "title": result.study.title,
+                "verdicts": f"{counts['supported']} supported, {counts['refuted']} refuted, "
+                f"{counts['inconclusive']} inconclusive",
+                "time": (times or {}).get(result.study.name, "-"),
+            }
+        )
+    return markdown_table(
+        rows, {"study": "{study}", "question": "{title}", "after Holm": "{verdicts}", "wall time": "{time}"}
+    )

@@ -207,11 +207,15 @@ def check_workflow_config(
         raise ValueError(f"config {exc}") from None
     if config["analysis"]["reference"] not in variants:
         reference = config["analysis"]["reference"]
-        raise ValueError(f"config analysis.reference {reference!r} is not one of the methods {list(variants)}")
+        raise ValueError(
+            f"config analysis.reference {reference!r} is not one of the methods {list(variants)}"
+        )
     train_cfg = config["train"]
     try:
         if config.get("bases") and config["base_model"]["kind"] != "tiny":
-            raise ValueError("bases: base-model variants rebuild the tiny base model; set base_model.kind tiny")
+            raise ValueError(
+                "bases: base-model variants rebuild the tiny base model; set base_model.kind tiny"
+            )
         parse_study(config, variants)
         launch = train_launch(train_cfg, accelerate_dir)
         for variant in variants.values():

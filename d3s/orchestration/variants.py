@@ -54,7 +54,9 @@ def run_variants(config: Mapping[str, Any]) -> dict[str, Variant]:
         base = spec.get("base")
         if base is not None and base not in bases:
             known = ", ".join(sorted(bases)) or "none"
-            raise ValueError(f"variants.{name}.base: unknown base {base!r}; declare it under bases (known: {known})")
+            raise ValueError(
+                f"variants.{name}.base: unknown base {base!r}; declare it under bases (known: {known})"
+            )
         variants[name] = Variant(
             name,
             spec["method"],
