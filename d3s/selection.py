@@ -377,14 +377,16 @@ class Schedule:
 
 def spike_ratios(grad_norms: Sequence[float], warmup: int = 3) -> list[float]:
     """g_t / median(g_0 .. g_{t-1}) for every step t with at least ``warmup`` earlier steps: how far a step's
-    gradient norm jumps above what training has shown so far (NaN norms are skipped)."""
+    gradient norm jumps above what training has shown so far. NaN norms are skipped, and so is a step whose
+    earlier median is 0 (steps without any learning signal give no scale to compare with)."""
     norms = [float(g) for g in grad_norms if not math.isnan(float(g))]
     ratios = []
     for t in range(max(warmup, 1), len(norms)):
         earlier = sorted(norms[:t])
         middle = len(earlier) // 2
         median = earlier[middle] if len(earlier) % 2 else (earlier[middle - 1] + earlier[middle]) / 2
-        ratios.append(norms[t] / median if median > 0 else math.inf)
+        if median > 0:
+            ratios.append(norms[t] / median)
     return ratios
 
 

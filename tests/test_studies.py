@@ -118,6 +118,12 @@ def test_spike_ratios_are_each_step_over_the_median_before_it(norms, warmup):
     assert spike_ratios(norms, warmup) == pytest.approx(expected)
 
 
+def test_a_step_without_an_earlier_scale_gives_no_ratio():
+    """Steps with no learning signal have norm 0: a median of 0 gives no scale, so no ratio (not infinity)."""
+    assert spike_ratios([0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 2.0], warmup=3) == [2.0, 4.0]
+    assert ScopeSwitch(3.0).scope([0.0, 0.0, 0.0, 0.5]) == "batch"
+
+
 @settings(max_examples=200, deadline=None)
 @given(norms=st.lists(st.floats(0.01, 100.0), min_size=0, max_size=30), threshold=st.floats(1.01, 10.0))
 def test_the_switch_latches_once_a_spike_crosses_the_threshold(norms, threshold):
@@ -442,7 +448,11 @@ def test_every_study_runs_to_a_report_with_its_claims(study_smokes):
         )
         assert len(result.claims) == expected, folder.name
         assert set(result.claims["verdict"]) <= {"supported", "refuted", "inconclusive"}
-        assert result.claims["estimate"].notna().all(), (folder.name, result.claims)
+        passes = result.claims[result.claims["claim"].str.startswith("pass_at_1")]
+        assert passes["estimate"].notna().all(), (
+            folder.name,
+            result.claims,
+        )  # others may lack data at 1 seed
         report = (folder / "report.md").read_text()
         assert result.study.title in report and "figure.png" in report
         assert (folder / "figure.png").stat().st_size > 1000 and (folder / "figure.pdf").is_file()
