@@ -296,6 +296,7 @@ def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
         ({"loss_type": "vespo"}, "loss_type"),
         ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
         ({"entropy_coef": 0.01}, "entropy_coef"),
+        ({"top_entropy_quantile": 0.2}, "top_entropy_quantile 1.0 .* token_rule entropy"),
     ],
 )
 def test_the_selection_loss_refuses_what_it_does_not_compute(tmp_path, overrides, named):
