@@ -245,7 +245,8 @@ class D3SConfig(GRPOConfig):
 
     def excludes_zeroed(self) -> bool:
         """Whether what vLLM's correction zeroed leaves selection and the loss (``zeroed_rollouts``, with the
-        correction on)."""
+        correction on). The one definition, read before and during training: TRL's GRPOTrainer copies
+        ``use_vllm`` and ``vllm_importance_sampling_correction`` from the config at its init, unchanged."""
         return (
             self.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
         )

@@ -99,8 +99,9 @@ def _fake_vllm_sampling(trainer, mode):
         out[4] = [[-0.5 - 0.05 * (j % 7) for j in range(len(ids))] for ids in out[1]]
         return tuple(out)
 
-    trainer.use_vllm = True
-    trainer.vllm_importance_sampling_correction = True
+    # the config too: D3SConfig.excludes_zeroed reads it (TRL copies both into the trainer at its init)
+    trainer.use_vllm = trainer.args.use_vllm = True
+    trainer.vllm_importance_sampling_correction = trainer.args.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_min = 0.5
     trainer.vllm_importance_sampling_clip_max = 2.0
