@@ -1,6 +1,7 @@
 """What the selection trainer logs: selection, the loss's terms (TRL's loss metrics), the tokens that trained.
 
-A mixin of D3STrainer that overrides no TRL method (its place among the bases does not matter).
+A mixin of D3STrainer. Of TRL's methods it overrides ``log`` only (adds the cumulative update tokens, then
+TRL's log; d3s/trl_contract.py).
 """
 
 from __future__ import annotations
