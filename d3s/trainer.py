@@ -21,8 +21,9 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from d3s import trl_contract
-from d3s.callbacks.checkpoints import CheckpointSaveErrors, CpuRanksOptimizerLoad, D3SCheckpointState
+from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
 from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
+from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
 from d3s.objective import selection_loss
 from d3s.rewards import bind_answer_policy
 from d3s.rows import keep_rows, valid_tokens
@@ -62,9 +63,12 @@ class HookState:
 
 
 class D3STrainer(
-    SelectionMetrics, DeferredLogprobPasses, CpuRanksOptimizerLoad, CheckpointSaveErrors, GRPOTrainer
+    SelectionMetrics, DeferredLogprobPasses, CheckpointSaveErrors, GRPOTrainer, CpuRanksOptimizerLoad
 ):
-    """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask."""
+    """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask.
+
+    CpuRanksOptimizerLoad, a transformers.Trainer subclass, comes after GRPOTrainer: in the MRO it sits
+    between GRPOTrainer and Trainer, so GRPOTrainer's own checkpoint load runs and calls it."""
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
 

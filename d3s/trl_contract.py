@@ -22,13 +22,13 @@ OVERRIDES = {
     "_get_per_token_logps_and_entropies": "D3STrainer: old-policy entropies; savings: deferred placeholders",
     "log": "SelectionMetrics: adds selection/update_tokens_cumulative to a training log, then TRL's log",
     "_save_checkpoint": "CheckpointSaveErrors: a full disk ends in one line naming the checkpoint",
-    "_load_optimizer_and_scheduler": "CpuRanksOptimizerLoad: multi-process CPU runs load onto the CPU",
+    "_load_optimizer_and_scheduler": "CpuRanksOptimizerLoad: CPU ranks load on the CPU (under GRPOTrainer's)",
 }
 # The transformers.Trainer methods among OVERRIDES, and those called: checked against the pinned transformers.
 TRANSFORMERS_TRAINER_METHODS = (
     "log",
     "_save_checkpoint",
-    "_load_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",  # replaced below GRPOTrainer's own (d3s/callbacks/optimizer_load.py)
     "_get_output_dir",  # CheckpointSaveErrors: the checkpoint's folder, named in a full-disk error
 )
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
