@@ -19,7 +19,7 @@ from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 from d3s.callbacks.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
-from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
+from d3s.launch import TrainLaunch, VllmServerSettings
 from d3s.orchestration.run_config import SERVER_FIELDS_SET_BY_WORKFLOW, build_run_config, prepare_training_job
 from d3s.provenance.config_change import PER_ATTEMPT_TRAINER_KEYS
 from d3s.runs.run import config_differences, latest_checkpoint, supersede_run
