@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from d3s.architectures import ARCHITECTURES, CONFIG_KEYS, MODEL_ARCHITECTURES
+from d3s.launch import TrainLaunch, job_gpus
 from d3s.methods import get_method, method_trainer
-from d3s.orchestration.gpu_slots import job_gpus
-from d3s.orchestration.launch import TrainLaunch
 
 GIB = 2**30
 CACHE_PATH = Path(__file__).with_name("memory_plan_cache.json")

@@ -5,8 +5,8 @@ every rank: (1) keep a subset of the scored rollouts and re-index every per-roll
 rollouts of every rank, the top-K% tokens by |A| x H as the per-rollout ``token_mask``; (3) the loss of the
 selecting methods, one function in docs/fidelity.md's notation (d3s/objective.py). With ``method="grpo"``
 all three are off: TRL's GRPOTrainer, its loss included, step for step. What vLLM's importance-sampling
-correction zeroed takes no slot at either level and leaves the loss (``_excludes_zeroed``). Opt-in savings:
-d3s/savings/; TRL internals used: d3s/trl_contract.py.
+correction zeroed takes no slot at either level and leaves the loss (``D3SConfig.excludes_zeroed``).
+Opt-in savings: d3s/savings/; TRL internals used: d3s/trl_contract.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from d3s import trl_contract
-from d3s.callbacks.checkpoints import CheckpointSaveErrors, CpuRanksOptimizerLoad, D3SCheckpointState
+from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
 from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
+from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
 from d3s.objective import selection_loss
 from d3s.rewards import bind_answer_policy
 from d3s.rows import keep_rows, valid_tokens
@@ -62,9 +63,12 @@ class HookState:
 
 
 class D3STrainer(
-    SelectionMetrics, DeferredLogprobPasses, CpuRanksOptimizerLoad, CheckpointSaveErrors, GRPOTrainer
+    SelectionMetrics, DeferredLogprobPasses, CheckpointSaveErrors, GRPOTrainer, CpuRanksOptimizerLoad
 ):
-    """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask."""
+    """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask.
+
+    CpuRanksOptimizerLoad, a transformers.Trainer subclass, comes after GRPOTrainer: in the MRO it sits
+    between GRPOTrainer and Trainer, so GRPOTrainer's own checkpoint load runs and calls it."""
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
 
@@ -79,7 +83,7 @@ class D3STrainer(
         )
         selects_tokens = self.model.training and self._token_keep_ratio() < 1.0
         self._hook_state.old_policy_entropies_wanted = selects_tokens and self._runs_old_policy_pass()
-        excluding = self.model.training and self._excludes_zeroed()
+        excluding = self.model.training and self.args.excludes_zeroed()
         defer = drops_rollouts and self.args.defer_logprob_passes
         with self.logprob_passes_deferred(
             defer, old_policy_pass_eager=excluding and self.vllm_importance_sampling_mode.endswith("_mask")
@@ -124,7 +128,7 @@ class D3STrainer(
         if selects_tokens and self.args.token_scope != "micro_batch":
             selected["token_mask"] = self._select_tokens(selected, entropies)
         if self.owns_loss:  # the loss tokens of the generation batch, every rank: dapo's D
-            loss_mask = valid_tokens(self._excludes_zeroed(), selected)
+            loss_mask = valid_tokens(self.args.excludes_zeroed(), selected)
             if self.args.token_norm == "selected" and "token_mask" in selected:
                 loss_mask = selected["token_mask"]
             selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
@@ -137,7 +141,7 @@ class D3STrainer(
         by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
-        return self._rank_tokens(batch, entropies, valid_tokens(self._excludes_zeroed(), batch).bool())
+        return self._rank_tokens(batch, entropies, valid_tokens(self.args.excludes_zeroed(), batch).bool())
 
     def _rank_tokens(self, inputs: dict, entropies: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         scores = token_scores(inputs["advantages"], entropies, self.args.token_rule)
@@ -158,9 +162,9 @@ class D3STrainer(
             return super()._compute_loss(model, inputs)
         if not self.owns_loss:  # grpo: TRL's loss, untouched
             loss = super()._compute_loss(model, inputs)
-            self._log_update_tokens(valid_tokens(self._excludes_zeroed(), inputs), None)
+            self._log_update_tokens(valid_tokens(self.args.excludes_zeroed(), inputs), None)
             return loss
-        valid = valid_tokens(self._excludes_zeroed(), inputs)
+        valid = valid_tokens(self.args.excludes_zeroed(), inputs)
         token_mask = inputs.get("token_mask")
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -189,7 +193,7 @@ class D3STrainer(
         is_weight = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_weight = inputs["importance_sampling_ratio"]
-            if self._excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
+            if self.args.excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
                 loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
                 rows_counted = ~zeroed_rollouts(is_weight, loss_mask)
         accumulation = self.current_gradient_accumulation_steps
@@ -246,10 +250,6 @@ class D3STrainer(
                 "loss: set router_aux_loss_coef 0, or train method grpo (TRL's own loss)"
             )
         self.objective = self.args.objective()
-
-    def _excludes_zeroed(self) -> bool:  # the method's zeroed_rollouts "excluded", with vLLM's correction on
-        correcting = self.use_vllm and self.vllm_importance_sampling_correction
-        return self.args.zeroed_rollouts == "excluded" and correcting
 
     def _sample_scope(self) -> str:
         """The sample scope of this generation batch: the method's, or the adaptive switch's verdict on the

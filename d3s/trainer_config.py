@@ -254,7 +254,8 @@ class D3SConfig(GRPOConfig):
 
     def excludes_zeroed(self) -> bool:
         """Whether what vLLM's correction zeroed leaves selection and the loss (``zeroed_rollouts``, with the
-        correction on)."""
+        correction on). The one definition, read before and during training: TRL's GRPOTrainer copies
+        ``use_vllm`` and ``vllm_importance_sampling_correction`` from the config at its init, unchanged."""
         return (
             self.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
         )
@@ -296,6 +297,12 @@ class D3SConfig(GRPOConfig):
             "entropy_coef": (self.entropy_coef != 0.0, "0"),
             "use_adaptive_entropy": (self.use_adaptive_entropy, "false"),
             "use_liger_kernel": (self.use_liger_kernel, "false"),
+            # TRL's entropy mask acts inside TRL's loss only, which the selection loss replaces
+            "top_entropy_quantile": (
+                self.top_entropy_quantile < 1.0,
+                "1.0 (TRL's entropy mask, inside TRL's loss: select tokens with token_rule entropy and "
+                "token_keep_ratio instead, as method entropy_8020 does)",
+            ),
         }
         for name, (refused, wanted) in unsupported.items():
             if refused:

@@ -11,16 +11,25 @@ import importlib
 TRL_VERSION = "1.16.0"
 TRANSFORMERS_VERSION = "5.17.0"
 
-# GRPOTrainer methods overridden or called, and what for.
-TRAINER_METHODS = (
-    "_calculate_rewards",  # the gathered rewards, which _generate_and_score_completions does not return
-    "_generate_and_score_completions",  # select the kept rollouts and re-index the batch
-    "_compute_loss",  # TRL's loss for grpo; the selection methods' loss replaces it (d3s/objective.py)
-    "_get_per_token_logps_and_entropies",  # old-policy entropies; savings: placeholders, kept-token head
-)
-# transformers.Trainer methods overridden (d3s/callbacks/checkpoints.py).
+# Every method of GRPOTrainer (its own, or inherited from transformers.Trainer) that a d3s class of
+# D3STrainer's MRO overrides: the overriding class, and why.
+# tests/test_trl_contract.py walks the MRO: an override missing here, or one TRL lacks, fails it.
+OVERRIDES = {
+    "__init__": "D3STrainer: accuracy_reward under answer_policy, vLLM's engine options, d3s's callbacks",
+    "_calculate_rewards": "D3STrainer: keeps the gathered rewards, which TRL's scoring does not return",
+    "_generate_and_score_completions": "D3STrainer: keeps the selected rollouts, chooses the token mask",
+    "_compute_loss": "D3STrainer: TRL's loss for grpo; the selection loss replaces it (d3s/objective.py)",
+    "_get_per_token_logps_and_entropies": "D3STrainer: old-policy entropies; savings: deferred placeholders",
+    "log": "SelectionMetrics: adds selection/update_tokens_cumulative to a training log, then TRL's log",
+    "_save_checkpoint": "CheckpointSaveErrors: a full disk ends in one line naming the checkpoint",
+    "_load_optimizer_and_scheduler": "CpuRanksOptimizerLoad: CPU ranks load on the CPU (under GRPOTrainer's)",
+}
+# The transformers.Trainer methods among OVERRIDES, and those called: checked against the pinned transformers.
 TRANSFORMERS_TRAINER_METHODS = (
-    "_load_optimizer_and_scheduler",  # multi-process CPU runs resume their optimizer state on the CPU
+    "log",
+    "_save_checkpoint",
+    "_load_optimizer_and_scheduler",  # replaced below GRPOTrainer's own (d3s/callbacks/optimizer_load.py)
+    "_get_output_dir",  # CheckpointSaveErrors: the checkpoint's folder, named in a full-disk error
 )
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
 TRAINER_ATTRIBUTES = (
@@ -30,13 +39,9 @@ TRAINER_ATTRIBUTES = (
     "scale_rewards",
     "_tokenizer",
     "temperature",  # kept-token head: log-probs of logits / temperature, as TRL's
-    "beta",  # with the next five: the selection loss's settings (d3s.objective.Objective)
-    "loss_type",
-    "importance_sampling_level",
-    "epsilon_low",
+    "beta",  # kept-token head: a KL over every token needs every token's log-prob
+    "epsilon_low",  # with the next one: the clip fractions logged from the selection loss's ratio
     "epsilon_high",
-    "max_completion_length",
-    "_entropy_bonus_enabled",  # kept-token head: the bonus trains every token's entropy
     "aux_loss_enabled",  # refused with the selection loss, which adds no router aux loss
     "ref_model",
     "num_iterations",  # with the next two: whether TRL runs its old-policy pass (the token entropies)
@@ -45,6 +50,12 @@ TRAINER_ATTRIBUTES = (
     "vllm_importance_sampling_mode",  # deferred passes: the vLLM importance-sampling ratio, recomputed
     "vllm_importance_sampling_clip_min",
     "vllm_importance_sampling_clip_max",
+)
+# Attributes of a built GRPOTrainer with use_vllm (checked then).
+VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)  # TRL's engine, whose weight sync vLLM's CPU backend replaces
+# Attributes transformers.Trainer sets only once training runs (tests/test_trl_contract.py reads its source).
+TRAINING_LOOP_ATTRIBUTES = (
+    "current_gradient_accumulation_steps",  # the selection loss divides by it, as TRL's loss does
 )
 # VLLMGeneration (trl.generation.vllm_generation) methods used by d3s/vllm_engine.py on vLLM's CPU backend.
 VLLM_GENERATION_METHODS = (
@@ -84,7 +95,7 @@ def check_trl_contract() -> None:
     from trl import GRPOTrainer
     from trl.import_utils import is_vllm_available
 
-    for name in TRAINER_METHODS:
+    for name in OVERRIDES:
         if not callable(getattr(GRPOTrainer, name, None)):
             raise _mismatch(f"GRPOTrainer.{name}")
     for module_name, names in MODULE_NAMES.items():
@@ -116,8 +127,9 @@ def check_trl_contract() -> None:
 
 
 def check_trainer_attributes(trainer: object) -> None:
-    """Raise ImportError naming the first attribute of TRAINER_ATTRIBUTES a built trainer lacks."""
-    for name in TRAINER_ATTRIBUTES:
+    """Raise ImportError naming the first attribute of TRAINER_ATTRIBUTES (and, with vLLM,
+    VLLM_TRAINER_ATTRIBUTES) a built trainer lacks."""
+    for name in TRAINER_ATTRIBUTES + (VLLM_TRAINER_ATTRIBUTES if getattr(trainer, "use_vllm", False) else ()):
         if not hasattr(trainer, name):
             raise _mismatch(f"the GRPOTrainer attribute {name}")
 

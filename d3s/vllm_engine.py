@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from d3s.ports import free_port
+
 if TYPE_CHECKING:  # the workflow's parse-time checks import this module and must not load torch
     import torch
 
@@ -85,8 +87,6 @@ def use_a_free_rendezvous_port() -> None:
     one gets TRL's pick, the first free of a few fixed ports (29500 first), which runs starting together all
     pick: give it a port the OS reports free instead."""
     if not os.environ.get("MASTER_PORT"):
-        from d3s.orchestration.commands import free_port
-
         os.environ["MASTER_PORT"] = str(free_port())
 
 

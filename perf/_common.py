@@ -21,7 +21,7 @@ import torch
 from torch.utils import benchmark
 from transformers import TrainerCallback
 
-from d3s.analysis.tables import markdown_table as markdown_table  # the scripts' tables
+from d3s.markdown import markdown_table as markdown_table  # the scripts' tables
 from d3s.provenance.manifest import atomic_write_text, git_state, hardware, now, package_versions, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -182,5 +182,5 @@ def serve_as_vllm(
             ]
         return tuple(out)
 
-    trainer.use_vllm = True
+    trainer.use_vllm = trainer.args.use_vllm = True  # the config too: D3SConfig.excludes_zeroed reads it
     trainer._generate = fake_generate

@@ -99,8 +99,9 @@ def _fake_vllm_sampling(trainer, mode):
         out[4] = [[-0.5 - 0.05 * (j % 7) for j in range(len(ids))] for ids in out[1]]
         return tuple(out)
 
-    trainer.use_vllm = True
-    trainer.vllm_importance_sampling_correction = True
+    # the config too: D3SConfig.excludes_zeroed reads it (TRL copies both into the trainer at its init)
+    trainer.use_vllm = trainer.args.use_vllm = True
+    trainer.vllm_importance_sampling_correction = trainer.args.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_min = 0.5
     trainer.vllm_importance_sampling_clip_max = 2.0
@@ -296,6 +297,7 @@ def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
         ({"loss_type": "vespo"}, "loss_type"),
         ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
         ({"entropy_coef": 0.01}, "entropy_coef"),
+        ({"top_entropy_quantile": 0.2}, "top_entropy_quantile 1.0 .* token_rule entropy"),
     ],
 )
 def test_the_selection_loss_refuses_what_it_does_not_compute(tmp_path, overrides, named):

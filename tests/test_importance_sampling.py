@@ -130,7 +130,7 @@ def _force_mismatch(trainer):
         return own.tolist()
 
     serve_as_vllm(trainer, engine_logprobs)
-    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_correction = trainer.args.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = "sequence_mask"
     trainer.vllm_importance_sampling_clip_min = None
     trainer.vllm_importance_sampling_clip_max = 3.0

@@ -21,15 +21,14 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
+from d3s.launch import TrainLaunch, VllmServerSettings, job_gpus
 from d3s.orchestration.commands import (
     CPU_OVERRIDES,
     TRL_CLI,
     accelerate_command,
-    free_port,
     vllm_serve_command,
 )
-from d3s.orchestration.gpu_slots import GpuSlots, assign_gpus, job_gpus, visible_gpu_ids
-from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
+from d3s.orchestration.gpu_slots import GpuSlots, assign_gpus, visible_gpu_ids
 from d3s.orchestration.processes import start_process_group, stop_process_group
 from d3s.orchestration.run_config import (
     batch_settings,
@@ -40,6 +39,7 @@ from d3s.orchestration.run_config import (
 )
 from d3s.orchestration.training_job import run_training_job
 from d3s.orchestration.vllm_server import vllm_server
+from d3s.ports import free_port
 
 ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 PY = sys.executable

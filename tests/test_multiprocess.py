@@ -18,7 +18,8 @@ import pytest
 import torch
 from helpers import REPO_ROOT
 
-from d3s.orchestration.commands import accelerate_command, free_port
+from d3s.orchestration.commands import accelerate_command
+from d3s.ports import free_port
 from d3s.selection import select_samples, token_keep_mask
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")

@@ -19,7 +19,7 @@ from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 from d3s.callbacks.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
-from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
+from d3s.launch import TrainLaunch, VllmServerSettings
 from d3s.orchestration.run_config import SERVER_FIELDS_SET_BY_WORKFLOW, build_run_config, prepare_training_job
 from d3s.provenance.config_change import PER_ATTEMPT_TRAINER_KEYS
 from d3s.runs.run import config_differences, latest_checkpoint, supersede_run
@@ -431,3 +431,41 @@ def test_checkpoint_state_is_restored_from_trainer_state_or_from_an_older_checkp
     callback.on_train_begin(args, older, None)
     assert callback.update_tokens_total == 77
     assert older.stateful_callbacks["D3SCheckpointState"]["attributes"] == {"update_tokens_total": 77}
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_a_resumed_optimizer_load_keeps_grpo_trainers_own_state(tmp_path, world_size):
+    """D3STrainer's checkpoint load (two CPU ranks: CpuRanksOptimizerLoad's, onto the CPU; one process:
+    transformers') runs inside GRPOTrainer's own, which restores TRL's adaptive-entropy controller from the
+    entropy_ctrl_state.json its _save_checkpoint writes."""
+    from types import SimpleNamespace
+
+    from d3s.trainer import D3STrainer
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    weight.grad = torch.full((3,), 0.5)
+    optimizer.step()
+    scheduler.step()
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    torch.save(optimizer.state_dict(), checkpoint / "optimizer.pt")
+    torch.save(scheduler.state_dict(), checkpoint / "scheduler.pt")
+    (checkpoint / "entropy_ctrl_state.json").write_text(
+        json.dumps({"entropy_coef": 0.0125, "last_world_entropy": 0.75})
+    )
+
+    trainer = D3STrainer.__new__(D3STrainer)  # the state the load reads, without a model
+    trainer.args = SimpleNamespace(world_size=world_size, device=torch.device("cpu"))
+    trainer.is_deepspeed_enabled = trainer.is_fsdp_enabled = trainer.is_fsdp_xla_v1_enabled = False
+    fresh = torch.nn.Parameter(torch.ones(3))
+    trainer.optimizer = torch.optim.AdamW([fresh], lr=0.1)
+    trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)
+    trainer.use_adaptive_entropy, trainer.entropy_coef, trainer._last_world_entropy = True, 0.01, float("inf")
+    trainer._load_optimizer_and_scheduler(str(checkpoint))
+
+    assert (trainer.entropy_coef, trainer._last_world_entropy) == (0.0125, 0.75)  # GRPOTrainer's own
+    loaded = trainer.optimizer.state_dict()["state"][0]
+    torch.testing.assert_close(loaded["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert trainer.lr_scheduler.last_epoch == scheduler.last_epoch == 1

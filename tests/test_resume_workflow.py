@@ -29,8 +29,9 @@ import yaml
 from helpers import HANG_GUARD_S, REPO_ROOT, SNAKEMAKE, copy_workflow
 from safetensors.torch import load_file
 
-from d3s.orchestration.commands import accelerate_command, free_port
+from d3s.orchestration.commands import accelerate_command
 from d3s.orchestration.processes import training_env
+from d3s.ports import free_port
 
 RUN = Path("results/smoke/runs/d3s/seed0")
 LOG = Path("results/smoke/logs/train/d3s_seed0.log")

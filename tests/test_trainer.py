@@ -173,7 +173,9 @@ def test_every_method_trains_on_the_tiny_model(tmp_path, tiny_sft_model, method)
         keep = schedule.keep_per_prompt(step / max_steps)
         assert entry["schedule/keep_per_prompt"] == keep
         assert entry["selection/sample_keep_fraction"] == pytest.approx(keep / 8)
-        ratio = schedule.token_keep_ratio(step / max_steps)
+        # K(p) written out (DESIGN.md, "schedule"): p = the global step at generation / max_steps
+        p, k_init, k_final = step / max_steps, args.token_keep_ratio, args.token_keep_ratio_final
+        ratio = (1 - p) * k_init + p * k_final if args.schedule == "linear" else k_init
         assert entry["schedule/token_keep_ratio"] == pytest.approx(ratio)
         if args.token_rule == "none":
             assert entry["selection/token_keep_fraction"] == 1.0

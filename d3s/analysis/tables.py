@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -23,15 +21,6 @@ def mean_ci(values) -> tuple[float, float, int]:
     """Mean and half-width of the 95 % t-interval across seeds (half-width NaN for one seed)."""
     result = t_interval(values)
     return result["estimate"], (result["ci_high"] - result["ci_low"]) / 2, result["n"]
-
-
-def markdown_table(rows: Iterable[Any], columns: Mapping[str, str | Callable[[Any], Any]]) -> str:
-    """A GitHub Markdown table, one column per header: its cells ``cell.format_map(row)`` or ``cell(row)``."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = (cell.format_map(row) if isinstance(cell, str) else cell(row) for cell in columns.values())
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
 
 
 def write_table(

@@ -9,7 +9,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from accelerate import PartialState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -136,23 +135,3 @@ class CheckpointSaveErrors:
         folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
         with reporting_full_disk(folder, folder.name):
             super()._save_checkpoint(model, trial)
-
-
-class CpuRanksOptimizerLoad:
-    """Mixin for D3STrainer: resume a multi-process CPU run (transformers 5.17 cannot load its optimizer).
-
-    Trainer maps the optimizer state to args.device when world_size > 1, which on CPU processes is
-    "cpu:<rank>", a location torch.load cannot restore. It stays an override: no callback runs between
-    Trainer's load and the first step.
-    """
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        optimizer = os.path.join(checkpoint or "", "optimizer.pt")
-        scheduler = os.path.join(checkpoint or "", "scheduler.pt")
-        cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu"
-        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        if cpu_ranks and plain and os.path.isfile(optimizer) and os.path.isfile(scheduler):
-            self.optimizer.load_state_dict(torch.load(optimizer, map_location="cpu", weights_only=True))
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-        else:
-            super()._load_optimizer_and_scheduler(checkpoint)

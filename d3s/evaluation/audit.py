@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from d3s.analysis.tables import markdown_table
 from d3s.data.benchmarks import (
     BENCHMARKS,
     Problem,
@@ -22,6 +21,7 @@ from d3s.data.benchmarks import (
     solution_final_answer,
 )
 from d3s.evaluation.metrics import policy_disagreement
+from d3s.markdown import markdown_table
 from d3s.provenance.manifest import atomic_write_text
 from d3s.rewards import BOXED_POLICIES, Grader, count_boxes, last_boxed_answer
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from d3s.orchestration.launch import VllmServerSettings
+from d3s.launch import VllmServerSettings
 
 # The repository's accelerate configs (`d3s plan` reads them; the workflow passes its own copy's directory)
 ACCELERATE_DIR = Path(__file__).resolve().parents[2] / "workflow" / "accelerate"
@@ -16,7 +15,6 @@ ACCELERATE_DIR = Path(__file__).resolve().parents[2] / "workflow" / "accelerate"
 ACCELERATE_CONFIGS = ("ddp", "zero2", "zero3", "zero3_offload")
 SINGLE_PROCESS_CONFIG = "single_gpu"
 DEFAULT_ACCELERATE_CONFIG = "ddp"
-LOCALHOST = "127.0.0.1"
 # The `trl` console script, run by the given interpreter (no PATH lookup; `-m trl.cli.main` warns).
 TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
 # vLLM's OpenAI-compatible server as a module: `vllm serve` without vLLM's CLI (vllm_serve_command, cpu=True)
@@ -106,10 +104,3 @@ def vllm_serve_command(
     command = build_command(script_args, vllm_args)
     serve = command.index("serve")  # [python, -m, vllm.entrypoints.cli.main, serve, MODEL, flags...]
     return [python, "-m", VLLM_API_SERVER, "--model", *command[serve + 1 :]]
-
-
-def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port free right now (jobs sharing a machine each need their own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

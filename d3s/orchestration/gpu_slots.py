@@ -13,15 +13,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from d3s.launch import GPU_RESOURCE
+from d3s.launch import job_gpus as job_gpus  # the workflow's job scripts import it from here
 from d3s.orchestration.processes import signals_raise_system_exit
-
-# The Snakemake Slurm executor plugin's resource names: ``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu.
-GPU_RESOURCE = "gpu"
-
-
-def job_gpus(resources: Mapping[str, Any] | None) -> int:
-    """The GPU count a job declares (``resources.gpu``; config/schema.yaml types it and refuses ``gpus``)."""
-    return int(dict(resources or {}).get(GPU_RESOURCE, 0))
 
 
 def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:

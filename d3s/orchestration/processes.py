@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from d3s.orchestration.commands import LOCALHOST
+from d3s.ports import LOCALHOST
 
 
 def _die_with_parent() -> None:

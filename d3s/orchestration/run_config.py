@@ -11,21 +11,20 @@ from typing import Any
 
 import yaml
 
+from d3s.launch import TrainLaunch, VllmServerSettings, job_gpus
 from d3s.memory_plan import check_fit
 from d3s.methods import method_trainer
 from d3s.orchestration.commands import (
     DEFAULT_ACCELERATE_CONFIG,
-    LOCALHOST,
     SINGLE_PROCESS_CONFIG,
     accelerate_command,
     accelerate_config_path,
-    free_port,
     per_process_threads,
     vllm_serve_command,
 )
-from d3s.orchestration.gpu_slots import cuda_available, job_gpus
-from d3s.orchestration.launch import TrainLaunch, VllmServerSettings
+from d3s.orchestration.gpu_slots import cuda_available
 from d3s.orchestration.variants import run_variants
+from d3s.ports import LOCALHOST, free_port
 from d3s.studies import parse_study
 from d3s.vllm_engine import cpu_vllm_installed
 

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from d3s.orchestration.commands import LOCALHOST
-from d3s.orchestration.launch import TrainLaunch
+from d3s.launch import TrainLaunch
 from d3s.orchestration.processes import process_group, training_env
 from d3s.orchestration.run_config import prepare_training_job, write_yaml
 from d3s.orchestration.vllm_server import vllm_server
+from d3s.ports import LOCALHOST
 
 
 def run_training_job(

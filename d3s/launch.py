@@ -1,13 +1,23 @@
 """How a training job runs, as data: its GPUs, its accelerate config, its vLLM server. Built once from the
 workflow config (d3s.orchestration.run_config.train_launch); the commands, the job and the memory plan read
-it."""
+it. Below both d3s.orchestration and d3s.memory_plan, and imports neither."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+# The Snakemake Slurm executor plugin's resource names: ``gpu`` -> --gpus, ``cpus_per_gpu`` -> --cpus-per-gpu.
+GPU_RESOURCE = "gpu"
+
+
+def job_gpus(resources: Mapping[str, Any] | None) -> int:
+    """The GPU count a job declares (``resources.gpu``; config/schema.yaml types it and refuses ``gpus``)."""
+    return int(dict(resources or {}).get(GPU_RESOURCE, 0))
 
 
 @dataclasses.dataclass(frozen=True)
