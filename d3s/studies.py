@@ -1,6 +1,6 @@
 """A study: a question the papers leave open, declared in YAML (config/studies/<name>.yaml; docs/studies.md).
 
-Its runs (registry methods and named variants, d3s.orchestration.variants) x the config's paired seeds, its
+Its runs (registry methods and named variants, d3s.variants) x the config's paired seeds, its
 claims (each run against a reference, a slope against the variants' x, or an interaction of four runs),
 its figure and, for a generalization study, an evaluation on problems unlike the training ones. This module
 parses and checks the section at parse time (no torch, pandas or TRL); d3s.analysis.studies computes it.

@@ -38,7 +38,7 @@ def test_dry_run_offline_without_data(config, dry_run):
     jobs = " ".join(dry_run(config).split())  # the dry run's job table, one line
     cfg = yaml.safe_load(config.read_text())
     if "study" in cfg:  # a study (docs/studies.md): its runs, laid over the config it extends
-        from d3s.orchestration.variants import extended_config
+        from d3s.variants import extended_config
 
         cfg = extended_config(cfg, REPO_ROOT)
         calibration = cfg["study"].get("calibration") or {"runs": [], "seeds": []}

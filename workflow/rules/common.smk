@@ -7,7 +7,7 @@ from pathlib import Path
 from snakemake.utils import update_config
 
 from d3s.orchestration.run_config import check_workflow_config, typed_config_overrides
-from d3s.orchestration.variants import Variant, base_model_settings, extended_config, run_variants
+from d3s.variants import Variant, base_model_settings, extended_config, run_variants
 from d3s.provenance.integrity import set_aside_corrupt_final_models
 from d3s.studies import parse_study
 
@@ -25,7 +25,7 @@ if "extends" in config:
 check_workflow_config(config, ACCELERATE_DIR, f"{workflow.basedir}/config/schema.yaml")
 RESULTS = f"results/{config['experiment']}"
 METHODS = config["methods"]
-# Every run name: the registry's methods and a study's named variants of them (d3s.orchestration.variants).
+# Every run name: the registry's methods and a study's named variants of them (d3s.variants).
 VARIANTS = run_variants(config)
 STUDY = parse_study(config, VARIANTS)  # None unless the config declares a study (docs/studies.md)
 SEEDS = config["seeds"]
