@@ -32,10 +32,10 @@ from d3s.analysis.studies import (
 )
 from d3s.methods import ADAPTIVE_SWITCH_THRESHOLD, METHODS
 from d3s.orchestration.run_config import check_workflow_config
-from d3s.variants import Variant, base_model_settings, extended_config, run_variants
 from d3s.selection import SCHEDULES, Schedule, ScopeSwitch, spike_ratios
 from d3s.studies import MEASURES, parse_study
 from d3s.trainer import D3SConfig, D3STrainer
+from d3s.variants import Variant, base_model_settings, extended_config, run_variants
 
 STUDIES = ("token_level", "sample_level", "schedule", "alignment", "adaptive", "generalization")
 STUDY_FILES = sorted((REPO_ROOT / "config" / "studies").glob("*.yaml"))

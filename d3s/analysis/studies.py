@@ -22,10 +22,10 @@ from d3s.analysis.claims import COLUMNS, Claim, _row, holm, paired_t, t_interval
 from d3s.analysis.figures import save
 from d3s.analysis.io import read_jsonl
 from d3s.markdown import markdown_table
-from d3s.variants import Variant, run_variants
 from d3s.provenance.manifest import atomic_write_text
 from d3s.selection import spike_ratios
 from d3s.studies import MEASURES, Study, StudyClaim, parse_study
+from d3s.variants import Variant, run_variants
 
 KL_FILE = "kl.json"
 WARMUP = 3  # steps of history before a spike ratio counts: ScopeSwitch's default

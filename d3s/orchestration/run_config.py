@@ -23,9 +23,9 @@ from d3s.orchestration.commands import (
     vllm_serve_command,
 )
 from d3s.orchestration.gpu_slots import cuda_available
-from d3s.variants import run_variants
 from d3s.ports import LOCALHOST, free_port
 from d3s.studies import parse_study
+from d3s.variants import run_variants
 from d3s.vllm_engine import cpu_vllm_installed
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"

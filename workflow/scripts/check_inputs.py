@@ -9,9 +9,9 @@ from typing import Any
 
 from d3s.data.benchmarks import BenchmarkError, benchmark_source, load_benchmark, parse_benchmark_list
 from d3s.orchestration.run_config import resolved_trainer_configs
-from d3s.variants import run_variants
 from d3s.provenance.manifest import atomic_write_text, now, write_json
 from d3s.runs.config import check_model_dir
+from d3s.variants import run_variants
 from d3s.vllm_engine import keep_vllm_out_of_this_process
 
 
