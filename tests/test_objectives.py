@@ -49,6 +49,9 @@ IS_CAP = 3.0
 # moves the next one's sequence ratios by about 1e-4, so some land inside the clip range (1 - 3e-4, 1 + 4e-4)
 # and some outside; which ones depends on the machine (its float results change the trajectory)
 LR_GSPO = (1e-6, 2e-6, 5e-7, 4e-6)
+# ... and, where every learning rate moves the ratios against the advantages (the clip binds only on a move
+# with them), other seeds: a seed fixes the prompts and rollouts, so the rows and their ratios differ
+SEEDS_GSPO = (42, 1, 2, 3)
 # A ratio this close to a clip edge may be decided either way (the trainer's float32 passes and the test's
 # differ by up to ~1e-6): the test accepts both decisions for it
 EDGE = 1e-5
@@ -465,12 +468,12 @@ def test_the_applied_gradient_is_the_objectives(
     # branches goes unchecked. Where the ratios land depends on the machine's float results (another CPU,
     # another trajectory), so the learning rates are tried in turn, each run checked in full.
     tried = {}
-    for learning_rate in LR_GSPO:
-        run_dir = tmp_path / f"lr{learning_rate:g}"
+    for seed, learning_rate in ((seed, rate) for seed in SEEDS_GSPO for rate in LR_GSPO):
+        run_dir = tmp_path / f"seed{seed}-lr{learning_rate:g}"
         run_dir.mkdir()
         with pytest.MonkeyPatch.context() as patch:
             ratios = check_applied_gradient(
-                paper, run_dir, tiny_sft_model, patch, method, overrides, mismatch,
+                paper, run_dir, tiny_sft_model, patch, method, overrides | {"seed": seed}, mismatch,
                 learning_rate,
             )  # fmt: skip
         low, high = paper.clip
@@ -478,9 +481,10 @@ def test_the_applied_gradient_is_the_objectives(
         inside = [s for s, a in ratios if 1 - low <= s <= 1 + high]
         if clipped and inside:
             return
-        tried[learning_rate] = sorted(ratios)
+        tried[(seed, learning_rate)] = sorted(ratios)
     pytest.fail(
-        f"GSPO's clip never bound on some rows and not others; (ratio, advantage) by learning rate: {tried}"
+        "GSPO's clip never bound on some rows and not others; (ratio, advantage) by (seed, learning rate): "
+        f"{tried}"
     )
 
 
