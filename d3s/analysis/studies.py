@@ -245,8 +245,16 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
                 halves.append((result["ci_high"] - result["ci_low"]) / 2)
                 ax.scatter(np.full(len(seeds), x), seeds, s=9, alpha=0.35, color=f"C{offset}")
             halves = [0.0 if math.isnan(h) else h for h in halves]
+            line = "-" if study.figure_axis == "x" else "none"  # runs side by side are not a curve
             ax.errorbar(
-                xs, means, yerr=halves, marker="o", capsize=3, color=f"C{offset}", label=group or None
+                xs,
+                means,
+                yerr=halves,
+                marker="o",
+                linestyle=line,
+                capsize=3,
+                color=f"C{offset}",
+                label=group or None,
             )
         if study.figure_axis == "x":
             ax.set_xscale("log")
