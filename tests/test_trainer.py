@@ -38,7 +38,7 @@ def test_registry_covers_the_paper_and_documents_rows():
     assert set(METHODS) >= EXPECTED_METHODS
     for name, method in METHODS.items():
         assert len(method.reproduces) > 20, f"{name} must say which paper row it reproduces"
-    with pytest.raises(ValueError, match="unknown method 'd4s'; valid methods: .*d3s, d3s_i"):
+    with pytest.raises(ValueError, match="unknown method 'd4s'; valid methods: .*d3s, d3s_adaptive, d3s_i"):
         get_method("d4s")
 
 
@@ -78,7 +78,7 @@ def test_method_defaults_resolve_against_num_generations(tmp_path):
         ("d1s", {"sample_rule": "best"}, "sample_rule must be one of max_variance, random, max_reward, none"),
         ("d1s", {"sample_scope": "global"}, "sample_scope must be one of group, batch"),
         ("d2s", {"token_scope": "token"}, "token_scope must be one of batch, micro_batch, sequence"),
-        ("d3s", {"schedule": "cosine"}, "schedule must be one of constant, linear"),
+        ("d3s", {"schedule": "exponential"}, "schedule must be one of constant, linear, two_phase, cosine"),
         # 3 x 12 / 8 = 4.5 kept rows per micro-batch: TRL's split would drop rows
         (
             "d1s",
