@@ -104,7 +104,7 @@ PAPERS = {
     "d3s": Paper(**D3S),
     "d3s_i": Paper(**(D3S | dict(sample_scope="group"))),  # D3S Appendix D.1: intra-group
     # this suite's adaptive D3S (docs/studies.md): D3S until a gradient-norm spike, then D3S-I; the switch
-    # reads 3 steps of history first, so these short runs are D3S throughout (tests/test_studies.py: the switch)
+    # reads 3 steps of history first, so these short runs are D3S throughout (the switch: test_studies.py)
     "d3s_adaptive": Paper(**D3S),
     "entropy_8020": Paper(token_rule="entropy", tokens=(0.2, 0.2)),  # Beyond the 80/20 Rule: top 20 % by H
     "gspo": Paper(zeroed="trl", **GSPO),
