@@ -23,6 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 LONGEST_FIRST = (
     # with the Slurm and eval-resume tests (WITH_THE_SMOKE_RUN) the longest unit, about 1,100 s
     "tests/test_workflow.py::test_smoke_workflow_end_to_end",
+    "tests/test_studies.py",  # every study's smoke (six snakemake runs) and the studies notebook
     "tests/test_resume_workflow.py::test_killed_deepspeed_jobs_resume_under_snakemake[zero3]",
     "tests/test_resume_workflow.py::test_killed_server_mode_job_resumes_with_new_ports",
     "tests/test_vllm_workflow.py",
