@@ -278,9 +278,12 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
+    """``digits`` decimals; a float under 1 in size gets 3 significant digits instead (entropies, norms)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.{digits}f}" if isinstance(value, (float, np.floating)) else str(value)
+    if not isinstance(value, (float, np.floating)):
+        return str(value)
+    return f"{value:.{digits}f}" if value == 0 or abs(value) >= 1 else f"{value:.3g}"
 
 
 def claims_markdown(claims: pd.DataFrame) -> str:
