@@ -73,6 +73,7 @@ class Study:
     setup: str = ""
     figure_measures: tuple[str, ...] = ("pass_at_1",)
     figure_axis: str = "runs"
+    figure_xlabel: str = ""
     figure_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     ood: OodEvaluation | None = None
     calibration: Calibration | None = None
@@ -176,6 +177,7 @@ def parse_study(config: Mapping[str, Any], variants: Mapping[str, Any]) -> Study
         setup=" ".join(str(raw.get("setup") or "").split()),
         figure_measures=measures,
         figure_axis=figure.get("axis", "runs"),
+        figure_xlabel=str(figure.get("xlabel") or ""),
         figure_groups=groups,
         ood=ood,
         calibration=calibration,

@@ -226,6 +226,7 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
     """One panel per figure measure: mean and 95 % t-interval over seeds (points: the seeds), per run, or
     against x on a log axis, or one series per group of runs."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     measures = study.figure_measures
     fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.6), squeeze=False)
@@ -259,7 +260,9 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
         if study.figure_axis == "x":
             ax.set_xscale("log")
             runs = list(groups.values())[0]
-            ax.set_xticks([variants[r].x for r in runs], [_label(variants, r) for r in runs], fontsize=8)
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticks([variants[r].x for r in runs], [f"{variants[r].x:g}" for r in runs], fontsize=8)
+            ax.set_xlabel(study.figure_xlabel or "x", fontsize=8)
         else:
             runs = list(groups.values())[0]
             ax.set_xticks(np.arange(len(runs)), [_label(variants, r) for r in runs], fontsize=8, rotation=20)
