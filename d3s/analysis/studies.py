@@ -280,26 +280,31 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
 # ---- report ------------------------------------------------------------------------------------------------
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    """``digits`` decimals; a float under 1 in size gets 3 significant digits instead (entropies, norms)."""
+def _fmt(value: Any, digits: int = 2, significant: bool = False) -> str:
+    """``digits`` decimals; with ``significant``, a float under 1 in size gets 3 significant digits instead
+    (entropies and norms, where 2 decimals would read 0.00)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if not isinstance(value, (float, np.floating)):
         return str(value)
-    return f"{value:.{digits}f}" if value == 0 or abs(value) >= 1 else f"{value:.3g}"
+    small = significant and value != 0 and abs(value) < 1
+    return f"{value:.3g}" if small else f"{value:.{digits}f}"
 
 
 def claims_markdown(claims: pd.DataFrame) -> str:
+    def value(row: Any, key: str) -> str:  # points with 2 decimals, smaller units with 3 significant digits
+        return _fmt(row[key], significant=not str(row["unit"]).startswith("points"))
+
     columns = {
         "claim": lambda r: r["claim"],
         "run": lambda r: r["method"],
         "against": lambda r: r["reference"],
-        "estimate [95 % CI]": lambda r: f"{_fmt(r['estimate'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]",
+        "estimate [95 % CI]": lambda r: f"{value(r, 'estimate')} [{value(r, 'ci_low')}, {value(r, 'ci_high')}]",
         "unit": lambda r: r["unit"],
         "seeds": lambda r: r["seeds"],
         "verdict": lambda r: r["verdict"],
         "after Holm": lambda r: r["verdict_holm"],
-        "detectable": lambda r: _fmt(r["min_detectable_effect"]),
+        "detectable": lambda r: value(r, "min_detectable_effect"),
         "statement": lambda r: r["statement"],
     }
     return markdown_table((row for _, row in claims.iterrows()), columns)
