@@ -299,7 +299,9 @@ def claims_markdown(claims: pd.DataFrame) -> str:
         "claim": lambda r: r["claim"],
         "run": lambda r: r["method"],
         "against": lambda r: r["reference"],
-        "estimate [95 % CI]": lambda r: f"{value(r, 'estimate')} [{value(r, 'ci_low')}, {value(r, 'ci_high')}]",
+        "estimate [95 % CI]": lambda r: (
+            f"{value(r, 'estimate')} [{value(r, 'ci_low')}, {value(r, 'ci_high')}]"
+        ),
         "unit": lambda r: r["unit"],
         "seeds": lambda r: r["seeds"],
         "verdict": lambda r: r["verdict"],
