@@ -45,7 +45,8 @@ DRIFT_TOLERANCE = 1e-5
 # Every method trains a few steps, on the tied or the untied model (one engine each, in two processes that
 # run side by side); the GSPO pair's 4 mini-batches per generation take 5 steps to generate twice.
 TIED_METHODS = ["d3s:3", "grpo:3", "pods:3", "pods_random:2", "pods_max_reward:2", "d1s:2"]
-UNTIED_METHODS = ["d1s_cross:2", "d2s:2", "d3s_i:2", "entropy_8020:2", "gspo:5", "gspo_d3s:5"]
+UNTIED_METHODS = ["d1s_cross:2", "d2s:2", "d3s_i:2", "d3s_adaptive:2", "entropy_8020:2", "gspo:5"]
+UNTIED_METHODS += ["gspo_d3s:5"]
 
 
 def _vllm_models(root: Path) -> dict[str, Path]:
