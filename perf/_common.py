@@ -172,7 +172,7 @@ TINY_TASK: dict[str, Any] = {"max_ops": 1, "max_operand": 9}
 
 def prepare_tiny_model(path: Path, sft_steps: int = 150) -> Path:
     """The tiny model as ``d3s train`` warm-starts it for ``model: tiny``, saved to ``path``."""
-    from d3s.runs.run import load_run_model
+    from d3s.runs.resolve import load_run_model
 
     path.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_run_model({"model": "tiny", "seed": 0, "tiny": {"sft_steps": sft_steps}}, path)
@@ -185,13 +185,14 @@ def build_tiny_trainer(
     method: str, model_dir: Path | Any, output_dir: Path, max_steps: int, **trainer_overrides: Any
 ) -> Any:
     """A D3STrainer for ``method`` on the saved tiny model (or a model object, with the tiny tokenizer),
-    configured by ``d3s.runs.run.resolve_config`` as ``d3s train`` is, with math-verify accuracy rewards."""
+    configured by ``d3s.runs.resolve.resolve_config`` as ``d3s train`` is, with math-verify accuracy
+    rewards."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from d3s.data.synthetic import arithmetic_problems
     from d3s.rewards import accuracy_reward, default_grader
-    from d3s.runs.run import resolve_config
+    from d3s.runs.resolve import resolve_config
     from d3s.tiny_model import build_tokenizer
     from d3s.trainer import D3STrainer
 

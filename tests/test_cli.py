@@ -13,7 +13,7 @@ import yaml
 from helpers import write_run_config as write_config
 
 from d3s.cli import build_parser, build_train_config, main
-from d3s.runs.run import resolve_config
+from d3s.runs.resolve import resolve_config
 from d3s.vllm_engine import cpu_vllm_installed
 
 

@@ -19,7 +19,7 @@ from d3s.provenance.config_change import (
     keep_or_move_aside,
 )
 from d3s.provenance.settings_check import AGREE, FREE, TRAINING_RULES, compare, rule_for
-from d3s.runs.run import config_differences
+from d3s.runs.resume import config_differences
 
 RUN = {"method": "d3s", "seed": 0, "threads": 1, "output_dir": "runs/a", "resume": "auto"}
 TRAINER = {"learning_rate": 1e-6, "num_generations": 8, "output_dir": "runs/a", "vllm_server_port": 8000}

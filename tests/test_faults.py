@@ -28,7 +28,7 @@ from d3s.provenance.integrity import (
     reporting_full_disk,
     set_aside_corrupt_final_models,
 )
-from d3s.runs.run import latest_checkpoint
+from d3s.runs.resume import latest_checkpoint
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 

@@ -188,7 +188,7 @@ def test_bad_settings_fail_before_any_model_loads(tmp_path):
 
 
 def test_probe_prompts_are_the_first_training_prompts(models):
-    from d3s.runs.run import training_rows
+    from d3s.runs.resolve import training_rows
 
     tokenizer = models[3]
     config = {"seed": 2, "dataset": {"name": "synthetic", "count": 50, "max_ops": 1, "max_operand": 9}}

@@ -22,7 +22,7 @@ from d3s.callbacks.checkpoints import WEIGHTS_ONLY_FILE, strip_to_weights
 from d3s.launch import TrainLaunch, VllmServerSettings
 from d3s.orchestration.run_config import SERVER_FIELDS_SET_BY_WORKFLOW, build_run_config, prepare_training_job
 from d3s.provenance.config_change import PER_ATTEMPT_TRAINER_KEYS
-from d3s.runs.run import config_differences, latest_checkpoint, supersede_run
+from d3s.runs.resume import config_differences, latest_checkpoint, supersede_run
 from d3s.trainer import D3SConfig
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}

@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 from test_resume import run_config, step_metrics
 
 from d3s.runs.config import read_config_file
-from d3s.runs.run import latest_checkpoint, train, training_finished
+from d3s.runs.publish import training_finished
+from d3s.runs.resume import latest_checkpoint
+from d3s.runs.run import train
 
 STEPS = 5
 

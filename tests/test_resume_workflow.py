@@ -405,7 +405,7 @@ def _check_corrupt_sharded_checkpoint_and_final_model_are_rebuilt(
     check names the shard, and the checkpoint is moved aside, never deleted. PODS's finished final model is
     cut to half: the rerun under Snakemake moves it aside, runs PODS's job again (not its evaluation) and
     rebuilds final/ from its verified checkpoint-4, bitwise the uninterrupted run's."""
-    from d3s.runs.run import checkpoint_problem, verified_checkpoint
+    from d3s.runs.resume import checkpoint_problem, verified_checkpoint
 
     d3s, pods = work / runs["d3s"], work / runs["pods"]
     shard = d3s / f"checkpoint-{STEPS}" / f"global_step{STEPS}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from d3s.methods import METHODS
 from d3s.orchestration.commands import accelerate_command
 from d3s.ports import free_port
-from d3s.runs.run import latest_checkpoint
+from d3s.runs.resume import latest_checkpoint
 from d3s.vllm_engine import cpu_vllm_installed
 
 pytestmark = pytest.mark.skipif(

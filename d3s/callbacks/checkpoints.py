@@ -103,13 +103,13 @@ class D3SCheckpointState(TrainerCallback, ExportableState):
 
     def on_save(self, args, state, control, **kwargs):
         # Every rank has written its part (DeepSpeed shards, rng_state_<rank>.pth) before the checkpoint is
-        # marked complete: d3s.runs.run.latest_checkpoint resumes only from checkpoints with D3S_STATE_FILE.
+        # marked complete: d3s.runs.resume.latest_checkpoint resumes only from ones with D3S_STATE_FILE.
         PartialState().wait_for_everyone()
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         with reporting_full_disk(folder, folder.name):
-            # what the checkpoint holds, verified before it is resumed or promoted (d3s.runs.run)
+            # what the checkpoint holds, verified before it is resumed or promoted (d3s.runs.resume)
             files = record_files(folder, exclude=(D3S_STATE_FILE, WEIGHTS_ONLY_FILE))
             mark = {"update_tokens_total": self.update_tokens_total, "checksum": CHECKSUM, "files": files}
             atomic_write_text(folder / D3S_STATE_FILE, json.dumps(mark, indent=1))

@@ -17,7 +17,7 @@ class CpuRanksOptimizerLoad(Trainer):
     ``_load_optimizer_and_scheduler``, which calls it and then restores TRL's state (the adaptive-entropy
     controller's ``entropy_ctrl_state.json``), runs unchanged. It stays an override: no callback runs
     between Trainer's load and the first step. A module of its own: importing transformers' Trainer costs
-    seconds, which the light importers of d3s/callbacks/checkpoints.py (d3s.runs.run) do not pay.
+    seconds, which the light importers of d3s/callbacks/checkpoints.py (d3s.runs.resume) do not pay.
     """
 
     def _load_optimizer_and_scheduler(self, checkpoint):

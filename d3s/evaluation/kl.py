@@ -208,7 +208,7 @@ def kl_to_reference(
 
 def probe_prompts(train_config: dict, tokenizer: Any, count: int) -> list[str]:
     """The first ``count`` prompts of the run's training data, templated exactly as in training."""
-    from d3s.runs.run import training_rows  # the training job's own prompt construction
+    from d3s.runs.resolve import training_rows  # the training job's own prompt construction
 
     rows = training_rows(train_config, tokenizer)
     if len(rows) < count:

@@ -271,7 +271,7 @@ def resolved_trainer_configs(
     """Every run's D3SConfig (each method and variant) as its training job builds it (first seed), resolved
     on the CPU without GPUs (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out
     per process."""
-    from d3s.runs.run import resolve_config
+    from d3s.runs.resolve import resolve_config
 
     train_cfg, seed, base = config["train"], int(config["seeds"][0]), config["base_model"]
     shared = {

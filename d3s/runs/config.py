@@ -317,7 +317,7 @@ def coerce_run_config(
     """A ``d3s train`` config with every value typed and checked, once; ConfigError (one line) otherwise.
 
     ``sources`` says where a key's value came from (``trainer.max_steps``: "from --max-steps 0"), ``source``
-    where the others did. Needs no model or data (d3s.runs.run checks paths). Only the keys given are
+    where the others did. Needs no model or data (d3s.runs.resolve checks paths). Only the keys given are
     returned, no defaults: the config is compared with a checkpoint's on resume. A RunConfig comes back as is.
     """
     from d3s.methods import METHODS

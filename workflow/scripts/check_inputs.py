@@ -59,7 +59,8 @@ def check_train_dataset(request: dict[str, Any]) -> dict[str, Any]:
     name = dict(train.get("dataset") or {}).get("name", "synthetic")
     if name == "synthetic":
         return {"name": name, "found": benchmark_source(name)}
-    # the first row, as `d3s train` checks it (d3s.runs.run): malformed rows are skipped with a warning there
+    # the first row, as `d3s train` checks it (d3s.runs.resolve): malformed rows are skipped with a warning
+    # there
     return {"name": name, **_benchmark("train.dataset", name, train.get("data_dir"), limit=1)}
 
 

@@ -10,7 +10,7 @@ from d3s.orchestration.run_config import build_run_config, train_launch, write_y
 from d3s.orchestration.training_job import run_training_job
 from d3s.provenance.config_change import describe
 from d3s.runs.config import coerce_run_config
-from d3s.runs.run import config_differences, supersede_run
+from d3s.runs.resume import config_differences, supersede_run
 from d3s.vllm_engine import keep_vllm_out_of_this_process
 
 smk = snakemake  # noqa: F821 - injected by Snakemake
