@@ -12,6 +12,11 @@ import sys
 
 from d3s.methods import METHODS
 
+# The workflow's files that `d3s plan` and `d3s regime` check a config against, as the workflow does (which
+# passes its own: workflow/rules/common.smk): relative to the working directory, the repository root.
+WORKFLOW_SCHEMA = "config/schema.yaml"
+WORKFLOW_ACCELERATE_DIR = "workflow/accelerate"
+
 
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse, with a usage error reported on one line (no usage block) and exit status 2."""
@@ -82,8 +87,8 @@ def run_plan(args: argparse.Namespace) -> int:
     import yaml
 
     from d3s.memory_plan import PlanError, format_plan, plan_config, read_cache, write_cache
-    from d3s.orchestration.commands import ACCELERATE_DIR
-    from d3s.orchestration.run_config import train_launch, validate_config
+    from d3s.orchestration.run_config import train_launch
+    from d3s.orchestration.workflow_config import check_workflow_files, validate_config
     from d3s.runs.config import one_line
 
     try:
@@ -91,8 +96,9 @@ def run_plan(args: argparse.Namespace) -> int:
             config = yaml.safe_load(handle)
         if not isinstance(config, dict):
             raise PlanError(f"{args.config}: not a workflow config (a mapping; see config/paper/)")
-        validate_config(config)  # the workflow's one structural check, the same one-line errors
-        launch = train_launch(config["train"], ACCELERATE_DIR)  # how the workflow would launch the training
+        check_workflow_files(args.schema, args.accelerate_dir)
+        validate_config(config, args.schema)  # the workflow's one structural check, the same one-line errors
+        launch = train_launch(config["train"], args.accelerate_dir)  # how the workflow would launch training
         start = time.perf_counter()
         cache = read_cache()
         entries = len(cache)
@@ -115,6 +121,17 @@ def _run_regime(args: argparse.Namespace) -> int:
     from d3s.orchestration.regime import run_regime
 
     return run_regime(args)
+
+
+def _add_workflow_files(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schema", default=WORKFLOW_SCHEMA, help=f"the workflow's config schema (default {WORKFLOW_SCHEMA})"
+    )
+    parser.add_argument(
+        "--accelerate-dir",
+        default=WORKFLOW_ACCELERATE_DIR,
+        help=f"the workflow's accelerate configs (default {WORKFLOW_ACCELERATE_DIR})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--config", required=True, help="workflow config, e.g. config/paper/qwen2.5-math-7b.yaml"
     )
+    _add_workflow_files(plan)
     plan.set_defaults(handler=run_plan)
 
     regime = sub.add_parser(
@@ -157,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     regime.add_argument(
         "-n", "--dry-run", action="store_true", help="check the config and print the commands; run nothing"
     )
+    _add_workflow_files(regime)
     regime.set_defaults(handler=_run_regime)
 
     from d3s.evaluation.cli import add_eval_arguments, run_eval

@@ -18,6 +18,9 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The workflow's files, passed to the package as the workflow passes them (workflow/rules/common.smk)
+SCHEMA = REPO_ROOT / "config" / "schema.yaml"
+ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
 # How long a test waits for a running workflow to reach the point where it kills it: a guard against a hang,
 # not a speed check. 300 s failed when two suites shared the 2 cores (the job was healthy, only slow).

@@ -12,12 +12,11 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import ANALYSIS_RULES, REPO_ROOT, dry_run_jobs
+from helpers import ACCELERATE_DIR, ANALYSIS_RULES, REPO_ROOT, dry_run_jobs
 
 from d3s.orchestration.run_config import resolved_trainer_configs, train_launch, training_processes
 
 CONFIG = REPO_ROOT / "config" / "gpu-smoke.yaml"
-ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 GPU_RULES = {"base_model", "train", "evaluate_base", "evaluate_checkpoint", "evaluate_final"}
 sys.path.insert(0, str(REPO_ROOT / "workflow" / "scripts"))
 from build_base import build_base  # noqa: E402

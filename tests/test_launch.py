@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT
+from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA
 
 from d3s.launch import TrainLaunch, VllmServerSettings, job_gpus
 from d3s.orchestration.commands import (
@@ -33,15 +33,14 @@ from d3s.orchestration.processes import start_process_group, stop_process_group
 from d3s.orchestration.run_config import (
     batch_settings,
     build_run_config,
-    check_workflow_config,
     prepare_training_job,
     train_launch,
 )
 from d3s.orchestration.training_job import run_training_job
 from d3s.orchestration.vllm_server import vllm_server
+from d3s.orchestration.workflow_config import check_workflow_config
 from d3s.ports import free_port
 
-ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 PY = sys.executable
 
 FAKE_SERVER = textwrap.dedent(
@@ -255,7 +254,7 @@ def test_bad_launch_settings_name_the_field_and_the_fix(changes, message):
     """The schema's refusals and train_launch's (relations between keys), as the workflow's parse makes
     them."""
     with pytest.raises(ValueError, match=message) as error:
-        check_workflow_config(_workflow_config(**changes), ACCELERATE_DIR)
+        check_workflow_config(_workflow_config(**changes), ACCELERATE_DIR, SCHEMA)
     assert str(error.value).startswith("config ") and "\n" not in str(error.value)
 
 
@@ -265,10 +264,10 @@ def test_colocated_vllm_without_gpus_needs_vllms_cpu_build(monkeypatch):
 
     colocate = _workflow_config(resources={}, trainer={"use_vllm": True, "vllm_mode": "colocate"})
     monkeypatch.setattr(run_config, "cpu_vllm_installed", lambda: True)
-    check_workflow_config(colocate, ACCELERATE_DIR)
+    check_workflow_config(colocate, ACCELERATE_DIR, SCHEMA)
     monkeypatch.setattr(run_config, "cpu_vllm_installed", lambda: False)
     with pytest.raises(ValueError, match=r"train\.resources\.gpu is 0 and vLLM's CPU build is not installed"):
-        check_workflow_config(colocate, ACCELERATE_DIR)
+        check_workflow_config(colocate, ACCELERATE_DIR, SCHEMA)
 
 
 def test_job_gpus_reads_the_declared_count():
@@ -291,14 +290,14 @@ def test_prompts_per_step_fixes_the_batch_whatever_the_gpu_count():
 
 
 def test_check_workflow_config_uses_the_training_gpus():
-    check_workflow_config(_workflow_config(prompts_per_step=32, resources={"gpu": 8}), ACCELERATE_DIR)
+    check_workflow_config(_workflow_config(prompts_per_step=32, resources={"gpu": 8}), ACCELERATE_DIR, SCHEMA)
     config = _workflow_config(
         prompts_per_step=32,
         resources={"gpu": 4},
         trainer={"use_vllm": True, "vllm_mode": "server"},  # 3 training GPUs: 1,024 rollouts do not split
     )
     with pytest.raises(ValueError, match=r"^config train\.prompts_per_step .* 32 x 3"):
-        check_workflow_config(config, ACCELERATE_DIR)
+        check_workflow_config(config, ACCELERATE_DIR, SCHEMA)
 
 
 def test_vllm_serve_command_uses_trl_flags():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ACCELERATE_DIR
 
 from d3s.architectures import ARCHITECTURES
 from d3s.memory_plan import (
@@ -21,7 +22,6 @@ from d3s.memory_plan import (
     plan_config,
     scale_to_layers,
 )
-from d3s.orchestration.commands import ACCELERATE_DIR
 from d3s.orchestration.run_config import train_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +81,10 @@ def test_snakemake_dry_run_refuses_a_config_that_cannot_fit(tmp_path: Path) -> N
     assert "train.memory_plan" in done.stdout + done.stderr
 
 
-def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from d3s.cli import main
+
+    monkeypatch.chdir(REPO_ROOT)  # the workflow's schema and accelerate configs, as the command finds them
 
     assert main(["plan", "--config", str(REPO_ROOT / "config/paper/qwen2.5-math-7b.yaml")]) == 0
     out = capsys.readouterr().out

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT
+from helpers import ACCELERATE_DIR, REPO_ROOT
 
 from d3s.orchestration.commands import accelerate_command
 from d3s.ports import free_port
 from d3s.selection import select_samples, token_keep_mask
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 
 
 def _launch(launcher: str, args: list[str]) -> list[str]:

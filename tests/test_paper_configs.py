@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ANALYSIS_RULES, REPO_ROOT, SHARED_DATA, dry_run_jobs
+from helpers import ACCELERATE_DIR, ANALYSIS_RULES, REPO_ROOT, SHARED_DATA, dry_run_jobs
 
 from d3s.orchestration.run_config import resolved_trainer_configs, training_processes
 
 PAPER_DIR = REPO_ROOT / "config" / "paper"
-ACCELERATE_DIR = REPO_ROOT / "workflow" / "accelerate"
 SEVEN_BENCHMARKS = [
     "aime24",
     "aime25",

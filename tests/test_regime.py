@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import REPO_ROOT, copy_workflow
+from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, copy_workflow
 
 from d3s.analysis.claims import min_detectable_effect
 from d3s.analysis.regime import (
@@ -29,7 +29,7 @@ from d3s.analysis.regime import (
 from d3s.cli import main
 from d3s.methods import METHODS
 from d3s.orchestration.regime import plan_sweep, point_config, snakemake_command
-from d3s.orchestration.run_config import validate_config
+from d3s.orchestration.workflow_config import validate_config
 
 # ---- the slope ----
 
@@ -198,8 +198,8 @@ def test_paper_regime_estimate_from_its_inputs():
 
 def test_regime_config_validates_and_plans_its_points():
     config = yaml.safe_load((REPO_ROOT / "config" / "regime.yaml").read_text())
-    validate_config(config)
-    sweep = plan_sweep(str(REPO_ROOT / "config" / "regime.yaml"))
+    validate_config(config, SCHEMA)
+    sweep = plan_sweep(str(REPO_ROOT / "config" / "regime.yaml"), ACCELERATE_DIR, SCHEMA)
     assert [p.prompts for p in sweep.points] == [8, 16, 32, 64]
     assert [p.experiment for p in sweep.points] == [f"regime/p{p}" for p in (8, 16, 32, 64)]
     assert sweep.base_model == "results/regime/base/base_model"
@@ -340,7 +340,7 @@ def test_experiment_names_may_nest_but_not_leave_results(experiment, valid):
         "experiment": experiment
     }
     if valid:
-        validate_config(config)
+        validate_config(config, SCHEMA)
     else:
         with pytest.raises(ValueError, match=r"^config experiment: .* does not match"):
-            validate_config(config)
+            validate_config(config, SCHEMA)

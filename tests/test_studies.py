@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow
+from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, SNAKEMAKE, copy_workflow
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -31,7 +31,7 @@ from d3s.analysis.studies import (
     study_folders,
 )
 from d3s.methods import ADAPTIVE_SWITCH_THRESHOLD, METHODS
-from d3s.orchestration.run_config import check_workflow_config
+from d3s.orchestration.workflow_config import check_workflow_config
 from d3s.selection import SCHEDULES, Schedule, ScopeSwitch, spike_ratios
 from d3s.studies import MEASURES, parse_study
 from d3s.trainer import D3SConfig, D3STrainer
@@ -39,7 +39,6 @@ from d3s.variants import Variant, base_model_settings, extended_config, run_vari
 
 STUDIES = ("token_level", "sample_level", "schedule", "alignment", "adaptive", "generalization")
 STUDY_FILES = sorted((REPO_ROOT / "config" / "studies").glob("*.yaml"))
-ACCELERATE = REPO_ROOT / "workflow" / "accelerate"
 
 
 # ---- the schedule's shapes ---------------------------------------------------------------------------------
@@ -185,7 +184,7 @@ def _study_config(name: str) -> dict:
     """A shipped study config as the workflow resolves it (laid over config/config.yaml, defaults filled)."""
     raw = yaml.safe_load((REPO_ROOT / "config" / "studies" / f"{name}.yaml").read_text())
     config = extended_config(raw, REPO_ROOT)
-    check_workflow_config(config, ACCELERATE)
+    check_workflow_config(config, ACCELERATE_DIR, SCHEMA)
     return config
 
 
@@ -199,7 +198,7 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     runs it shares with the default (and with other studies) are the same jobs."""
     config = _study_config(name)
     default = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
-    check_workflow_config(default, ACCELERATE)
+    check_workflow_config(default, ACCELERATE_DIR, SCHEMA)
     for key in ("experiment", "base_model", "task", "seeds", "train", "eval"):
         assert config[key] == default[key], key
     study = parse_study(config, run_variants(config))
@@ -310,10 +309,10 @@ def test_a_bad_study_ends_in_one_line_naming_the_key(change, message):
     config = _study_config("generalization")
     update_config(config, change)
     with pytest.raises(ValueError, match=message) as error:
-        check_workflow_config(config, ACCELERATE)
+        check_workflow_config(config, ACCELERATE_DIR, SCHEMA)
         from d3s.orchestration.run_config import resolved_trainer_configs
 
-        resolved_trainer_configs(config, ACCELERATE, check_inputs=False)
+        resolved_trainer_configs(config, ACCELERATE_DIR, check_inputs=False)
     assert "\n" not in str(error.value)
 
 

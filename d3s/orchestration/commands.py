@@ -9,8 +9,6 @@ from pathlib import Path
 
 from d3s.launch import VllmServerSettings
 
-# The repository's accelerate configs (`d3s plan` reads them; the workflow passes its own copy's directory)
-ACCELERATE_DIR = Path(__file__).resolve().parents[2] / "workflow" / "accelerate"
 # Named accelerate configs (workflow/accelerate/<name>.yaml); ``single_gpu`` replaces ``ddp`` for one process.
 ACCELERATE_CONFIGS = ("ddp", "zero2", "zero3", "zero3_offload")
 SINGLE_PROCESS_CONFIG = "single_gpu"

@@ -26,8 +26,7 @@ from typing import Any, TextIO
 import yaml
 from snakemake.utils import update_config
 
-from d3s.orchestration.commands import ACCELERATE_DIR
-from d3s.orchestration.run_config import check_workflow_config, validate_config
+from d3s.orchestration.workflow_config import check_workflow_config, check_workflow_files, validate_config
 
 PROGRESS = re.compile(r"\d+ of \d+ steps \(\d+%\) done")
 
@@ -75,9 +74,12 @@ def _read(path: str) -> dict[str, Any]:
     return config
 
 
-def plan_sweep(config_path: str, accelerate_dir: str | os.PathLike[str] = ACCELERATE_DIR) -> Sweep:
-    """The sweep of ``config_path``, every point's config checked as the workflow checks it at parse time;
-    ValueError with one line naming the key and the fix, before anything runs."""
+def plan_sweep(
+    config_path: str, accelerate_dir: str | os.PathLike[str], schema: str | os.PathLike[str]
+) -> Sweep:
+    """The sweep of ``config_path``, every point's config checked as the workflow checks it at parse time
+    (against the workflow's ``schema`` and accelerate configs in ``accelerate_dir``); ValueError with one
+    line naming the key and the fix, before anything runs."""
     raw = _read(config_path)
     if "regime" not in raw:
         raise ValueError(
@@ -91,7 +93,7 @@ def plan_sweep(config_path: str, accelerate_dir: str | os.PathLike[str] = ACCELE
             "[8, 16, 32, 64]"
         )
     config = copy.deepcopy(raw)
-    validate_config(config)  # the one structural check, defaults filled in; one-line errors
+    validate_config(config, schema)  # the one structural check, defaults filled in; one-line errors
     methods, reference = config["methods"], config["analysis"]["reference"]
     if reference not in methods or len(methods) < 2:
         raise ValueError(
@@ -116,7 +118,7 @@ def plan_sweep(config_path: str, accelerate_dir: str | os.PathLike[str] = ACCELE
         point = Point(prompts, prompts * generations, f"{experiment}/p{prompts}", overrides)
         resolved = point_config(raw, point)
         try:
-            check_workflow_config(resolved, accelerate_dir)
+            check_workflow_config(resolved, accelerate_dir, schema)
         except ValueError as exc:
             raise ValueError(f"{exc} (regime point P = {prompts})") from None
         points.append(point)
@@ -204,7 +206,8 @@ def run_regime(args: Any) -> int:
             raise ValueError(f"no Snakefile in {Path.cwd()}: run d3s regime from the repository root")
         if args.cores < 1:
             raise ValueError(f"--cores {args.cores}: give at least 1")
-        sweep = plan_sweep(args.config)
+        check_workflow_files(args.schema, args.accelerate_dir)
+        sweep = plan_sweep(args.config, args.accelerate_dir, args.schema)
     except ValueError as err:
         print(f"d3s regime: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""A workflow config, checked once at parse time (check_workflow_config), and the ``d3s train`` config of
-each of its runs (build_run_config, prepare_training_job)."""
+"""The ``d3s train`` config of each run of a workflow config (build_run_config, prepare_training_job), the
+launch of its training jobs (train_launch) and their batch (batch_settings); the parse-time check of the
+workflow config is d3s.orchestration.workflow_config."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any
 import yaml
 
 from d3s.launch import TrainLaunch, VllmServerSettings, job_gpus
-from d3s.memory_plan import check_fit
 from d3s.methods import method_trainer
 from d3s.orchestration.commands import (
     DEFAULT_ACCELERATE_CONFIG,
@@ -24,11 +24,8 @@ from d3s.orchestration.commands import (
 )
 from d3s.orchestration.gpu_slots import cuda_available
 from d3s.ports import LOCALHOST, free_port
-from d3s.studies import parse_study
 from d3s.variants import run_variants
 from d3s.vllm_engine import cpu_vllm_installed
-
-SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 # Trainer fields the workflow sets in server mode (a free port per job); per-attempt keys of config_change.
 SERVER_FIELDS_SET_BY_WORKFLOW = ("vllm_server_host", "vllm_server_port", "vllm_group_port")
@@ -41,7 +38,8 @@ def train_launch(
 ) -> TrainLaunch:
     """The launch settings of the config's training jobs; raises ValueError naming the field to change.
 
-    Keys and types are config/schema.yaml's (validate_config); what is checked here relates several keys.
+    Keys and types are the workflow schema's (workflow_config.validate_config); what is checked here relates
+    several keys.
     """
     gpus = job_gpus(train_cfg.get("resources")) if gpus is None else gpus
     launch = dict(train_cfg.get("launch") or {})
@@ -130,7 +128,7 @@ def batch_settings(
     return trainer
 
 
-def _method_trainer(
+def run_trainer(
     train_cfg: Mapping[str, Any], method: str, processes: int, overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """train.trainer with the method's overrides (and a variant's ``overrides`` on top), its batch fixed for
@@ -142,88 +140,6 @@ def _method_trainer(
 def training_processes(train_cfg: Mapping[str, Any], accelerate_dir: str | os.PathLike[str]) -> int:
     """Processes of a training job: one per training GPU, or one on the CPU."""
     return train_launch(train_cfg, accelerate_dir).processes
-
-
-def typed_config_overrides(config_args: Sequence[str] | None) -> dict[str, Any]:
-    """The lists and mappings of ``snakemake --config key=value ...``, read as YAML: Snakemake reads every
-    value inside them as a string (``seeds=[0,1]`` gives ['0', '1'], which the schema refuses), so the
-    workflow applies these on top. Top-level scalars stay as Snakemake typed them; text YAML cannot read is
-    left as Snakemake read it, for the schema to name."""
-    from snakemake.utils import update_config
-
-    typed: dict[str, Any] = {}
-    for arg in config_args or ():
-        key, _, value = str(arg).partition("=")
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            continue
-        if isinstance(parsed, (list, dict)):
-            update_config(typed, {key: parsed})  # a key given twice merges, as Snakemake merges it
-    return typed
-
-
-def validate_config(config: dict[str, Any], schema: str | os.PathLike[str] = SCHEMA) -> None:
-    """``config`` against config/schema.yaml, the one structural check (it fills the defaults in); a violation
-    raises ValueError with one line naming the key and the fix, not jsonschema's dump of the schema."""
-    from snakemake.exceptions import WorkflowError
-    from snakemake.utils import validate
-
-    try:
-        validate(config, str(schema))
-    except WorkflowError as exc:
-        error = exc.__context__  # the jsonschema ValidationError that validate wraps
-        if not hasattr(error, "absolute_path"):
-            raise
-        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
-        schema_part = error.schema if isinstance(error.schema, dict) else {}
-        title, description = schema_part.get("title"), schema_part.get("description")
-        if error.validator == "enum" and title:
-            valid = ", ".join(map(str, schema_part["enum"]))
-            message = f"unknown {title} {error.instance!r}; valid {title}s: {valid}"
-        elif error.validator == "additionalProperties":
-            known = schema_part.get("properties", {})
-            message = f"unknown key(s) {sorted(set(error.instance) - set(known))}; valid: {', '.join(known)}"
-        elif error.validator == "not" and description:
-            message = description
-        elif error.validator == "anyOf" and description:
-            message = f"{error.instance!r}: expected {description}"
-        else:
-            message = error.message
-        raise ValueError(f"config {key or '(top level)'}: {message}".replace("\n", " ")) from None
-
-
-def check_workflow_config(
-    config: dict[str, Any], accelerate_dir: str | os.PathLike[str], schema: str | os.PathLike[str] = SCHEMA
-) -> None:
-    """Everything a workflow config is checked for at parse time, pure and fast (no data, network, model or
-    TRL import): the schema, then what it cannot express (relations between keys, the GPUs against the
-    batch, the memory plan from cached traces); ValueError with one line starting "config "."""
-    validate_config(config, schema)
-    try:
-        variants = run_variants(config)
-    except ValueError as exc:
-        raise ValueError(f"config {exc}") from None
-    if config["analysis"]["reference"] not in variants:
-        reference = config["analysis"]["reference"]
-        raise ValueError(
-            f"config analysis.reference {reference!r} is not one of the methods {list(variants)}"
-        )
-    train_cfg = config["train"]
-    try:
-        if config.get("bases") and config["base_model"]["kind"] != "tiny":
-            raise ValueError(
-                "bases: base-model variants rebuild the tiny base model; set base_model.kind tiny"
-            )
-        parse_study(config, variants)
-        launch = train_launch(train_cfg, accelerate_dir)
-        for variant in variants.values():
-            _method_trainer(train_cfg, variant.method, launch.processes, variant.trainer)
-    except ValueError as exc:
-        raise ValueError(f"config {exc}") from None
-    problem = check_fit(config, launch)
-    if problem:
-        raise ValueError(f"config {problem}")
 
 
 def build_run_config(
@@ -241,7 +157,7 @@ def build_run_config(
     """The ``d3s train`` config of one run (runs/<name>/seed<seed>/train.yaml) of registry ``method``, a
     variant's ``trainer_overrides`` on top; ``threads`` is the job's, the config gets each training process's
     share, as resolved_config.yaml records it."""
-    trainer = _method_trainer(train_cfg, method, processes, trainer_overrides)
+    trainer = run_trainer(train_cfg, method, processes, trainer_overrides)
     dataset = {"name": "synthetic"} | dict(train_cfg.get("dataset") or {})
     if dataset["name"] == "synthetic":
         dataset = dict(task) | dataset

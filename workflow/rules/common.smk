@@ -6,14 +6,15 @@ from pathlib import Path
 
 from snakemake.utils import update_config
 
-from d3s.orchestration.run_config import check_workflow_config, typed_config_overrides
+from d3s.orchestration.workflow_config import check_workflow_config, typed_config_overrides
 from d3s.variants import Variant, base_model_settings, extended_config, run_variants
 from d3s.provenance.integrity import set_aside_corrupt_final_models
 from d3s.studies import parse_study
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
 ENV = "../../environment.yml"
-ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"  # accelerate configs of GPU training jobs
+# The accelerate configs of GPU training jobs: defined here only, passed to the package and the scripts
+ACCELERATE_DIR = f"{workflow.basedir}/workflow/accelerate"
 # --config lists and mappings with their YAML types (Snakemake reads their values as strings: seeds=[0,1])
 update_config(config, typed_config_overrides(workflow.config_settings.config_args))
 # A config that extends another (config/studies/*.yaml extend config/config.yaml) is laid over it, in place.

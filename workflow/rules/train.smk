@@ -15,6 +15,7 @@ rule train:
         train=config["train"],
         task=TASK,
         data_dir=config["train"].get("data_dir"),
+        accelerate_dir=ACCELERATE_DIR,
     threads: config["train"]["threads"]
     resources:
         **config["train"]["resources"],

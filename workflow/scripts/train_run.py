@@ -18,7 +18,7 @@ name, seed = smk.wildcards.method, int(smk.wildcards.seed)  # a method, or a stu
 method, trainer_overrides = smk.params.variant["method"], smk.params.variant["trainer"]
 train_cfg = smk.params.train
 run_dir = Path(smk.output.config).parent
-accelerate_dir = Path(__file__).resolve().parents[1] / "accelerate"  # __file__: this script
+accelerate_dir = smk.params.accelerate_dir  # common.smk's ACCELERATE_DIR
 granted = granted_gpus(smk.resources, job_gpus(train_cfg.get("resources")), "train")
 launch = train_launch(train_cfg, accelerate_dir, gpus=granted)
 # parsed once here, the job's boundary: compared, written to train.yaml and (on the CPU) trained as parsed
