@@ -24,7 +24,9 @@ from d3s.selection import (
 )
 
 # Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked
-# once, in D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these.
+# once, in D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these. The
+# workflow's schema (config/schema.yaml, $defs.trainer) bounds the ones it reads with the same ranges:
+# tests/test_workflow.py::test_trainer_ranges_agree_with_the_schema fails when the two disagree.
 TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         ("learning_rate", "num_train_epochs", "repetition_penalty", "adam_epsilon", "logging_steps")
@@ -34,7 +36,7 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
         + ("steps_per_generation", "generation_batch_size", "num_iterations", "max_completion_length")
-        + ("save_total_limit", "keep_per_prompt", "keep_per_prompt_final"),
+        + ("save_total_limit", "keep_per_prompt", "keep_per_prompt_final", "vllm_max_model_length"),
         (lambda v: v >= 1, ">= 1"),
     ),
     **dict.fromkeys(
@@ -47,7 +49,8 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     **dict.fromkeys(["adam_beta1", "adam_beta2"], (lambda v: 0 <= v < 1, "in [0, 1)")),
     **dict.fromkeys(
-        ["top_p", "token_keep_ratio", "token_keep_ratio_final"], (lambda v: 0 < v <= 1, "in (0, 1]")
+        ["top_p", "token_keep_ratio", "token_keep_ratio_final", "vllm_gpu_memory_utilization"],
+        (lambda v: 0 < v <= 1, "in (0, 1]"),
     ),
     "scope_switch_threshold": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
     "num_generations": (lambda v: v >= 2, ">= 2 (GRPO needs two rollouts per prompt for an advantage)"),

@@ -117,6 +117,63 @@ def test_schema_enums_are_the_registries():
     assert [s for s in save_strategy if s is not False] == [s.value for s in SaveStrategy]
 
 
+# Trainer settings whose workflow range is narrower than `d3s train`'s, on purpose: the workflow names the
+# checkpoints it evaluates from max_steps, so -1 (train for num_train_epochs) is refused there.
+WORKFLOW_NARROWS = {"max_steps"}
+# Probe values around every bound the two sides use: 0, 1, 2, the seed range's end, and past them.
+RANGE_PROBES = (
+    -(2**33),
+    -2,
+    -1,
+    -0.5,
+    0,
+    1e-9,
+    0.5,
+    1 - 1e-9,
+    1,
+    1 + 1e-9,
+    1.5,
+    2,
+    3,
+    2**32 - 1,
+    2**32,
+    1e12,
+)
+
+
+def test_trainer_ranges_agree_with_the_schema():
+    """config/schema.yaml's typed trainer settings and D3SConfig's TRAINER_RANGES accept the same values:
+    every setting with a bound in the schema has a range in TRAINER_RANGES, and each value probed is accepted
+    by both or by neither (the schema's types aside: it refuses a float for an integer setting)."""
+    import jsonschema
+
+    from d3s.trainer_config import TRAINER_RANGES
+
+    schema = yaml.safe_load((REPO_ROOT / "config" / "schema.yaml").read_text())
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    disagree = []
+    for name, spec in schema["$defs"]["trainer"]["properties"].items():
+        bounded = any(bound in spec for bound in bounds)
+        if not bounded and name not in TRAINER_RANGES:
+            continue
+        if not bounded or name not in TRAINER_RANGES:
+            disagree.append(f"{name}: a range in {'the schema' if bounded else 'TRAINER_RANGES'} only")
+            continue
+        accepts, description = TRAINER_RANGES[name]
+        integer = "integer" in ([spec["type"]] if isinstance(spec["type"], str) else spec["type"])
+        for value in RANGE_PROBES:
+            if integer and not float(value).is_integer():
+                continue
+            value = int(value) if integer else value
+            in_schema = jsonschema.Draft202012Validator(spec).is_valid(value)
+            in_trainer = bool(accepts(value))
+            if in_schema != in_trainer and not (name in WORKFLOW_NARROWS and in_trainer):
+                disagree.append(
+                    f"{name} = {value!r}: schema {in_schema}, TRAINER_RANGES ({description}) {in_trainer}"
+                )
+    assert not disagree, disagree
+
+
 def test_lint_clean():
     result = run_snakemake(["--lint"], REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
