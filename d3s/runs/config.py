@@ -1,8 +1,9 @@
 """The `d3s train` boundary: a run config (YAML file and flags) parsed once into typed, checked values.
 
-Each value is converted by transformers' ``HfArgumentParser`` of its dataclass, after a pre-pass only where
-that parser falls short (``pre-pass:`` below; docs/workflow.md, "How a setting travels"). Every error is one
-:class:`ConfigError` line naming the key, the value, where it came from and what to write instead.
+Each section (top level, dataset, tiny, trainer) is converted by one parse of its whole mapping with
+transformers' ``HfArgumentParser`` of its dataclass, after a pre-pass only where that parser falls short
+(``pre-pass:`` below; docs/workflow.md, "How a setting travels"). Every error is one :class:`ConfigError`
+line naming the key, the value, where it came from and what to write instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -180,66 +181,134 @@ def _is_enum(kind: Any) -> bool:
     return isinstance(kind, type) and issubclass(kind, enum.Enum)
 
 
-def _typed(dataclass_type: type, name: str, value: Any, label: str, source: str | None) -> Any:
-    """``value`` of field ``name`` converted by the argparse action HfArgumentParser builds for it;
-    ConfigError naming ``label`` and ``source`` otherwise. Each ``pre-pass:`` is a case it cannot take."""
-    from transformers.hf_argparser import string_to_bool
+class _Settled(typing.NamedTuple):
+    """A value a pre-pass settled (the parser cannot take it); it is not put on the command line."""
 
-    parser, actions, kinds = _parser(dataclass_type)
-    action, kind = actions[name], kinds[name]
+    value: Any
+
+
+def _refuser(value: Any, label: str, source: str | None) -> Callable[[str], typing.NoReturn]:
+    """Raise ConfigError for ``label``: expected what, got ``value``, from ``source``."""
 
     def refuse(expected: str) -> typing.NoReturn:
         hint = "; YAML reads yes/no/on/off as booleans, so quote the word" if isinstance(value, bool) else ""
         raise ConfigError(f"{label}: expected {expected}{hint}, got {value!r}{_from(source)}")
 
-    def scalar(item: Any) -> Any:
-        if item is False and action.choices and "no" in action.choices:
-            item = "no"  # pre-pass: YAML 1.1 reads `save_strategy: no` as False
-        bool_field = action.type is string_to_bool
-        if not isinstance(item, (str, int, float)) or (isinstance(item, bool) and not bool_field):
-            refuse(_expected(action))  # pre-pass: the parser would take True as the word "True"
-        word = item if isinstance(item, str) and action.type is str else str(item).strip()
-        try:
-            parsed = getattr(parser.parse_known_args([f"--{name}={word}"])[0], name)
-        except argparse.ArgumentError:
-            number = _whole_number(word) if action.type is int else None  # pre-pass: 1e3 or 8.0
-            parsed = number if number is not None else refuse(_expected(action))
-        parsed = parsed[0] if action.nargs == "+" else parsed
-        if isinstance(parsed, float) and not math.isfinite(parsed):
-            refuse("a finite number such as 1e-6")  # pre-pass: float() takes nan and inf
-        if int in kind and isinstance(parsed, str) and parsed.strip().lstrip("-").isdigit():
-            parsed = int(parsed)  # pre-pass: `int | str` keeps a number (the parser types it str)
-        return getattr(parsed, "value", parsed)  # an enum member as its value (YAML-safe)
+    return refuse
 
+
+def _word(action: Any, item: Any, refuse: Callable[[str], typing.NoReturn]) -> str:
+    """``item`` as the word the parser reads for ``action`` (``--name=word``)."""
+    from transformers.hf_argparser import string_to_bool
+
+    if item is False and action.choices and "no" in action.choices:
+        item = "no"  # pre-pass: YAML 1.1 reads `save_strategy: no` as False
+    bool_field = action.type is string_to_bool
+    if not isinstance(item, (str, int, float)) or (isinstance(item, bool) and not bool_field):
+        refuse(_expected(action))  # pre-pass: the parser would take True as the word "True"
+    word = item if isinstance(item, str) and action.type is str else str(item).strip()
+    number = _whole_number(word) if action.type is int else None
+    return str(number) if number is not None else word  # pre-pass: 1e3 or 8.0 for an int field
+
+
+def _pre_pass(
+    name: str, value: Any, action: Any, kind: tuple[Any, ...], refuse: Callable[[str], typing.NoReturn]
+) -> _Settled | tuple[list[str], bool]:
+    """What the parser cannot take, settled here (each ``pre-pass:``); else the words of ``value`` on the
+    parser's command line and whether they make a list."""
     text = isinstance(value, str)
     if type(None) in kind and (value is None or value in NULL_WORDS):
-        return None  # pre-pass: argv has no null
+        return _Settled(None)  # pre-pass: argv has no null
     literals = [v for m in kind if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
     if isinstance(value, bool) and value in literals:
-        return value  # pre-pass: the parser types `str | Literal[False]` as str
+        return _Settled(value)  # pre-pass: the parser types `str | Literal[False]` as str
     if any(isinstance(c, bool) for c in action.choices or ()):  # pre-pass: str | bool, typed as bool
         word = BOOL_WORDS.get(str(value).strip().lower(), value if text else None)
-        return word if word in action.choices else refuse(_expected(action))
+        return _Settled(word) if word in action.choices else refuse(_expected(action))
     if any(m is dict or typing.get_origin(m) is dict for m in kind):  # pre-pass: a mapping, or its text
         path_ok = name in PATH_OR_MAPPING_FIELDS
         mapping = _parse_text(value) if text and (not path_ok or value.lstrip().startswith("{")) else value
         if isinstance(mapping, Mapping) or (path_ok and isinstance(mapping, str) and mapping):
-            return dict(mapping) if isinstance(mapping, Mapping) else mapping
+            return _Settled(dict(mapping) if isinstance(mapping, Mapping) else mapping)
         refuse("a mapping such as {key: value} (YAML or JSON)" + (" or a JSON file" if path_ok else ""))
     if any(m is list or typing.get_origin(m) is list for m in kind):  # pre-pass: a list, or its text
         items = _parse_text(value) if text and value.lstrip().startswith("[") else value
         if isinstance(items, (list, tuple)) or (text and str not in kind):
-            try:
-                return [scalar(item) for item in (items if isinstance(items, (list, tuple)) else [value])]
-            except ConfigError:
+
+            def refuse_item(expected: str) -> typing.NoReturn:
                 refuse(f"a list whose items are each {_expected(action)}")
+
+            items = items if isinstance(items, (list, tuple)) else [value]
+            return [_word(action, item, refuse_item) for item in items], True
         if str not in kind:
             refuse("a list such as [a, b]")
-        return value if text else scalar(value)  # `str | list`: a word is the str
-    if isinstance(action.type, type) and action.type not in EXPECTED and not _is_enum(action.type):
+        if text:
+            return _Settled(value)  # `str | list`: a word is the str
+    elif isinstance(action.type, type) and action.type not in EXPECTED and not _is_enum(action.type):
         # pre-pass: the parser would call the class on the text (ParallelismConfig("x"))
         refuse(f"{_expected(action)} (set it from Python, not from a config file)")
-    return scalar(value)
+    return [_word(action, value, refuse)], False
+
+
+def _typed_options(
+    dataclass_type: type,
+    options: Mapping[str, Any],
+    prefix: str,
+    sources: Mapping[str, str],
+    source: str | None,
+) -> dict[str, Any]:
+    """``options`` typed by one parse of the whole mapping with the HfArgumentParser of ``dataclass_type``
+    (its fields' argparse actions); ConfigError naming the key and where its value came from otherwise.
+    The pre-passes settle what the parser cannot take; the checks after the parse, what it lets through."""
+    parser, actions, kinds = _parser(dataclass_type)
+    refusers = {
+        name: _refuser(value, f"{prefix}{name}", sources.get(f"{prefix}{name}", source))
+        for name, value in options.items()
+    }
+    settled: dict[str, Any] = {}
+    words: dict[str, tuple[list[str], bool]] = {}
+    for name, value in options.items():
+        done = _pre_pass(name, value, actions[name], kinds[name], refusers[name])
+        if isinstance(done, _Settled):
+            settled[name] = done.value
+        else:
+            words[name] = done
+    argv = []
+    for name, (items, is_list) in words.items():
+        if is_list and not items:
+            settled[name] = []  # an empty list: no words to parse
+        elif is_list and actions[name].nargs != "+":
+            # pre-pass: a `str | list[str]` field (report_to) reads one word; its items are each the word
+            settled[name] = [actions[name].type(item) for item in items]
+        else:
+            argv += [f"--{name}", *items] if is_list else [f"--{name}={items[0]}"]
+    try:
+        namespace = parser.parse_known_args(argv)[0]
+    except argparse.ArgumentError as err:
+        name = (err.argument_name or "").split("/")[0].removeprefix("--")
+        if name not in words:
+            raise
+        expected = _expected(actions[name])
+        refusers[name](f"a list whose items are each {expected}" if words[name][1] else expected)
+    for name, (_, is_list) in words.items():
+        if name in settled:
+            continue
+        action, kind, refuse = actions[name], kinds[name], refusers[name]
+        parsed = getattr(namespace, name)
+        items = parsed if is_list else [parsed[0] if action.nargs == "+" else parsed]
+        checked = []
+        for item in items:
+            if isinstance(item, float) and not math.isfinite(item):  # pre-pass: float() takes nan and inf
+                refuse(
+                    f"a list whose items are each {_expected(action)}"
+                    if is_list
+                    else "a finite number such as 1e-6"
+                )
+            if int in kind and isinstance(item, str) and item.strip().lstrip("-").isdigit():
+                item = int(item)  # pre-pass: `int | str` keeps a number (the parser types it str)
+            checked.append(getattr(item, "value", item))  # an enum member as its value (YAML-safe)
+        settled[name] = checked if is_list else checked[0]
+    return {name: settled[name] for name in options}
 
 
 def _whole_number(text: str) -> int | None:
@@ -265,16 +334,14 @@ def _check_keys(options: Any, fields: Any, what: str, fix: str, source: str | No
 def _section(
     dataclass_type: type, options: Any, label: str, sources: Mapping[str, str], source: str | None, fix=""
 ) -> dict[str, Any]:
-    """``options`` typed field by field, then checked by ``dataclass_type``'s __post_init__ (ranges); not
-    D3SConfig's (``fix`` given): resolve_config builds it once the CPU defaults are added."""
+    """``options`` typed (one parse of the whole mapping), then checked by ``dataclass_type``'s
+    __post_init__ (ranges); not D3SConfig's (``fix`` given): resolve_config builds it once the CPU defaults
+    are added."""
     fields = _parser(dataclass_type)[1]
     prefix = f"{label}." if label else ""
     what = f"{label} option(s)" if label else "config keys"
     _check_keys(options, fields, what, fix or f"valid: {', '.join(fields)}", source)
-    typed = {
-        key: _typed(dataclass_type, key, value, f"{prefix}{key}", sources.get(f"{prefix}{key}", source))
-        for key, value in options.items()
-    }
+    typed = _typed_options(dataclass_type, options, prefix, sources, source)
     if not fix:
         try:
             dataclass_type(**typed)
