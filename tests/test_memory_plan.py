@@ -81,6 +81,25 @@ def test_snakemake_dry_run_refuses_a_config_that_cannot_fit(tmp_path: Path) -> N
     assert "train.memory_plan" in done.stdout + done.stderr
 
 
+def test_the_cli_finds_the_workflow_files_where_it_is_told(tmp_path, monkeypatch, capsys) -> None:
+    """`d3s plan` reads the workflow's schema and accelerate configs from the working directory (the
+    repository root) or from --schema and --accelerate-dir; elsewhere, one line naming the flags."""
+    from d3s.cli import main
+
+    config = str(REPO_ROOT / "config/paper/qwen2.5-math-7b.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "give --schema and --accelerate-dir" in err, err
+    workflow_files = [
+        "--schema",
+        str(REPO_ROOT / "config/schema.yaml"),
+        "--accelerate-dir",
+        str(ACCELERATE_DIR),
+    ]
+    assert main(["plan", "--config", config, *workflow_files]) == 0
+
+
 def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from d3s.cli import main
 
