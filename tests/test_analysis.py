@@ -251,11 +251,67 @@ def test_figures_write_png_and_pdf(results, tmp_path):
         figures.learning_curve_figure(curves, ["grpo", "d3s"]),
         figures.pass_at_k_figure(long, ["grpo", "d3s"]),
         figures.var_after_figure(groups, ["grpo", "d3s"]),
-        figures.token_scores_figure(token_records[0]["examples"][0]),
+        figures.token_selection_figure(figures.informative_token_examples(token_records)),
     ]
     for i, fig in enumerate(made):
         paths = figures.save(fig, tmp_path / "figs" / f"f{i}")
         assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def _token_record(method: str, step: int, examples: list[tuple[float, list[bool]]]) -> dict:
+    return {
+        "method": method,
+        "seed": 0,
+        "step": step,
+        "token_keep_ratio": 0.5,
+        "examples": [
+            {
+                "tokens": ["a", "b"],
+                "entropy": [0.5, 0.2],
+                "score": [abs(a) * 0.5, abs(a) * 0.2],
+                "selected": kept,
+            }
+            | {"advantage": a}
+            for a, kept in examples
+        ],
+    }
+
+
+def test_the_token_figure_draws_rollouts_that_show_selection():
+    """Issue 47: A = 0 scores every token 0 and shows nothing. The latest record with a selected token at both
+    A > 0 and A < 0 is drawn, else the latest informative rollout; never an A = 0 rollout."""
+    records = [
+        _token_record("d3s", 0, [(0.0, [True, False]), (-1.2, [False, True]), (0.8, [True, False])]),
+        _token_record("d3s", 5, [(0.9, [True, True]), (0.9, [False, False]), (0.0, [True, False])]),
+        _token_record("d3s", 10, [(0.0, [True, False]), (0.0, [False, False])]),  # the latest: all A = 0
+        _token_record("grpo", 15, [(1.0, [True, True]), (-1.0, [True, True])]),  # selects no token
+    ]
+    examples = figures.informative_token_examples(records)
+    assert [(e["where"], e["advantage"]) for e in examples] == [
+        ("d3s seed 0 step 0", 0.8),
+        ("d3s seed 0 step 0", -1.2),
+    ]
+    assert all(e["advantage"] != 0 and any(e["selected"]) for e in examples)
+    fig = figures.token_selection_figure(examples)
+    assert len([ax for ax in fig.axes if ax.get_title()]) == 2
+    # no record with both signs: the latest informative rollout, alone
+    single = figures.informative_token_examples(records[1:3])
+    assert [(e["where"], e["advantage"]) for e in single] == [("d3s seed 0 step 5", 0.9)]
+    assert figures.informative_token_examples(records[2:]) == []
+    with pytest.raises(ValueError, match="no example"):
+        figures.token_selection_figure([])
+
+
+def test_the_anatomy_log_writes_informative_rollouts_first():
+    import torch
+
+    from d3s.callbacks.logs import informative_rows
+
+    advantages = torch.tensor([0.0, 1.0, -1.0, 2.0, 0.0, -0.5, 0.3])
+    any_kept = torch.tensor([True, True, True, False, True, True, True])
+    assert informative_rows(advantages, any_kept, 4) == [1, 2, 6, 5]
+    assert informative_rows(advantages, any_kept, 10) == [1, 2, 6, 5, 0, 3, 4]
+    assert informative_rows(torch.zeros(3), torch.ones(3, dtype=torch.bool), 2) == [0, 1]
 
 
 def test_the_update_token_axis_labels_zero_and_decades_apart():

@@ -116,6 +116,10 @@ def paper_of(method: str, overrides: dict) -> Paper:
     """The paper's method with the case's trainer overrides applied (the options the cases set)."""
     paper = PAPERS[method]
     changes = {k: overrides[k] for k in ("token_scope", "token_norm", "kl_tokens") if k in overrides}
+    if "minibatches_per_generation" in overrides:
+        changes["minibatches"] = overrides["minibatches_per_generation"]
+    if "epsilon" in overrides:
+        changes["clip"] = (overrides["epsilon"], overrides.get("epsilon_high", overrides["epsilon"]))
     if "token_keep_ratio" in overrides:
         assert not paper.linear, "a K override of a linear schedule would need its final value"
         changes["tokens"] = (overrides["token_keep_ratio"],) * 2
@@ -128,8 +132,8 @@ def keep_count(paper: Paper, progress: float) -> int:
         paper.keep[0] if not paper.linear else (1 - progress) * paper.keep[0] + progress * paper.keep[1]
     )
     value = fraction * G
-    assert value == int(value), f"N = {value} at p = {progress}: pick a G or p with a whole N"
-    return int(value)
+    assert abs(value - round(value)) < 1e-9, f"N = {value} at p = {progress}: pick a G or p with a whole N"
+    return round(value)
 
 
 def keep_ratio(paper: Paper, progress: float) -> float:
@@ -207,6 +211,16 @@ def test_the_registry_holds_the_papers_numbers(tmp_path):
 def tied_reward(completions, **kwargs):
     """Length mod 3: ties inside most groups, spread in most."""
     return [float(len(c) % 3) for c in completions]
+
+
+def spread_reward(completions, **kwargs):
+    """Length mod 3 plus a tie-breaker from the text: rollouts tie only where their texts are equal. PODS's
+    max-reward rule keeps the 2 best of 8: under tied_reward those two mostly tie, so their advantages over
+    the kept pair are 0 in every group and the zero gradient checks nothing."""
+    return [float(len(c) % 3) + (zlib.crc32(c.encode()) % 1000) / 1000 for c in completions]
+
+
+REWARD = {"pods_max_reward": spread_reward}  # every other case: tied_reward (ties, and spread, in a group)
 
 
 def varied_prompts(count: int = 200):
@@ -328,7 +342,7 @@ def run_trainer(model_path, tmp_path, monkeypatch, method, overrides, mismatch=F
     trainer = Recording(
         model=AutoModelForCausalLM.from_pretrained(model_path),
         args=args,
-        reward_funcs=[tied_reward],
+        reward_funcs=[REWARD.get(method, tied_reward)],
         train_dataset=varied_prompts(),
         processing_class=AutoTokenizer.from_pretrained(model_path),
     )
@@ -443,6 +457,12 @@ CASES = [(name, {}, False) for name in METHOD_NAMES] + [
     ("d3s", {"beta": 0.04, "kl_tokens": "all"}, False),
     ("d3s", {"token_norm": "selected"}, False),
     ("d2s", {"token_scope": "sequence", "token_keep_ratio": 0.2}, False),
+    # the schedule at a second point, p = 2/3 (N = 6 of 8, K = 15 %): a cosine schedule equals the linear
+    # one at p = 1/2 and differs here
+    ("d3s", {"max_steps": 3}, False),
+    # the token-level clip, off-policy: four updates from one generation batch with GSPO's narrow clip range,
+    # so that epsilon and epsilon_high bind on some tokens and not on others
+    ("d3s", {"minibatches_per_generation": 4, "epsilon": 3e-4, "epsilon_high": 4e-4}, False),
     ("gspo_d3s", {"beta": 0.04}, False),
     # vLLM's importance-sampling correction against a forced mismatch: TRL's way (zeroed rollouts weigh 0 and
     # count), and the selecting methods' (zeroed rollouts take no slot and count nowhere), token and sequence
@@ -464,12 +484,13 @@ def test_the_applied_gradient_is_the_objectives(
     tmp_path, tiny_sft_model, monkeypatch, method, overrides, mismatch
 ):
     paper = paper_of(method, overrides)
-    if not paper.sequence:
+    if paper.minibatches == 1:
         check_applied_gradient(paper, tmp_path, tiny_sft_model, monkeypatch, method, overrides, mismatch)
         return
-    # GSPO, off-policy: the clip must bind on some rows (no policy gradient) and not on others, or one of its
-    # branches goes unchecked. Where the ratios land depends on the machine's float results (another CPU,
-    # another trajectory), so the learning rates are tried in turn, each run checked in full.
+    # Off-policy (GSPO's sequence ratios; the token-level case's token ratios): the clip must bind on some
+    # rows or tokens (no policy gradient) and not on others, or one of its branches goes unchecked. Where the
+    # ratios land depends on the machine's float results (another CPU, another trajectory), so the learning
+    # rates are tried in turn, each run checked in full.
     tried = {}
     for seed, learning_rate in ((seed, rate) for seed in SEEDS_GSPO for rate in LR_GSPO):
         run_dir = tmp_path / f"seed{seed}-lr{learning_rate:g}"
@@ -486,7 +507,7 @@ def test_the_applied_gradient_is_the_objectives(
             return
         tried[(seed, learning_rate)] = sorted(ratios)
     pytest.fail(
-        "GSPO's clip never bound on some rows and not others; (ratio, advantage) by (seed, learning rate): "
+        "the clip never bound on some ratios and not others; (ratio, advantage) by (seed, learning rate): "
         f"{tried}"
     )
 
@@ -495,8 +516,9 @@ def check_applied_gradient(
     paper, tmp_path, tiny_sft_model, monkeypatch, method, overrides, mismatch, learning_rate=None
 ) -> list[tuple[float, float]]:
     """Train a few steps of ``method`` and check that every checked step applied the gradient of the paper's
-    objective, recomputed here from the equations on the rows the trainer trained on; returns GSPO's (s_i,
-    A_i) of the rows whose policy term trains (none for the token-level methods)."""
+    objective, recomputed here from the equations on the rows the trainer trained on; returns the off-policy
+    ratios whose policy term trains with their advantages: GSPO's (s_i, A_i) of rows, the token level's
+    (rho_it, A_i) of kept tokens (none where every checked step is on-policy: rho = 1)."""
     beta = overrides.get("beta", 0.0)
     accumulation = 2  # two micro-batches per optimizer step
     if paper.minibatches > 1:  # GSPO: a 128-rollout generation batch for 4 updates of 2 micro-batches each;
@@ -505,9 +527,10 @@ def check_applied_gradient(
             per_device_train_batch_size=16, max_steps=paper.minibatches, learning_rate=learning_rate
         )
         generation, checked = 0, list(range(1, paper.minibatches))
-    else:  # the second step, on its own 32-rollout generation batch, N and K halfway through the schedule
-        geometry = dict(per_device_train_batch_size=16, max_steps=2)
-        generation, checked = 1, [1]
+    else:  # the last step, on its own 32-rollout generation batch: N and K at p = 1/2 (2 steps) or 2/3 (3)
+        geometry = dict(per_device_train_batch_size=16, max_steps=overrides.get("max_steps", 2))
+        generation = geometry["max_steps"] - 1
+        checked = [generation]
     geometry["gradient_accumulation_steps"] = accumulation
     _, record, probe = run_trainer(
         tiny_sft_model, tmp_path, monkeypatch, method, geometry | overrides, mismatch
@@ -682,6 +705,14 @@ def check_applied_gradient(
                     kl = kl * rho
                 policy_term = -torch.min(rho * a, rho.clamp(1 - low, 1 + high) * a) * k * w
                 carried += bool(a != 0 and w != 0 and k.any())
+                if not on_policy and w != 0 and a != 0:  # each kept token's clip decision, as GSPO's rows'
+                    edge = 1 + high if a > 0 else 1 - low
+                    for j in k.nonzero().flatten().tolist():
+                        binds = rho[j].item() > edge if a > 0 else rho[j].item() < edge
+                        if abs(rho[j].item() - edge) < EDGE:
+                            on_edge.append((1 if binds else -1) * -rho[j] * a * w / denominator)
+                        else:
+                            ratios.append((rho[j].item(), a))
                 total = total + (policy_term + beta * kl * kl_weight).double().sum() / denominator
         total = total + 0.0 * sum(p.sum() for p in policy.parameters())  # a gradient for every parameter
         total.backward(retain_graph=bool(on_edge))
@@ -689,9 +720,14 @@ def check_applied_gradient(
         expected = {n: p.grad for n, p in policy.named_parameters()}
         assert applied.keys() == expected.keys()
         scale = max(g.abs().max().item() for g in expected.values())
-        if scale == 0:  # only where no row carries an advantage (tied rewards; PODS max-reward) or all clip
+        if scale == 0:  # where no row carries an advantage (tied rewards) or every ratio clips (off-policy)
             assert not carried
             scale = 1.0
+        # A zero gradient would accept any loss, so an on-policy step must carry one. Off-policy steps may all
+        # clip; the caller then asks for a ratio inside the clip range, whose row carries an advantage.
+        assert carried or paper.minibatches > 1, (
+            f"step {step}: no row carries a policy gradient: it checks nothing"
+        )
         assert len(on_edge) <= 3, "too many ratios on the clip's edges: change LR_GSPO"
         others = [torch.autograd.grad(g, list(policy.parameters()), retain_graph=True) for g in on_edge]
         alternatives = []  # the objective's gradient under each decision of the ratios on an edge

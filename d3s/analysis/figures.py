@@ -179,15 +179,45 @@ def var_after_figure(groups: pd.DataFrame, methods):
     return _laid_out(fig, ax, fontsize=8)
 
 
-def token_scores_figure(example: dict, max_tokens: int = 48):
-    """One completion, one cell per token, coloured by its score |A| x H; selected tokens outlined."""
+TOKEN_SELECTING_METHODS = ("d3s", "d2s", "d3s_i", "d3s_adaptive", "gspo_d3s", "entropy_8020")
+
+
+def informative_token_examples(token_records: list[dict], methods=TOKEN_SELECTING_METHODS) -> list[dict]:
+    """A rollout with A > 0 and one with A < 0, each with at least one selected token, from the latest
+    anatomy token record (of a token-selecting method) that has both; else the latest such rollout of either
+    sign. These show what D3S's token level does: a rollout with A = 0 scores 0 on every token (|A| x H) and
+    trains nothing. Each example carries where it came from (``where``); none where no record has one."""
+    fallback: list[dict] = []
+    for record in reversed([r for r in token_records if r.get("method") in methods]):
+        where = f"{record['method']} seed {record['seed']} step {record['step']}"
+        chosen = []
+        for sign in (1, -1):
+            informative = [
+                e
+                for e in record.get("examples", [])
+                if sign * e.get("advantage", 0.0) > 0 and any(e["selected"])
+            ]
+            if informative:
+                chosen.append(
+                    max(informative, key=lambda e: sum(map(bool, e["selected"]))) | {"where": where}
+                )
+        if len(chosen) == 2:
+            return chosen
+        fallback = fallback or chosen
+    return fallback
+
+
+def token_scores_figure(example: dict, max_tokens: int = 48, ax=None, per_row: int = 16):
+    """One completion, one cell per token, coloured by its score |A| x H, its entropy H (nats) written under
+    the token; selected tokens outlined red. Draws on ``ax`` when given (and returns its figure)."""
     tokens = example["tokens"][:max_tokens]
     score = np.asarray(example["score"][:max_tokens], dtype=float)
     selected = list(example["selected"][:max_tokens])
     entropy = example.get("entropy", [])[:max_tokens]
-    per_row = 16
     rows = math.ceil(len(tokens) / per_row)
-    fig, ax = plt.subplots(figsize=(0.62 * per_row, 0.75 * rows + 0.9))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(0.62 * per_row, 0.75 * rows + 0.9))
+    fig = ax.figure
     norm = plt.Normalize(0, max(score.max(), 1e-9)) if len(score) else plt.Normalize(0, 1)
     cmap = plt.get_cmap("viridis")
     for i, tok in enumerate(tokens):
@@ -197,13 +227,33 @@ def token_scores_figure(example: dict, max_tokens: int = 48):
         text = tok.replace(" ", "␣").replace("\n", "⏎").replace("$", r"\$")
         ax.text(c + 0.47, -r + 0.45, text, ha="center", va="center", fontsize=8, color=ink)
         if i < len(entropy):
-            ax.text(c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color="w")
+            ax.text(c + 0.47, -r + 0.08, f"{entropy[i]:.2f}", ha="center", va="bottom", fontsize=5, color=ink)
     ax.set_xlim(0, per_row)
-    ax.set_ylim(-rows + 0.9, 1)
+    ax.set_ylim(-max(rows, 1) + 0.9, 1)
     ax.axis("off")
     title = "token score"
     if (adv := example.get("advantage")) is not None:
-        title = f"token score |A|·H (colour), selected tokens outlined red; A = {adv:+.2f}"
+        kept = sum(map(bool, selected))
+        title = f"A = {adv:+.2f}: {kept} of {len(tokens)} tokens selected (outlined red)"
+    if example.get("where"):
+        title = f"{example['where']}\n{title}"
     ax.set_title(title, fontsize=9)
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.02, pad=0.01)
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03, pad=0.01, label="|A|·H")
+    return fig
+
+
+def token_selection_figure(examples: list[dict], max_tokens: int = 48):
+    """The token level side by side: each example (informative_token_examples: A > 0, A < 0) coloured by
+    its score |A| x H, with its entropy under every token and the selected tokens outlined."""
+    if not examples:
+        raise ValueError("no example to draw: informative_token_examples found no rollout with A != 0")
+    per_row = 12
+    rows = max(math.ceil(min(len(e["tokens"]), max_tokens) / per_row) for e in examples)
+    fig, axes = plt.subplots(
+        1, len(examples), figsize=(0.62 * per_row * len(examples) + 1, 0.75 * rows + 1.3)
+    )
+    for ax, example in zip(np.atleast_1d(axes), examples, strict=True):
+        token_scores_figure(example, max_tokens, ax=ax, per_row=per_row)
+    title = "D3S's token level: score |A|·H (colour), entropy H in nats (small), selected outlined"
+    fig.suptitle(title, fontsize=9, y=1.0 + 0.3 / fig.get_figheight())  # above the panels' two-line titles
     return fig

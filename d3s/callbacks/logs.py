@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -83,6 +84,16 @@ def sample_anatomy(
     return {"kind": "samples", "step": step, "keep_per_prompt": keep, "num_generations": G, "groups": groups}
 
 
+def informative_rows(advantages: torch.Tensor, any_kept: torch.Tensor, count: int) -> list[int]:
+    """Up to ``count`` row indices: first the rows with A != 0 and a selected token, alternating A > 0 and
+    A < 0 (each sign in row order), then the other rows in order."""
+    positive = [i for i in range(len(advantages)) if advantages[i] > 0 and any_kept[i]]
+    negative = [i for i in range(len(advantages)) if advantages[i] < 0 and any_kept[i]]
+    alternating = [i for pair in itertools.zip_longest(positive, negative) for i in pair if i is not None]
+    rest = [i for i in range(len(advantages)) if i not in set(alternating)]
+    return (alternating + rest)[:count]
+
+
 def token_anatomy(
     step: int,
     token_keep_ratio: float,
@@ -94,10 +105,13 @@ def token_anatomy(
     examples: int,
     decode: Callable[[list[int]], str],
 ) -> dict:
-    """The first ``examples`` completions of a micro-batch: tokens, entropies, scores and the token mask."""
+    """``examples`` completions of a micro-batch: tokens, entropies, scores and the token mask. Rows that show
+    the token level come first (informative_rows), so a record is not all A = 0 rollouts, which score 0 on
+    every token and keep none."""
     ids, advantages = loss_inputs["completion_ids"], loss_inputs["advantages"]
+    row_advantages = advantages.float().reshape(ids.shape[0], -1).mean(1)
     records = []
-    for row in range(min(examples, ids.shape[0])):
+    for row in informative_rows(row_advantages, (keep.bool() & mask.bool()).any(1), examples):
         valid = mask[row].bool()
         records.append(
             {
@@ -105,7 +119,7 @@ def token_anatomy(
                 "entropy": entropies[row][valid].detach().float().tolist(),
                 "score": scores[row][valid].float().tolist(),
                 "selected": keep[row][valid].tolist(),
-                "advantage": float(advantages[row].float().mean()),
+                "advantage": float(row_advantages[row]),
             }
         )
     return {"kind": "tokens", "step": step, "token_keep_ratio": token_keep_ratio, "examples": records}
