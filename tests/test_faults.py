@@ -2,8 +2,8 @@
 line, and the run recovers to the weights of an uninterrupted run (docs/gpu.md, "Faults a run survives").
 
 One uninterrupted run (4 steps, checkpoints 2 and 4 with their full state) is trained once; each case copies
-it, breaks what the fault breaks and runs again. ZeRO-3's sharded checkpoint and the workflow's re-run of a
-corrupt final model are in tests/test_resume_workflow.py, which trains ZeRO-3 jobs under Snakemake anyway.
+it, breaks what the fault breaks and runs again. ZeRO-3's sharded checkpoint and the workflow's re-runs after
+a corrupt final model are in tests/test_resume_workflow.py, which trains ZeRO-3 jobs under Snakemake anyway.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import yaml
 from safetensors.torch import load_file
 
 from d3s.cli import main
+from d3s.orchestration.evaluation_job import EvalPoint, TrainedRun, check_run_models
 from d3s.provenance.integrity import (
     FINAL_RECORD_FILE,
     DiskFullError,
     check_files,
     record_files,
     reporting_full_disk,
-    set_aside_corrupt_final_models,
 )
 from d3s.runs.resume import latest_checkpoint
 
@@ -164,9 +164,9 @@ def test_corrupt_final_model_is_refused_by_eval_and_rebuilt_by_the_workflow_chec
     reference, tmp_path, tiny_sft_model, capsys
 ):
     """A final model cut short or with a changed byte: `d3s eval` refuses it in one line naming the file,
-    before any generation; the workflow's check moves it aside so that the training job runs again, which
-    rebuilds final/ from the verified checkpoint at max_steps (tests/test_resume_workflow.py runs that check
-    under Snakemake, with ZeRO-3)."""
+    before any generation; the workflow's evaluation job moves it aside and fails in one line saying to run
+    the same command again, whose training job rebuilds final/ from the verified checkpoint at max_steps
+    (tests/test_resume_workflow.py runs that under Snakemake, with ZeRO-3)."""
     runs = tmp_path / "runs"
     (runs / "d3s").mkdir(parents=True)
     run, config = broken_copy(reference, runs / "d3s", tiny_sft_model)
@@ -187,14 +187,23 @@ def test_corrupt_final_model_is_refused_by_eval_and_rebuilt_by_the_workflow_chec
         os.utime(weights)
     cut_to_half(weights)
 
-    (line,) = set_aside_corrupt_final_models(runs)
-    moved = aside(run, "corrupt-final")
+    # the evaluation job of the run's final model (rule evaluate_final or evaluate_run), before its GPU lease
+    trained = TrainedRun(run, "d3s", 0)
+    points = [EvalPoint(str(run / "final"), tmp_path / "ev", 1, (1,), None)]
+    with pytest.raises(SystemExit) as refused:
+        check_run_models(trained, points)
+    moved, line = aside(run, "corrupt-final"), str(refused.value)
     assert line.startswith(f"the final model of {run} does not load: {weights} is ") and str(moved) in line
+    assert "\n" not in line and line.endswith(
+        "run the same command again, which trains the run again from "
+        "its newest sound checkpoint and then evaluates it"
+    )
     assert not (run / "final").exists() and (moved / "final" / "model.safetensors").is_file()
-    assert (moved / "train_summary.json").is_file() and set_aside_corrupt_final_models(runs) == []
+    assert (moved / "train_summary.json").is_file() and not (run / "train_summary.json").exists()
     assert train_cli(config) == 0  # what the re-run training job does
     assert "checkpoint-4 is the last step (max_steps): final model written from it" in capsys.readouterr().out
     assert_ends_like(run, reference)
+    check_run_models(trained, points)  # sound again: the evaluation goes ahead
 
 
 def _mount_tmpfs(folder: Path, size: int) -> str | None:

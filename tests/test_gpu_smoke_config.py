@@ -7,19 +7,17 @@ the base model's SFT refusing CUDA where there is none. The SFT on CUDA runs whe
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 import yaml
 from helpers import ACCELERATE_DIR, ANALYSIS_RULES, REPO_ROOT, dry_run_jobs
 
+from d3s.orchestration.base_model_job import build_base
 from d3s.orchestration.run_config import resolved_trainer_configs, train_launch, training_processes
 
 CONFIG = REPO_ROOT / "config" / "gpu-smoke.yaml"
 GPU_RULES = {"base_model", "train", "evaluate_base", "evaluate_checkpoint", "evaluate_final"}
-sys.path.insert(0, str(REPO_ROOT / "workflow" / "scripts"))
-from build_base import build_base  # noqa: E402
 
 
 @pytest.fixture(scope="module")

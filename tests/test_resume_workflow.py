@@ -404,7 +404,9 @@ def _check_corrupt_sharded_checkpoint_and_final_model_are_rebuilt(
     under ZeRO-3: D3S's newest checkpoint gets one byte of rank 1's optimizer shard changed (same size): its
     check names the shard, and the checkpoint is moved aside, never deleted. PODS's finished final model is
     cut to half: the rerun under Snakemake moves it aside, runs PODS's job again (not its evaluation) and
-    rebuilds final/ from its verified checkpoint-4, bitwise the uninterrupted run's."""
+    rebuilds final/ from its verified checkpoint-4, bitwise the uninterrupted run's. Nothing is moved while
+    Snakemake plans the jobs: the evaluation of PODS's final model finds it corrupt, moves it aside and fails
+    in one line saying to run the same command again, which trains PODS again."""
     from d3s.runs.resume import checkpoint_problem, verified_checkpoint
 
     d3s, pods = work / runs["d3s"], work / runs["pods"]
@@ -424,6 +426,15 @@ def _check_corrupt_sharded_checkpoint_and_final_model_are_rebuilt(
     weights = pods / "final" / "model.safetensors"
     with open(weights, "r+b") as fh:
         fh.truncate(weights.stat().st_size // 2)
+    evaluation = ["results/smoke/eval/pods/seed0/final/summary.json", "--cores", "4"]
+    evaluation += ["--configfile", "config/resume.yaml"]
+    refused = subprocess.run(SNAKEMAKE + evaluation, cwd=work, env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and not (pods / "final").exists(), refused.stderr[-3000:]
+    relative = runs["pods"]  # as the job names it: Snakemake's paths are relative to its folder
+    assert f"the final model of {relative} does not load: {relative / 'final' / weights.name} is " in (
+        refused.stderr
+    )
+    assert "run the same command again, which trains the run again" in refused.stderr
     _rerun(work, env, target)
     pods_log = (work / "results/smoke/logs/train/pods_seed0.log").read_text()
     assert f"checkpoint-{STEPS} is the last step (max_steps): final model written from it" in pods_log

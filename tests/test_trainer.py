@@ -338,7 +338,7 @@ def test_anatomy_log_records_what_selection_did(tmp_path, tiny_sft_model, method
         assert tokens == []
         return
     assert [r["step"] for r in tokens] == [0, 1]
-    # rollouts that show the token level (A != 0, a token selected) come first (issue 47): the figure's examples
+    # rollouts that show the token level (A != 0, a token selected) come first (issue 47), for the figure
     shows = [[e["advantage"] != 0 and any(e["selected"]) for e in r["examples"]] for r in tokens]
     assert any(map(any, shows)) and all(flags == sorted(flags, reverse=True) for flags in shows)
     for record in tokens:

@@ -4,10 +4,12 @@ checked before any model loads, so a typo costs seconds, not a GPU allocation.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
@@ -31,6 +33,59 @@ from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)
 GRADING_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """The options of ``d3s eval`` by name (``--max-tokens`` is ``max_tokens``), with the command's defaults:
+    what :func:`run_eval` takes from the command line and from callers in Python (the workflow's jobs)."""
+
+    model: str | None = None
+    benchmarks: str = DEFAULT_BENCHMARKS
+    samples: int = 32
+    k: list[int] = field(default_factory=lambda: [1, 8])
+    out: Path | None = None
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int = 4096
+    data_dir: Path | None = None
+    limit: int | None = None
+    backend: str = "auto"
+    template: str = "auto"
+    seed: int = 0
+    batch_size: int | None = None
+    answer_extraction: str = "boxed_first"
+    answer_policy: str = DEFAULT_ANSWER_POLICY
+    grading_workers: int = GRADING_WORKERS
+    grading_time_limit: float = DEFAULT_TIME_LIMIT_S
+    bootstrap: int = 1000
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    audit_samples: list[Path] = field(default_factory=list)
+    synthetic: dict[str, int] = field(default_factory=dict)
+    overwrite: bool = False
+    no_progress: bool = False
+    audit: bool = False
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> EvalOptions:
+        """The options of parsed ``d3s eval`` arguments (other attributes, such as the handler, left out)."""
+        names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
+        return cls(**{name: getattr(args, name) for name in names})
+
+
+_DEFAULTS = EvalOptions()
+# the options that take one of a few values, checked for callers in Python as argparse checks them
+_CHOICES = {
+    "backend": BACKENDS,
+    "template": TEMPLATES,
+    "answer_extraction": get_args(AnswerExtraction),
+    "answer_policy": ANSWER_POLICIES,
+    "dtype": DTYPES,
+}
 
 
 def _positive_int(text: str) -> int:
@@ -93,44 +148,44 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--model": (str, None, "model directory or Hugging Face id (required unless --audit)"),
         "--benchmarks": (
             str,
-            DEFAULT_BENCHMARKS,
+            _DEFAULTS.benchmarks,
             f"comma-separated benchmark names (default: {DEFAULT_BENCHMARKS}); "
             f"valid: {', '.join(BENCHMARKS)}",
         ),
-        "--samples": (_positive_int, 32, "samples per problem (default 32)"),
-        "--k": (_k_list, [1, 8], "Pass@k values to report, e.g. 1,8 (default)"),
+        "--samples": (_positive_int, _DEFAULTS.samples, "samples per problem (default 32)"),
+        "--k": (_k_list, _DEFAULTS.k, "Pass@k values to report, e.g. 1,8 (default)"),
         "--out": (Path, None, "output directory (required unless --audit)"),
-        "--temperature": (_number, 0.6, "sampling temperature, 0 = greedy (0.6)"),
-        "--top-p": (_number, 0.95, "nucleus sampling top-p (0.95)"),
-        "--max-tokens": (_positive_int, 4096, "max new tokens per completion (4096)"),
+        "--temperature": (_number, _DEFAULTS.temperature, "sampling temperature, 0 = greedy (0.6)"),
+        "--top-p": (_number, _DEFAULTS.top_p, "nucleus sampling top-p (0.95)"),
+        "--max-tokens": (_positive_int, _DEFAULTS.max_tokens, "max new tokens per completion (4096)"),
         "--data-dir": (Path, None, f"benchmark root <dir>/<benchmark>/test.jsonl (default ${DATA_DIR_ENV})"),
         "--limit": (_positive_int, None, "only the first N problems per benchmark"),
-        "--backend": (BACKENDS, "auto", "generation backend (auto: vLLM if GPU)"),
-        "--template": (TEMPLATES, "auto", "prompt template (auto)"),
-        "--seed": (_seed, 0, "sampling and bootstrap seed (0)"),
+        "--backend": (BACKENDS, _DEFAULTS.backend, "generation backend (auto: vLLM if GPU)"),
+        "--template": (TEMPLATES, _DEFAULTS.template, "prompt template (auto)"),
+        "--seed": (_seed, _DEFAULTS.seed, "sampling and bootstrap seed (0)"),
         "--batch-size": (_positive_int, None, "problems per generate call (transformers 8, vLLM 64)"),
         "--answer-extraction": (
             get_args(AnswerExtraction),
-            "boxed_first",
+            _DEFAULTS.answer_extraction,
             "boxed_first: prefer \\boxed{}, else fall back to the last answer-like expression (default)",
         ),
         "--answer-policy": (
             ANSWER_POLICIES,
-            DEFAULT_ANSWER_POLICY,
+            _DEFAULTS.answer_policy,
             "which answer counts for the primary accuracy: math_verify is math-verify's verdict on the whole "
             "completion (default), last_boxed the last \\boxed{} only (Qwen2.5-Math toolkit), answer_tag the "
             "last <answer> tag (PODS); all are always reported",
         ),
-        "--grading-workers": (_positive_int, GRADING_WORKERS, "grading subprocesses"),
+        "--grading-workers": (_positive_int, _DEFAULTS.grading_workers, "grading subprocesses"),
         "--grading-time-limit": (
             _number,
-            DEFAULT_TIME_LIMIT_S,
+            _DEFAULTS.grading_time_limit,
             f"seconds per answer before it counts as wrong and timed out ({DEFAULT_TIME_LIMIT_S:g})",
         ),
-        "--bootstrap": (_positive_int, 1000, "bootstrap resamples for the CI (1000)"),
-        "--dtype": (("auto", "bfloat16", "float16", "float32"), "auto", "model dtype (auto)"),
-        "--tensor-parallel-size": (_positive_int, 1, "vLLM tensor parallel size"),
-        "--gpu-memory-utilization": (_number, 0.9, "vLLM GPU memory fraction"),
+        "--bootstrap": (_positive_int, _DEFAULTS.bootstrap, "bootstrap resamples for the CI (1000)"),
+        "--dtype": (DTYPES, _DEFAULTS.dtype, "model dtype (auto)"),
+        "--tensor-parallel-size": (_positive_int, _DEFAULTS.tensor_parallel_size, "vLLM tensor parallel"),
+        "--gpu-memory-utilization": (_number, _DEFAULTS.gpu_memory_utilization, "vLLM GPU memory fraction"),
         "--max-model-len": (_positive_int, None, "vLLM max model length"),
         "--audit-samples": (
             Path,
@@ -160,8 +215,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, action="store_true", help=text)
 
 
-def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationSettings, str]:
+def validate_eval_args(args: EvalOptions) -> tuple[list[str], GenerationSettings, str]:
     """Check everything that can be checked without the model; raise ValueError saying what to change."""
+    for name, choices in _CHOICES.items():
+        if getattr(args, name) not in choices:
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} {getattr(args, name)!r} is not one of: {', '.join(choices)}")
+    if not args.k or min(args.k) < 1:
+        raise ValueError(f"--k values must be positive integers, got {args.k}")
+    try:
+        check_synthetic_options(dict(args.synthetic), what="--synthetic")
+    except BenchmarkError as exc:
+        raise ValueError(str(exc)) from None
     names = parse_benchmark_list(args.benchmarks)
     if args.audit_samples and not args.audit:
         raise ValueError("--audit-samples is read by the grader audit only: add --audit, or drop it")
@@ -215,8 +280,11 @@ def validate_eval_args(args: argparse.Namespace) -> tuple[list[str], GenerationS
     return names, settings, backend
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """Run ``d3s eval`` with parsed ``args``; returns the process exit code (2 = bad arguments or data)."""
+def run_eval(args: EvalOptions | argparse.Namespace) -> int:
+    """Run ``d3s eval`` with ``args`` (its options, or the command line parsed); returns the process exit code
+    (2 = bad arguments or data)."""
+    if isinstance(args, argparse.Namespace):
+        args = EvalOptions.from_namespace(args)
     try:
         names, settings, backend_name = validate_eval_args(args)
         grading = {"num_workers": args.grading_workers, "time_limit": args.grading_time_limit}

@@ -235,28 +235,6 @@ def set_aside(
     return folder
 
 
-def set_aside_corrupt_final_models(runs: str | os.PathLike[str]) -> list[str]:
-    """Check the final model of every finished run under ``runs`` (``<method>/seed<N>/`` with
-    train_summary.json); one whose weights would not load has its final/ and train_summary.json moved aside
-    (set_aside), so its training job runs again and rebuilds final/ from the run's newest sound checkpoint
-    before anything evaluates it. Returns one line per run moved. Files unchanged since they were recorded
-    (size and modification time) are not read: the workflow runs this at every start."""
-    lines = []
-    for summary in sorted(Path(runs).glob("*/seed*/train_summary.json")):
-        run = summary.parent
-        final = run / "final"
-        try:
-            problem = model_weights_problem(final, trust_unchanged=True) if final.is_dir() else None
-        except IntegrityError as err:
-            problem = str(err)
-        if problem:
-            reason = f"the final model of {run} does not load: {problem}"
-            note = "Its training job runs again from the newest sound checkpoint. Moved here, not deleted:"
-            moved = set_aside(run, [final, summary], label="corrupt-final", reason=reason, note=note)
-            lines.append(f"{reason}; moved to {moved}: its training job runs again")
-    return lines
-
-
 def _errnos(err: BaseException) -> Iterator[int | None]:
     while err is not None:
         yield getattr(err, "errno", None)

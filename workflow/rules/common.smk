@@ -8,7 +8,6 @@ from snakemake.utils import update_config
 
 from d3s.orchestration.workflow_config import check_workflow_config, typed_config_overrides
 from d3s.variants import Variant, base_model_settings, extended_config, run_variants
-from d3s.provenance.integrity import set_aside_corrupt_final_models
 from d3s.studies import parse_study
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
@@ -74,7 +73,7 @@ def model_param(wildcards, input):
 
 
 # What each kind of pending job needs checked before the run starts (checks.smk; the checks are in
-# workflow/scripts/check_inputs.py).
+# d3s/orchestration/input_checks.py, run by workflow/scripts/check_inputs.py).
 CHECKS_OF_RULE = {
     "train": ("trainer_settings", "base_model", "train_dataset"),
     "evaluate_base": ("base_model", "eval_benchmarks"),

@@ -42,7 +42,6 @@ if EV["jobs"] == "model":
                 k=k,
                 limit=limit,
                 reference=run_base_model,  # the initial policy of the KL (eval.kl)
-                train=config["train"],
             threads: EV["threads"]
             resources:
                 **EV["resources"],
@@ -74,7 +73,6 @@ else:
             eval=EV_PARAMS,
             task=TASK,
             reference=run_base_model,  # the initial policy of the KL (eval.kl)
-            train=config["train"],
         threads: EV["threads"]
         resources:
             **EV["resources"],

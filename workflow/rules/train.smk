@@ -26,11 +26,3 @@ rule train:
     script:
         "../scripts/train_run.py"
 
-
-# A finished run whose final model no longer loads (a partial copy, a flaky file system) is trained again, not
-# evaluated: before the jobs are planned, its final/ and train_summary.json are moved aside (never deleted) and
-# the job resumes from the run's newest sound checkpoint (docs/gpu.md, "Faults a run survives"). Only the main
-# Snakemake process checks: a cluster job parses this file again.
-if workflow.is_main_process:
-    for line in set_aside_corrupt_final_models(Path(RESULTS) / "runs"):
-        print(line, file=sys.stderr)

@@ -1,15 +1,19 @@
 """The shared base model of the tiny default: a tiny Qwen2 model built in code and SFT-warm-started, on the
-CPU or (models built larger, config/gpu-smoke.yaml) on CUDA; fp32 weights either way."""
+CPU or (models built larger, as the GPU smoke config does) on CUDA; fp32 weights either way; and the
+workflow's job that builds it (rules base_model and base_model_variant)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from d3s.orchestration.gpu_slots import gpu_job, granted_gpus, job_gpus
 
 
 def build_base(
@@ -60,3 +64,28 @@ def build_base(
     (out / "sft_losses.json").write_text(json.dumps(losses))
     (out / "base_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def run_base_model_job(
+    out: str | os.PathLike[str],
+    cfg: Mapping[str, Any],
+    task: Mapping[str, Any],
+    *,
+    threads: int,
+    resources: Any,
+    log_path: str | os.PathLike[str],
+    label: str = "base_model",
+) -> None:
+    """The workflow's base-model job: build_base into ``out`` on the CPU, or on a GPU of its own when
+    ``cfg`` (base_model) declares one and Snakemake granted it (``resources``); output to ``log_path``."""
+    declared = job_gpus(cfg.get("resources"))
+    if declared > 1:
+        raise SystemExit(
+            f"base_model.resources.gpu = {declared}: the SFT warm start uses one GPU; set it to 1"
+        )
+    granted = granted_gpus(resources, declared, "base_model")
+    with gpu_job(log_path, granted, label) as gpu_ids:
+        if granted:  # before torch touches CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+            print(f"GPU(s) {gpu_ids}", flush=True)
+        print(build_base(Path(out), cfg, task, threads, "cuda" if granted else "cpu"))
