@@ -27,6 +27,7 @@ from d3s.data.benchmarks import (
 from d3s.data.templates import TEMPLATES, build_prompt
 from d3s.evaluation import audit, backends, runner
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
+from d3s.evaluation.run_task import synthetic_task
 from d3s.provenance.integrity import IntegrityError, model_weights_problem
 from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S, AnswerExtraction, Grader
 from d3s.runs.config import check_model_dir, one_line
@@ -300,11 +301,18 @@ def run_eval(args: EvalOptions | argparse.Namespace) -> int:
             bootstrap_seed=args.seed,
             answer_policy=args.answer_policy,
         )
+        synthetic = dict(args.synthetic)
+        if (
+            "synthetic" in names
+        ):  # a d3s run's model: the task it trained on, unless --synthetic says otherwise
+            task = synthetic_task(args.model, args.synthetic)
+            synthetic = task.options
+            print(task.note, flush=True)
         # every benchmark up front: missing or malformed data fails before the model loads
         runs = [
             runner.BenchmarkRun(
                 benchmark=name,
-                problems=load_benchmark(name, args.data_dir, limit=args.limit, synthetic=args.synthetic),
+                problems=load_benchmark(name, args.data_dir, limit=args.limit, synthetic=synthetic),
                 out_dir=args.out / name,
                 settings=settings,
                 template=args.template,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+RESOLVED_CONFIG = "resolved_config.yaml"  # a run's settings as trained, written by `d3s train`
 
 
 def _seed_dirs(method_dir: Path) -> Iterator[tuple[int, Path]]:
@@ -22,6 +23,16 @@ def runs(results: Path) -> Iterator[tuple[str, int, Path]]:
     for method_dir in sorted((results / "runs").glob("*")):
         for seed, seed_dir in _seed_dirs(method_dir):
             yield method_dir.name, seed, seed_dir
+
+
+def run_dir_of_model(model: str | Path) -> Path | None:
+    """The d3s run folder whose ``final/`` or ``checkpoint-<N>/`` ``model`` is (it holds RESOLVED_CONFIG);
+    None for any other model (a hub id, a base model, a folder of its own)."""
+    path = Path(model).expanduser()
+    is_run_model = path.name == "final" or (path.name.startswith("checkpoint-") and path.name[11:].isdigit())
+    if not is_run_model or not (path.parent / RESOLVED_CONFIG).is_file():
+        return None
+    return path.parent
 
 
 @dataclass(frozen=True)
