@@ -45,9 +45,17 @@ def keep_rows(
     return selected
 
 
+def loss_mask(batch: dict) -> torch.Tensor:
+    """TRL's mask of the completion tokens that may train: ``completion_mask`` x ``tool_mask`` (the mask of
+    TRL's loss, of its vLLM importance-sampling ratio, and of d3s's count of the rollouts it zeroed). The one
+    place d3s builds it; ``valid_tokens`` narrows it further."""
+    return batch["completion_mask"] * batch.get("tool_mask", 1)
+
+
 def valid_tokens(excludes_zeroed: bool, batch: dict) -> torch.Tensor:
-    """m: the completion tokens that may train, without what vLLM's correction zeroed (when excluded)."""
-    valid = batch["completion_mask"] * batch.get("tool_mask", 1)
+    """m: the completion tokens that may train (``loss_mask``), without what vLLM's correction zeroed (when
+    excluded)."""
+    valid = loss_mask(batch)
     if excludes_zeroed and "importance_sampling_ratio" in batch:
         valid = corrected_loss_mask(batch["importance_sampling_ratio"], valid)
     return valid

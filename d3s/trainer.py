@@ -26,7 +26,7 @@ from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
 from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
 from d3s.objective import selection_loss
 from d3s.rewards import bind_answer_policy
-from d3s.rows import keep_rows, valid_tokens
+from d3s.rows import keep_rows, loss_mask, valid_tokens
 from d3s.savings import DeferredLogprobPasses
 from d3s.savings.deferred import has_multimodal_inputs
 from d3s.savings.kept_head import head_model, kept_token_head_enabled, kept_token_logps
@@ -49,14 +49,28 @@ from d3s.vllm_engine import (
 __all__ = ["D3SConfig", "D3STrainer"]
 
 
+def scoring_mismatch(expected: list[str], ran: list[str]) -> str:
+    """The error of a TRL whose scoring ran other log-prob passes than d3s/trl_contract.py expects."""
+    import trl
+
+    return (
+        f"TRL {trl.__version__} ran the log-prob passes {ran} while scoring where d3s/trl_contract.py "
+        f"SCORING_PASSES (TRL {trl_contract.TRL_VERSION}) expects {expected}: install "
+        f"trl=={trl_contract.TRL_VERSION}, or port SCORING_PASSES and D3STrainer._trl_runs_pass"
+    )
+
+
 @dataclass
 class HookState:
     """Values TRL's call chain does not hand to the hook that needs them (docs/trl-hooks-proposal.md)."""
 
     rewards_per_func: torch.Tensor | None = None  # TRL's rewards, which it does not return
     anatomy_tokens_due: bool = False  # the next token selection writes the anatomy log's token record
-    old_policy_entropies_wanted: bool = False  # until the old-policy pass ran, which then computes entropies
-    old_policy_entropies: torch.Tensor | None = None
+    # TRL's log-prob passes still due in the scoring now running, by trl_contract.SCORING_PASSES names; None
+    # outside TRL's scoring (the loss's pass, d3s's own passes)
+    scoring_passes: list[str] | None = None
+    old_policy_entropies_wanted: bool = False  # the token level ranks this batch by the old-policy entropies
+    old_policy_entropies: torch.Tensor | None = None  # ... which the old-policy pass of TRL's scoring gave
     deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
     old_policy_pass_eager: bool = False  # ... but the old-policy pass: its vLLM ratio decides eligibility
     old_policy_pass_done: bool = False  # that pass ran for real in this scoring
@@ -77,26 +91,27 @@ class D3STrainer(
         return self._hook_state.rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        keep = self.selection_schedule.keep_per_prompt(self.training_progress())
+        progress = self.training_progress()  # N and K of this generation batch, both from the one schedule
+        keep = self.selection_schedule.keep_per_prompt(progress)
+        token_keep_ratio = self.selection_schedule.token_keep_ratio(progress)
         drops_rollouts = (
             self.model.training and self.args.sample_rule != "none" and keep < self.num_generations
         )
-        selects_tokens = self.model.training and self._token_keep_ratio() < 1.0
-        self._hook_state.old_policy_entropies_wanted = selects_tokens and self._runs_old_policy_pass()
+        selects_tokens = self.model.training and token_keep_ratio < 1.0
+        self._hook_state.old_policy_entropies_wanted = selects_tokens
         excluding = self.model.training and self.args.excludes_zeroed()
         defer = drops_rollouts and self.args.defer_logprob_passes
         with self.logprob_passes_deferred(
             defer, old_policy_pass_eager=excluding and self.vllm_importance_sampling_mode.endswith("_mask")
         ):
-            output = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, advantages
+            output = self._trl_scoring(inputs)  # TRL: generate, reward, advantages, its log-prob passes
         self._take_old_policy_entropies(output)
         if not self.model.training:
             return output
         all_advantages = self.accelerator.gather(output["advantages"])  # the batch of every rank
         zeroed = None  # rollouts of every rank that vLLM's correction zeroed, where selection avoids them
         if excluding and (not defer or self._hook_state.old_policy_pass_done):
-            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-            zeroed = zeroed_rollouts(output["importance_sampling_ratio"], loss_mask)
+            zeroed = zeroed_rollouts(output["importance_sampling_ratio"], loss_mask(output))
             zeroed = self.accelerator.gather(zeroed.int()).bool()  # gloo: no bool
         kept = torch.arange(all_advantages.numel(), device=all_advantages.device)
         kept_advantages, selected = all_advantages, output
@@ -119,19 +134,18 @@ class D3STrainer(
                     rewards = rewards.masked_fill(zeroed, float("nan"))
                 kept_advantages = renormalize_advantages(rewards, kept, self.num_generations, scale=scale)
             selected = self._keep_rows(output, kept, kept_advantages)
-            if defer:  # savings: only the kept rows are forwarded
+            if defer:  # savings: only the kept rows are forwarded (the old-policy pass gives the entropies)
                 selected = self.run_deferred_logprob_passes(selected)
-                self._take_old_policy_entropies(selected)
-        self._log_selection(keep, all_advantages, kept, kept_advantages, zeroed)
+        self._log_selection(keep, token_keep_ratio, all_advantages, kept, kept_advantages, zeroed)
         self._hook_state.old_policy_entropies_wanted = False
         entropies = selected.pop("old_policy_entropies", None)
         if selects_tokens and self.args.token_scope != "micro_batch":
             selected["token_mask"] = self._select_tokens(selected, entropies)
         if self.owns_loss:  # the loss tokens of the generation batch, every rank: dapo's D
-            loss_mask = valid_tokens(self.args.excludes_zeroed(), selected)
+            counted = valid_tokens(self.args.excludes_zeroed(), selected)
             if self.args.token_norm == "selected" and "token_mask" in selected:
-                loss_mask = selected["token_mask"]
-            selected["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+                counted = selected["token_mask"]
+            selected["num_items_in_batch"] = self.accelerator.gather(counted.sum()).sum()
         return selected
 
     # ---- 2. token level: the top-K% tokens by |A| x H of the kept rollouts -------------------------------
@@ -194,8 +208,7 @@ class D3STrainer(
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_weight = inputs["importance_sampling_ratio"]
             if self.args.excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
-                loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-                rows_counted = ~zeroed_rollouts(is_weight, loss_mask)
+                rows_counted = ~zeroed_rollouts(is_weight, loss_mask(inputs))
         accumulation = self.current_gradient_accumulation_steps
         terms = selection_loss(
             self.objective,
@@ -264,8 +277,9 @@ class D3STrainer(
         return scope
 
     def _token_keep_ratio(self) -> float:
-        """K at the current point of the schedule; 1 when the method has no token level."""
-        return self.args.token_keep_ratio_at(self.training_progress())
+        """K at the current point of the schedule (1 when the method has no token level, as the schedule
+        says: D3SConfig.selection_schedule), from the schedule the trainer built once and logs from."""
+        return self.selection_schedule.token_keep_ratio(self.training_progress())
 
     def training_progress(self) -> float:
         """p = step / max_steps, where the schedule of N and K is read."""
@@ -293,25 +307,61 @@ class D3STrainer(
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         """TRL's log-prob pass, the one place d3s changes it: placeholders for the passes deferred past
-        selection (savings), and the entropies of TRL's old-policy pass, which the token level ranks by."""
-        placeholder = self.deferred_placeholder(*args, **kwargs)
+        selection (savings), and the entropies of TRL's old-policy pass, which the token level ranks by.
+        Which of TRL's passes a call is comes from the scoring seam (_trl_scoring), never from the model."""
+        scoring_pass = self._next_scoring_pass()
+        placeholder = self.deferred_placeholder(scoring_pass, *args, **kwargs)
         if placeholder is not None:
             return placeholder
         state = self._hook_state
-        # TRL's (or the eager) old-policy pass is the first no-gradient pass of the policy while scoring
-        old_policy_pass = (
-            state.old_policy_entropies_wanted and model is self.model and not torch.is_grad_enabled()
-        )
-        if old_policy_pass:
+        takes_entropies = scoring_pass == "old_policy" and state.old_policy_entropies_wanted
+        if takes_entropies:
             kwargs["compute_entropy"] = True
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        if old_policy_pass:
-            state.old_policy_entropies, state.old_policy_entropies_wanted = entropies, False
+        if takes_entropies:
+            state.old_policy_entropies = entropies
         return logps, entropies, aux
 
+    # ---- the scoring seam: which of TRL's log-prob passes runs (d3s/trl_contract.py SCORING_PASSES) -------
+
+    def _trl_scoring(self, inputs) -> dict:
+        """TRL's _generate_and_score_completions, with each of its log-prob passes named in advance: the
+        passes SCORING_PASSES lists whose TRL condition holds, in TRL's order. Raises RuntimeError when TRL
+        ran other passes than these (another TRL), rather than take one pass's entropies for another's."""
+        passes = trl_contract.SCORING_PASSES
+        expected = [scoring.name for scoring in passes if self._trl_runs_pass(scoring.name)]
+        state = self._hook_state
+        state.scoring_passes = list(expected)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            unused = state.scoring_passes
+        finally:
+            state.scoring_passes = None
+        ran = [scoring.name for scoring in passes if scoring.output_key in output]
+        if unused or ran != expected:
+            raise RuntimeError(scoring_mismatch(expected, ran))
+        return output
+
+    def _next_scoring_pass(self) -> str | None:
+        """The name of the TRL log-prob pass now called: the next one due in TRL's scoring; None outside."""
+        due = self._hook_state.scoring_passes
+        if due is None:
+            return None
+        if not due:
+            raise RuntimeError(scoring_mismatch([], ["one more log-prob pass"]))
+        return due.pop(0)
+
+    def _trl_runs_pass(self, name: str) -> bool:
+        """TRL's condition for each pass of SCORING_PASSES, evaluated before TRL scores (the contract pins
+        the conditions against TRL's source: tests/test_trl_contract.py)."""
+        if name == "old_policy":
+            return self._runs_old_policy_pass()
+        if name == "reference":
+            return self.beta != 0.0
+        raise ValueError(f"no condition for the scoring pass {name!r} of d3s/trl_contract.py SCORING_PASSES")
+
     def _runs_old_policy_pass(self) -> bool:
-        """TRL's condition for its old-policy log-prob pass (in _generate_and_score_completions), which runs
-        before its reference pass: the first no-gradient pass of the policy while scoring is that one."""
+        """TRL's condition for its old-policy log-prob pass (SCORING_PASSES' first condition)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every != 0 or (
             self.use_vllm and self.vllm_importance_sampling_correction

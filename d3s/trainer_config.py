@@ -263,10 +263,6 @@ class D3SConfig(GRPOConfig):
             self.zeroed_rollouts == "excluded" and self.use_vllm and self.vllm_importance_sampling_correction
         )
 
-    def token_keep_ratio_at(self, progress: float) -> float:
-        """K at the point ``progress`` of training; 1 when the method has no token level."""
-        return 1.0 if self.token_rule == "none" else self.selection_schedule.token_keep_ratio(progress)
-
     def objective(self) -> Objective:
         """The selection loss's settings (d3s/objective.py)."""
         sequence_level = self.importance_sampling_level == "sequence"
@@ -364,10 +360,14 @@ class D3SConfig(GRPOConfig):
 
     @property
     def selection_schedule(self) -> Schedule:
+        """N and K as functions of training progress: the trainer builds it once and reads the N and K it
+        selects with and the ones it logs from it. K is 1 throughout when the method has no token level
+        (``token_rule`` none), whatever ``token_keep_ratio`` says: that is the K it trains with."""
+        token_level = self.token_rule != "none"
         return Schedule(
             kind=self.schedule,
             keep_per_prompt_init=self.keep_per_prompt,
             keep_per_prompt_final=self.keep_per_prompt_final,
-            token_keep_ratio_init=self.token_keep_ratio,
-            token_keep_ratio_final=self.token_keep_ratio_final,
+            token_keep_ratio_init=self.token_keep_ratio if token_level else 1.0,
+            token_keep_ratio_final=self.token_keep_ratio_final if token_level else 1.0,
         )

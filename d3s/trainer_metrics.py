@@ -19,6 +19,7 @@ class SelectionMetrics:
     def _log_selection(
         self,
         keep: int,
+        token_keep_ratio: float,
         before: torch.Tensor,
         kept: torch.Tensor,
         after: torch.Tensor,
@@ -29,9 +30,7 @@ class SelectionMetrics:
             metrics["selection/zeroed_fraction_before"].append(zeroed.float().mean().item())
             metrics["selection/zeroed_fraction"].append(zeroed[kept].float().mean().item())
         metrics["schedule/keep_per_prompt"].append(float(keep))
-        metrics["schedule/token_keep_ratio"].append(
-            self.selection_schedule.token_keep_ratio(self.training_progress())
-        )
+        metrics["schedule/token_keep_ratio"].append(token_keep_ratio)  # the K selection used
         metrics["selection/sample_keep_fraction"].append(after.numel() / before.numel())
         metrics["selection/adv_var_before"].append(before.float().var(unbiased=False).item())
         metrics["selection/adv_var_after"].append(after.float().var(unbiased=False).item())

@@ -6,7 +6,12 @@ overrides private methods of ``GRPOTrainer``, pinned to one TRL version (DEVELOP
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib
+import inspect
+import textwrap
+from dataclasses import dataclass
 
 TRL_VERSION = "1.16.0"
 TRANSFORMERS_VERSION = "5.17.0"
@@ -62,6 +67,12 @@ VLLM_GENERATION_METHODS = (
     "sync_weights",  # the colocate sync, replaced by an exact one (vLLM's layer-wise reload, the tied head)
     "_iter_named_params",  # the trained weights under vLLM's names, one gathered at a time (ZeRO-3, FSDP)
 )
+# VLLMGeneration attributes read by d3s/vllm_engine.py (tests/test_trl_contract.py: VLLMGeneration sets them).
+VLLM_GENERATION_ATTRIBUTES = (
+    "mode",  # only the colocated engine's sync is replaced; a server syncs itself
+    "llm",  # the colocated engine, whose model runner reloads the synced weights
+)
+
 # Helpers imported from TRL modules outside its public API.
 MODULE_NAMES = {
     "trl.trainer.utils": (
@@ -78,6 +89,95 @@ MODULE_NAMES = {
     # LLM: the engine class TRL builds its colocated engine with, given a dtype while it does (vllm_dtype)
     "trl.generation.vllm_generation": ("VLLMGeneration", "LLM"),
 }
+
+
+@dataclass(frozen=True)
+class ScoringPass:
+    """One log-prob pass of TRL's ``_generate_and_score_completions`` (a no-gradient call of
+    ``_get_per_token_logps_and_entropies``), which D3STrainer tells apart by its place in SCORING_PASSES."""
+
+    name: str
+    output_key: str  # the generation output TRL fills from the pass (and leaves out when it skips it)
+    condition: str  # TRL's condition for running it, as TRL 1.16 writes it (ast.unparse)
+    why: str
+
+
+# TRL's log-prob passes while it scores a generation batch, in the order it runs them (grpo_trainer.py, the
+# no-gradient block after the rewards). D3STrainer evaluates each condition before TRL scores and names each
+# call of _get_per_token_logps_and_entropies by the next expected pass: no guess from the model's identity or
+# the grad mode, which cannot tell the old-policy pass from the reference pass of a PEFT model (the same
+# module, its adapter disabled). After scoring, each output_key must be present exactly when its pass was
+# expected, so a TRL that reorders, adds or skips a pass fails loudly (D3STrainer._end_scoring_passes), and
+# tests/test_trl_contract.py checks the order and the conditions against TRL's source.
+SCORING_PASSES = (
+    ScoringPass(
+        "old_policy",
+        "old_per_token_logps",
+        "self.args.gradient_accumulation_steps % generate_every != 0 or "
+        "(self.use_vllm and self.vllm_importance_sampling_correction)",
+        "its entropies rank the token level (no pass of d3s's own); with vLLM's masked ratio it runs before "
+        "selection even when the others are deferred",
+    ),
+    ScoringPass(
+        "reference",
+        "ref_per_token_logps",
+        "self.beta != 0.0",
+        "the KL's reference; deferred past selection with the old-policy pass (savings/deferred.py)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class CopiedTrlCode:
+    """TRL code that d3s copies because TRL offers no function to call: the copy, and the TRL blocks copied,
+    pinned by the digest of their normalised AST (comments and layout do not count)."""
+
+    copy: str  # "module:function" of d3s's copy
+    trl_method: str  # the GRPOTrainer method that holds the copied blocks
+    block_condition: str  # the copied blocks are the `if` statements of that method with this condition
+    digests: tuple[str, ...]  # sha256 of ast.dump of each block, in source order
+    why: str
+
+
+# tests/test_trl_contract.py recomputes each digest from the installed TRL: a TRL that changes a copied block
+# fails it, naming TRL's file and line and d3s's copy, which must then be ported and the digest updated.
+COPIED_TRL_CODE = (
+    CopiedTrlCode(
+        copy="d3s.savings.deferred:DeferredLogprobPasses._importance_sampling_ratio",
+        trl_method="_generate_and_score_completions",
+        block_condition="self.use_vllm and self.vllm_importance_sampling_correction",
+        digests=(
+            "7d10f262bf357984746fb5dfebbedd406a8c74b0f2c9d2850e1e1134d6657dfe",  # the ratio (1.16: line 2660)
+            "6b7863fe63fa942f2bcc2cc659de203e8adf43db976171d2781f5a042c061834",  # its metrics (line 2860)
+            "7da35d11bb15b0d016539628391a8af16a0f7472981e48338673856bb886fa4b",  # the output key (line 2908)
+        ),
+        why="the vLLM importance-sampling ratio and its sampling/* metrics, which TRL computes inline while "
+        "scoring: deferred passes recompute them on the kept rollouts and replace the metrics TRL logged "
+        "from the placeholders (their names are TRL's, in the pinned blocks)",
+    ),
+)
+
+
+def trl_blocks(method: str, condition: str) -> list[tuple[str, int, ast.If]]:
+    """The ``if <condition>:`` statements of GRPOTrainer.``method``, in source order: (TRL's file, line,
+    node)."""
+    from trl import GRPOTrainer
+
+    function = getattr(GRPOTrainer, method)
+    lines, first = inspect.getsourcelines(function)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    path = inspect.getsourcefile(function) or "trl/trainer/grpo_trainer.py"
+    blocks = [
+        (path, first + node.lineno - 1, node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == condition
+    ]
+    return sorted(blocks, key=lambda block: block[1])
+
+
+def block_digest(node: ast.AST) -> str:
+    """sha256 of a statement's AST without positions: its code, comments and layout aside."""
+    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()
 
 
 def _mismatch(missing: str) -> ImportError:

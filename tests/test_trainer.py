@@ -356,3 +356,83 @@ def test_anatomy_log_records_what_selection_did(tmp_path, tiny_sft_model, method
                 kept and dropped
             ):  # top-K of the batch: within a completion, no dropped token outranks a kept one
                 assert min(kept) >= max(dropped)
+
+
+# ---- the scoring seam: which of TRL's log-prob passes gives the token level's entropies -----------------
+
+
+@torch.no_grad()
+def completion_entropies(model, batch: dict, temperature: float) -> torch.Tensor:
+    """The entropy (nats) of each completion token's sampling distribution under ``model``: a plain forward,
+    independent of TRL's log-prob pass."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    size = batch["completion_ids"].size(1)
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, -size - 1 : -1] / temperature
+    return torch.distributions.Categorical(logits=logits.float()).entropy()
+
+
+class EntropyRecordingMixin:
+    """Records, at each token selection of a generation batch, the entropies it ranks by, and the policy's and
+    the reference model's entropies of the same rows, computed afresh."""
+
+    def _select_tokens(self, batch, entropies=None):
+        policy = completion_entropies(self.model, batch, self.temperature)
+        reference = completion_entropies(self.ref_model, batch, self.temperature)
+        self.recorded_entropies.append((entropies, policy, reference, batch["completion_mask"].bool()))
+        return super()._select_tokens(batch, entropies)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defer", [False, True])
+def test_the_token_level_ranks_by_the_old_policy_pass_not_the_reference_pass(tmp_path, tiny_sft_model, defer):
+    """TRL runs its old-policy pass (num_iterations 2), then its reference pass (beta > 0), both without
+    gradient: the entropies selection ranks by are the policy's, never the reference model's, which here
+    differs from the policy. A seam that names TRL's passes wrongly fails this."""
+    from d3s.rewards import accuracy_reward
+    from d3s.trainer import D3STrainer
+
+    args = config(
+        tmp_path,
+        "d3s",
+        max_steps=1,
+        beta=0.04,
+        num_iterations=2,
+        defer_logprob_passes=defer,
+        metrics_log=None,
+    )
+    trainer_cls = type("Recording", (EntropyRecordingMixin, D3STrainer), {})
+    trainer = make_trainer(tiny_sft_model, args, [accuracy_reward, length_reward], trainer_cls=trainer_cls)
+    trainer.recorded_entropies = []
+    assert trainer._runs_old_policy_pass() and trainer.ref_model is not None
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a reference that is not the policy: its entropies differ
+        for parameter in trainer.ref_model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    trainer.train()
+    assert len(trainer.recorded_entropies) == 1
+    ranked, policy, reference, valid = trainer.recorded_entropies[0]
+    assert ranked is not None, "the old-policy pass gave no entropies: selection ran a pass of its own"
+    torch.testing.assert_close(ranked[valid], policy[valid], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(policy[valid], reference[valid], atol=1e-3)  # the test can tell them apart
+
+
+@pytest.mark.slow
+def test_the_scoring_seam_refuses_passes_it_does_not_expect(tmp_path, tiny_sft_model, monkeypatch):
+    """When TRL's scoring runs other log-prob passes than D3STrainer expects (another TRL, or a condition
+    ported wrongly), training stops naming d3s/trl_contract.py, rather than rank by the wrong pass."""
+    from d3s.rewards import accuracy_reward
+
+    # TRL: the reference pass only. pods: no token level, so the misnamed pass is not asked for entropies
+    # (the reference model, without the policy's fused head, would fail inside TRL first)
+    args = config(tmp_path, "pods", max_steps=1, beta=0.04, metrics_log=None)
+    trainer = make_trainer(tiny_sft_model, args, [accuracy_reward])
+    assert not trainer._runs_old_policy_pass()
+    # expects an old-policy pass TRL skips: TRL's reference pass would be taken for it
+    monkeypatch.setattr(trainer, "_runs_old_policy_pass", lambda: True)
+    with pytest.raises(RuntimeError, match=r"ran the log-prob passes \['reference'\].*SCORING_PASSES"):
+        trainer.train()
+    # expects no pass, TRL runs its reference pass
+    monkeypatch.setattr(trainer, "_trl_runs_pass", lambda name: False)
+    with pytest.raises(RuntimeError, match=r"one more log-prob pass.*SCORING_PASSES"):
+        trainer.train()

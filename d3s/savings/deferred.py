@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import torch
 from trl.trainer.utils import nanmax, nanmin, use_adapter
 
+from d3s.rows import loss_mask
+
 # Generation outputs that TRL computes with log-prob passes; deferred until after selection.
 DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
 # The keyword arguments of TRL's _get_per_token_logps_and_entropies that are not model inputs.
@@ -38,14 +40,14 @@ class DeferredLogprobPasses:
         finally:
             state.deferring_logprobs = state.old_policy_pass_eager = False
 
-    def deferred_placeholder(self, *args, **kwargs) -> tuple | None:
-        """What TRL's log-prob pass (called with ``args``, ``kwargs``) returns while deferred: zeros of its
-        shape; None where the pass runs for real (not deferring, or the eager old-policy pass, which TRL runs
-        first)."""
+    def deferred_placeholder(self, scoring_pass: str | None, *args, **kwargs) -> tuple | None:
+        """What TRL's log-prob pass ``scoring_pass`` (a d3s/trl_contract.py SCORING_PASSES name; None outside
+        TRL's scoring), called with ``args``, ``kwargs``, returns while deferred: zeros of its shape; None
+        where the pass runs for real (not deferring, or the eager old-policy pass)."""
         state = self._hook_state
-        if not state.deferring_logprobs:
+        if scoring_pass is None or not state.deferring_logprobs:
             return None
-        if state.old_policy_pass_eager and not state.old_policy_pass_done:
+        if scoring_pass == "old_policy" and state.old_policy_pass_eager:
             state.old_policy_pass_done = True
             return None
         if has_multimodal_inputs(kwargs):
@@ -58,7 +60,8 @@ class DeferredLogprobPasses:
         return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None
 
     def run_deferred_logprob_passes(self, output: dict) -> dict:
-        """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows."""
+        """TRL's old-policy, reference and importance-sampling passes, on this rank's kept rows; the
+        old-policy pass gives the token level's entropies too (``old_policy_entropies``) when it wants."""
         pending = [key for key in DEFERRED_KEYS if key in output]  # placeholders, indexed by selection
         if self._hook_state.old_policy_pass_done:  # these two are real already
             pending = [
@@ -70,7 +73,11 @@ class DeferredLogprobPasses:
             return self._no_grad_pass(model, output, **extras)[0]
 
         if "old_per_token_logps" in pending:
-            output["old_per_token_logps"] = logps(self.model)
+            wanted = self._hook_state.old_policy_entropies_wanted
+            old, entropies, _ = self._no_grad_pass(self.model, output, compute_entropy=wanted, **extras)
+            output["old_per_token_logps"] = old
+            if wanted:
+                output["old_policy_entropies"] = entropies
         if "ref_per_token_logps" in pending:
             if self.ref_model is not None:
                 output["ref_per_token_logps"] = logps(self.ref_model)
@@ -83,8 +90,9 @@ class DeferredLogprobPasses:
         return output
 
     def _importance_sampling_ratio(self, output: dict) -> torch.Tensor:
-        """TRL's vLLM importance-sampling ratio and its metrics, over the kept rollouts."""
-        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        """TRL's vLLM importance-sampling ratio and its metrics, over the kept rollouts: a copy of TRL's
+        inline code, pinned to it by d3s/trl_contract.py COPIED_TRL_CODE (TRL has no function to call)."""
+        mask = loss_mask(output)
         old, sampling = output["old_per_token_logps"], output["sampling_per_token_logps"]
         logps_diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # NaN: vLLM could not score the token
         mode = self.vllm_importance_sampling_mode
