@@ -258,3 +258,31 @@ def test_schema_refuses_bad_testbed_and_claims_options(section, key, value, mess
     with pytest.raises(Exception) as error:
         validate(cfg, schema)
     assert message in str(error.value)
+
+
+@pytest.mark.slow
+def test_d3s_eval_of_a_run_model_scores_it_on_the_task_it_trained_on(smoke_workflow, tmp_path):
+    """Issue 49: `d3s eval --model <run>/final --benchmarks synthetic` without --synthetic evaluates on the
+    task the run trained on (its resolved_config.yaml), says so in one line, and, with the workflow's samples,
+    seed and problems, gives the workflow's own Pass@1 of that model."""
+    import subprocess
+    import sys
+
+    work = smoke_workflow
+    out = work / "results" / "smoke"
+    evaluated = out / "eval" / "d3s" / "seed0" / "final"
+    settings = json.loads((evaluated / "resume_key.json").read_text())["settings"]
+    smoke = yaml.safe_load((work / "config" / "smoke.yaml").read_text())
+    # the workflow's options, but the task: only the problem count stays (the same problems, 12 of them)
+    flags = {flag: text for flag, text in settings.items() if flag != "--synthetic"}
+    flags |= {"--synthetic": f"count={smoke['eval']['synthetic']['count']}", "--k": "1"}
+    flags |= {"--out": str(tmp_path / "cli"), "--batch-size": str(smoke["eval"]["batch_size"])}
+    command = [sys.executable, "-m", "d3s.cli", "eval", *(w for pair in flags.items() for w in pair)]
+    done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    trained_on = "synthetic: the task the run trained on (min_ops=1, max_ops=2, max_operand=9, bounded=0; "
+    assert trained_on in done.stdout
+    ours = json.loads((tmp_path / "cli" / "synthetic" / "summary.json").read_text())
+    workflow = json.loads((evaluated / "synthetic" / "summary.json").read_text())
+    assert ours["n_problems"] == workflow["n_problems"] == smoke["eval"]["synthetic"]["count"]
+    assert ours["pass_at_k"]["1"] == pytest.approx(workflow["pass_at_k"]["1"])
