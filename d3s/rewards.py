@@ -283,8 +283,8 @@ def is_literal_value(answer: str) -> bool:
 
 def copied_from_prompt(answer: str | None, prompt: str | None) -> bool:
     """True when ``answer`` (a completion's extracted answer) is an unevaluated expression copied from
-    ``prompt``: it holds an operation (``+ - * / ^ \\cdot \\times \\div \\frac`` after its first
-    character, so a leading sign does not count), it is not a literal value (:func:`is_literal_value`:
+    ``prompt``: it holds an operation (``+ - * / ^ \\cdot \\times \\div \\frac``; a leading sign
+    does not count), it is not a literal value (:func:`is_literal_value`:
     ``16``, ``\\frac{1}{2}``, ``6+9i`` are values), and it occurs in the prompt as written, up to
     whitespace, ``$``, ``\\left``/``\\right`` and spacing commands. A correct short answer that happens to
     appear in the prompt ("16" in "... 16 apples ...") is therefore not flagged. False without an answer
@@ -292,7 +292,7 @@ def copied_from_prompt(answer: str | None, prompt: str | None) -> bool:
     if not answer or not prompt:
         return False
     form = _copy_form(answer)
-    if not form or not _COPY_OPERATION.search(form[1:]) or is_literal_value(form):
+    if not form or not _COPY_OPERATION.search(form.lstrip("+-")) or is_literal_value(form):
         return False
     return form in _copy_form(prompt)
 
