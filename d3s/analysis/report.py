@@ -21,6 +21,7 @@ from d3s.methods import method_trainer
 from d3s.provenance import layout
 from d3s.provenance.manifest import git_state
 from d3s.provenance.settings_check import load_provenance
+from d3s.rewards import ANSWER_POLICIES
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
@@ -226,8 +227,8 @@ def _copied_table(results: Path) -> str:
             rows.append(
                 {"model": f"{point.method} seed {point.seed}", "benchmark": benchmark}
                 | {
-                    f"copied ({policy}, %)": _percent(values.get("copied_fraction"))
-                    for policy, values in by_policy.items()
+                    f"copied ({policy}, %)": _percent((by_policy.get(policy) or {}).get("copied_fraction"))
+                    for policy in ANSWER_POLICIES
                 }
             )
     return _md(pd.DataFrame(rows)) if rows else "(no final model evaluated)"
