@@ -44,7 +44,7 @@ class ScoringOptions:
     bootstrap_resamples: int = 1000
     confidence: float = 0.95
     bootstrap_seed: int = 0
-    answer_policy: AnswerPolicy = DEFAULT_ANSWER_POLICY  # primary policy; both are always reported
+    answer_policy: AnswerPolicy = DEFAULT_ANSWER_POLICY  # primary policy; all are always reported
 
     def __post_init__(self) -> None:
         check_answer_policy(self.answer_policy)
