@@ -558,15 +558,26 @@ def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
     assert reward.reward_copied_answers  # the default: math-verify's verdict, copies included
     with pytest.raises(ValueError, match="reward_copied_answers must be true or false"):
         D3SConfig(output_dir=str(tmp_path / "bad"), reward_copied_answers="no", **settings)
-    guarded = D3STrainer(
+    guarded_trainer = D3STrainer(
         model=AutoModelForCausalLM.from_pretrained(model_path),
-        args=D3SConfig(output_dir=str(tmp_path / "guarded"), reward_copied_answers=False, **settings),
+        args=D3SConfig(
+            output_dir=str(tmp_path / "guarded"),
+            reward_copied_answers=False,
+            max_completion_length=8,
+            metrics_log=None,
+            report_to=[],
+            **settings,
+        ),
         reward_funcs=[accuracy_reward],
         train_dataset=Dataset.from_list([{"prompt": "Q: 12+7-3=\nA:", "answer": "16"}] * 4),
         processing_class=AutoTokenizer.from_pretrained(model_path),
-    ).reward_funcs[0]
+    )
+    guarded = guarded_trainer.reward_funcs[0]
     prompts = ["Q: 12+7-3=\nA:"] * 2
     assert guarded([r"\boxed{12+7-3}", r"\boxed{16}"], ["16", "16"], prompts=prompts) == [0.0, 1.0]
+    guarded_trainer.train()  # one step: TRL passes the prompts and log_metric, the share is logged
+    (step,) = [entry for entry in guarded_trainer.state.log_history if "loss" in entry]
+    assert 0.0 <= step["reward/copied_fraction"] <= 1.0
 
 
 # ------------------------------------------------- issue 20: what counts as the answer, and how fast
