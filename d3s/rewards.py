@@ -287,8 +287,9 @@ def copied_from_prompt(answer: str | None, prompt: str | None) -> bool:
     does not count), it is not a literal value (:func:`is_literal_value`:
     ``16``, ``\\frac{1}{2}``, ``6+9i`` are values), and it occurs in the prompt as written, up to
     whitespace, ``$``, ``\\left``/``\\right`` and spacing commands. A correct short answer that happens to
-    appear in the prompt ("16" in "... 16 apples ...") is therefore not flagged. False without an answer
-    or a prompt."""
+    appear in the prompt ("16" in "... 16 apples ...") is therefore not flagged. The occurrence is a
+    substring test without token boundaries ("2+3" occurs in "12+35"). False without an answer or a
+    prompt."""
     if not answer or not prompt:
         return False
     form = _copy_form(answer)
