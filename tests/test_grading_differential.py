@@ -9,6 +9,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -117,7 +118,8 @@ def gsm8k_solutions() -> list[tuple[str, str, str]]:
     lines = (COMPLETIONS / "gsm8k" / "example_model_solutions.jsonl").read_text().splitlines()
     for row_index, line in enumerate(lines):
         row = json.loads(line)
-        gold = row["ground_truth"].split("####")[-1].strip().replace(",", "")
+        # the number after the reference solution's last "A:" (these files) or "####" (the dataset's)
+        gold = re.split(r"####|(?:^|\n)A:", row["ground_truth"])[-1].strip().replace(",", "")
         for model in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification"):
             items.append((f"gsm8k:{row_index}:{model}", row[model]["solution"], gold))
     return items

@@ -12,6 +12,7 @@ import argparse
 import gzip
 import json
 import multiprocessing
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,12 @@ def pods_completions(directory: Path) -> list[LabelledCompletion]:
     return items
 
 
+def gsm8k_gold(reference: str) -> str:
+    """The number a GSM8K reference solution ends with: after its last ``A:`` (these files) or ``####``
+    (the dataset's own format), thousands separators removed."""
+    return re.split(r"####|(?:^|\n)A:", reference)[-1].strip().replace(",", "")
+
+
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 
 
@@ -58,7 +65,7 @@ def gsm8k_solutions(directory: Path) -> list[LabelledCompletion]:
     lines = (directory / "gsm8k" / "example_model_solutions.jsonl").read_text(encoding="utf-8").splitlines()
     for row_index, line in enumerate(lines):
         row = json.loads(line)
-        gold = row["ground_truth"].split("####")[-1].strip().replace(",", "")
+        gold = gsm8k_gold(row["ground_truth"])
         for model in GSM8K_MODELS:
             solution = row[model]
             items.append(
@@ -167,9 +174,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("completions", type=Path, help="the shared completions folder (pods/, gsm8k/)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--corpora", nargs="+", choices=("pods", "gsm8k"), default=("pods", "gsm8k"))
     args = parser.parse_args(argv)
     rows = []
     for corpus, items in shared_corpora(args.completions).items():
+        if corpus not in args.corpora:
+            continue
         rows += comparison_rows(corpus, read_corpus(items, args.workers))
     print(markdown_table(rows, {name: f"{{{name}}}" for name in COLUMNS}))
 
