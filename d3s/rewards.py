@@ -245,6 +245,7 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
             return None
     return text[-FALLBACK_TAIL_CHARS:] or None
 
+
 # Credit for copying the question: math-verify compares values, so "\boxed{12+7-3}" is 16. An answer is
 # "copied" when it still holds an operation and occurs, as written, in the prompt (docs/evaluation.md,
 # "Answers copied from the question").
@@ -275,8 +276,8 @@ def is_literal_value(answer: str) -> bool:
         return True
     fraction = _LITERAL_FRACTION.fullmatch(form)
     if fraction:
-        numerator, denominator = (int(x) for x in (fraction.group(2) or fraction.group(4),
-                                                   fraction.group(3) or fraction.group(5)))
+        numerator = int(fraction.group(2) or fraction.group(4))
+        denominator = int(fraction.group(3) or fraction.group(5))
         return denominator > 1 and math.gcd(numerator, denominator) == 1
     return False
 
