@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
+import math
 import os
 import re
 import subprocess
@@ -18,7 +20,7 @@ from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any, Literal, get_args
 
 AnswerExtraction = Literal["boxed_first", "boxed_only"]
-AnswerPolicy = Literal["math_verify", "last_boxed", "answer_tag"]
+AnswerPolicy = Literal["math_verify", "last_boxed", "answer_tag", "trl"]
 ANSWER_POLICIES: tuple[AnswerPolicy, ...] = get_args(AnswerPolicy)
 # The two policies that read boxes (compared with each other in evaluation and the audit).
 BOXED_POLICIES: tuple[AnswerPolicy, AnswerPolicy] = ("math_verify", "last_boxed")
@@ -44,6 +46,9 @@ class GradeResult:
     # math_verify only: math-verify overran the time limit on the whole completion, so the verdict is the
     # bounded reading's (docs/evaluation.md, "Answer policy"); ``timed_out`` says whether that overran too
     bounded: bool = False
+    # the answer is an unevaluated expression copied from the prompt (:func:`copied_from_prompt`); False
+    # when no prompt was given
+    copied_from_prompt: bool = False
 
 
 # Grading logic: runs in the worker subprocess (or in-process without a time limit); math_verify is
@@ -241,6 +246,59 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
     return text[-FALLBACK_TAIL_CHARS:] or None
 
 
+# Credit for copying the question: math-verify compares values, so "\boxed{12+7-3}" is 16. An answer is
+# "copied" when it still holds an operation and occurs, as written, in the prompt (docs/evaluation.md,
+# "Answers copied from the question").
+_COPY_NOISE = re.compile(r"\s+|\$|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[,;!: ]|\\displaystyle")
+_COPY_OPERATION = re.compile(r"[+\-*/^]|\\(?:cdot|times|div|frac|dfrac|tfrac)(?![A-Za-z])")
+_SIGNED_NUMBER = r"[+-]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+_LITERAL_NUMBER = re.compile(rf"{_SIGNED_NUMBER}")
+_LITERAL_FRACTION = re.compile(r"([+-]?)(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
+_LITERAL_COMPLEX = re.compile(rf"{_SIGNED_NUMBER}[+-](?:\d[\d,]*(?:\.\d+)?)?i")
+
+
+def _copy_form(text: str) -> str:
+    """``text`` as :func:`copied_from_prompt` compares it: whitespace, ``$``, ``\\left``/``\\right`` and
+    spacing commands removed, ``\\dfrac``/``\\tfrac`` read as ``\\frac``, outer braces dropped."""
+    form = _COPY_NOISE.sub("", text)
+    form = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", form)
+    while form.startswith("{") and form.endswith("}") and _brace_matches(form).get(0) == len(form) - 1:
+        form = form[1:-1]
+    return form
+
+
+def is_literal_value(answer: str) -> bool:
+    """True when ``answer`` is a value written out, not an operation to carry out: a signed number
+    (``16``, ``-3``, ``0.5``, ``1,000``), a fraction of integers in lowest terms (``\\frac{1}{2}``,
+    ``-3/4``) or a complex number ``a+bi`` with literal parts."""
+    form = _copy_form(answer)
+    if _LITERAL_NUMBER.fullmatch(form) or _LITERAL_COMPLEX.fullmatch(form):
+        return True
+    fraction = _LITERAL_FRACTION.fullmatch(form)
+    if fraction:
+        numerator = int(fraction.group(2) or fraction.group(4))
+        denominator = int(fraction.group(3) or fraction.group(5))
+        return denominator > 1 and math.gcd(numerator, denominator) == 1
+    return False
+
+
+def copied_from_prompt(answer: str | None, prompt: str | None) -> bool:
+    """True when ``answer`` (a completion's extracted answer) is an unevaluated expression copied from
+    ``prompt``: it holds an operation (``+ - * / ^ \\cdot \\times \\div \\frac``; a leading sign
+    does not count), it is not a literal value (:func:`is_literal_value`:
+    ``16``, ``\\frac{1}{2}``, ``6+9i`` are values), and it occurs in the prompt as written, up to
+    whitespace, ``$``, ``\\left``/``\\right`` and spacing commands. A correct short answer that happens to
+    appear in the prompt ("16" in "... 16 apples ...") is therefore not flagged. The occurrence is a
+    substring test without token boundaries ("2+3" occurs in "12+35"). False without an answer or a
+    prompt."""
+    if not answer or not prompt:
+        return False
+    form = _copy_form(answer)
+    if not form or not _COPY_OPERATION.search(form.lstrip("+-")) or is_literal_value(form):
+        return False
+    return form in _copy_form(prompt)
+
+
 def last_boxed_answer(completion: str) -> str | None:
     """The content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in ``completion``, or None when it has
     no box, or its last box is empty or never closes (use :func:`count_boxes` to tell these apart)."""
@@ -325,6 +383,17 @@ class _MathVerifyGrader:
         )
         self._fallback = answer_extraction == "boxed_first"
         self._extract = extract_target_from_pred
+        # TRL 1.16's trl.rewards.accuracy_reward, bit for bit: LaTeX only, an anchor required, units
+        # normalised, the first match; the gold parsed by parse(sol) with math-verify's defaults
+        from latex2sympy2_extended import NormalizationConfig
+
+        self._trl_pred_config = [
+            LatexExtractionConfig(
+                normalization_config=NormalizationConfig(units=True),
+                boxed_match_priority=0,
+                try_extract_without_anchor=False,
+            )
+        ]
         self._pred_regexes = _with_boxed_environment_shortcut(get_extraction_regexes(self._pred_config))
         self.parse_gold = functools.lru_cache(maxsize=_GOLD_CACHE_SIZE)(self._parse_gold)
 
@@ -365,6 +434,8 @@ class _MathVerifyGrader:
         ``bounded`` (after it overran the time limit) the bounded reading (:func:`extract_answer`)."""
         out = {"correct": False, "extracted": None, "gold_parsed": True, "error": None, "gold_as_text": False}
         try:
+            if policy == "trl":
+                return self._grade_trl(completion, golds, out)
             parsed_golds = self.parse_gold(golds)
             if not parsed_golds:
                 return out | {"gold_parsed": False}
@@ -384,6 +455,21 @@ class _MathVerifyGrader:
             return out
         except Exception as exc:  # a parser bug (RecursionError included) must not kill training
             return out | {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+    def _grade_trl(self, completion: str, golds: tuple[str, ...], out: dict[str, Any]) -> dict[str, Any]:
+        """The ``trl`` policy: TRL 1.16's ``accuracy_reward`` call (its time limits replaced by ours), each
+        gold string as its ``solution``; correct when any gold is, unscored when none parses."""
+        parsed_golds = [parsed for parsed in (self._parse(g, parsing_timeout=None) for g in golds) if parsed]
+        if not parsed_golds:
+            return out | {"gold_parsed": False}
+        out["gold_as_text"] = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
+        pred = self._parse(
+            completion, self._trl_pred_config, extraction_mode="first_match", parsing_timeout=None
+        )
+        if pred:
+            out["extracted"] = pred[-1] if isinstance(pred[-1], str) else str(pred[0])
+        out["correct"] = any(self._verify(gold, pred, timeout_seconds=None) for gold in parsed_golds)
+        return out
 
 
 # The worker: a plain subprocess (multiprocessing pool workers may not start multiprocessing children),
@@ -603,10 +689,22 @@ atexit.register(lambda: _default_grader and _default_grader.close())
 
 
 def grade_detailed(
-    completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY, *, grader: Grader | None = None
+    completion: str,
+    gold: Gold,
+    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+    *,
+    prompt: str | None = None,
+    grader: Grader | None = None,
 ) -> GradeResult:
-    """Grade one completion; the full :class:`GradeResult` (extracted answer, timeout, gold status)."""
-    return (grader or default_grader()).grade(completion, gold, policy)
+    """Grade one completion; the full :class:`GradeResult` (extracted answer, timeout, gold status, and
+    with ``prompt`` whether the answer was copied from it: :func:`copied_from_prompt`)."""
+    result = (grader or default_grader()).grade(completion, gold, policy)
+    return with_copied_flag(result, prompt)
+
+
+def with_copied_flag(result: GradeResult, prompt: str | None) -> GradeResult:
+    """``result`` with ``copied_from_prompt`` set for ``prompt`` (:func:`copied_from_prompt`)."""
+    return dataclasses.replace(result, copied_from_prompt=copied_from_prompt(result.extracted, prompt))
 
 
 def grade(
@@ -626,23 +724,47 @@ def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
     return str(content)
 
 
+def prompt_text(prompt: str | Sequence[dict[str, Any]]) -> str:
+    """The text of a TRL prompt: a string, or every message's content of a conversation, one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(completion_text([message]) for message in prompt)
+
+
 def make_accuracy_reward(
-    grader: Grader | None = None, *, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY
+    grader: Grader | None = None,
+    *,
+    policy: AnswerPolicy = DEFAULT_ANSWER_POLICY,
+    reward_copied_answers: bool = True,
 ) -> Callable[..., list[float | None]]:
     """:func:`accuracy_reward` bound to ``grader`` (None: the default grader, looked up per call so it
-    survives a fork) and ``policy``; it keeps its name, so TRL logs it under the same key."""
+    survives a fork) and ``policy``; it keeps its name, so TRL logs it under the same key.
+    ``reward_copied_answers=False``: an answer copied from the prompt (:func:`copied_from_prompt`) gets 0."""
     check_answer_policy(policy)
 
     def accuracy_reward(
         completions: Sequence[str | Sequence[dict[str, Any]]], answer: Sequence[Gold], **kwargs: Any
     ) -> list[float | None]:
         """TRL reward function: 1.0 correct, 0.0 wrong or timed out, None (TRL ignores the sample) when the
-        gold is unparsable; graded under ``math_verify`` (:func:`make_accuracy_reward` binds another)."""
+        gold is unparsable; graded under ``math_verify`` (:func:`make_accuracy_reward` binds another).
+        With TRL's ``prompts`` and ``log_metric``, it logs ``reward/copied_fraction``: the share of
+        completions whose answer is copied from the prompt."""
         texts = [completion_text(c) for c in completions]
         results = (grader or default_grader()).grade_many(texts, list(answer), policy)
-        return [float(r.correct) if r.gold_parsed else None for r in results]
+        prompts = kwargs.get("prompts")
+        copied = [False] * len(results)
+        if prompts is not None:
+            pairs = zip(results, prompts, strict=True)
+            copied = [copied_from_prompt(r.extracted, prompt_text(p)) for r, p in pairs]
+            if kwargs.get("log_metric") is not None and results:
+                kwargs["log_metric"]("reward/copied_fraction", sum(copied) / len(results))
+        return [
+            (0.0 if c and not reward_copied_answers else float(r.correct)) if r.gold_parsed else None
+            for r, c in zip(results, copied, strict=True)
+        ]
 
     accuracy_reward.answer_policy = policy  # type: ignore[attr-defined]
+    accuracy_reward.reward_copied_answers = reward_copied_answers  # type: ignore[attr-defined]
     accuracy_reward.__qualname__ = "accuracy_reward"  # the module-level one pickles by name
     return accuracy_reward
 
@@ -650,15 +772,18 @@ def make_accuracy_reward(
 accuracy_reward = make_accuracy_reward()
 
 
-def bind_answer_policy(reward_funcs: Any, policy: AnswerPolicy) -> Any:
+def bind_answer_policy(reward_funcs: Any, policy: AnswerPolicy, *, reward_copied_answers: bool = True) -> Any:
     """``reward_funcs`` (one function or a list, as TRL takes them) with every :func:`accuracy_reward`
-    replaced by one graded under ``policy``; other reward functions are left as they are."""
+    replaced by one graded under ``policy`` (and ``reward_copied_answers``); other reward functions are
+    left as they are."""
     check_answer_policy(policy)
-    if policy == DEFAULT_ANSWER_POLICY:
+    if policy == DEFAULT_ANSWER_POLICY and reward_copied_answers:
         return reward_funcs
 
     def bind(func: Any) -> Any:
-        return make_accuracy_reward(policy=policy) if func is accuracy_reward else func
+        if func is not accuracy_reward:
+            return func
+        return make_accuracy_reward(policy=policy, reward_copied_answers=reward_copied_answers)
 
     if isinstance(reward_funcs, (list, tuple)):
         return type(reward_funcs)(bind(f) for f in reward_funcs)

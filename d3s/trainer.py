@@ -238,7 +238,9 @@ class D3STrainer(
         if not isinstance(config, D3SConfig):
             raise TypeError(f"D3STrainer needs a D3SConfig, got {type(config).__name__}")
         reward_funcs = call.arguments.get("reward_funcs")
-        call.arguments["reward_funcs"] = bind_answer_policy(reward_funcs, config.answer_policy)
+        call.arguments["reward_funcs"] = bind_answer_policy(
+            reward_funcs, config.answer_policy, reward_copied_answers=config.reward_copied_answers
+        )
         self._hook_state = HookState()
         on_cpu = config.use_vllm and not torch.cuda.is_available()
         if on_cpu:

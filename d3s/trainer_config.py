@@ -140,6 +140,11 @@ class D3SConfig(GRPOConfig):
     defer_logprob_passes: bool = _option(False, "Compute saving: log-prob passes on the kept rollouts only.")
     kept_token_logprobs: bool = _option(False, "Compute saving: LM head gradient at the kept tokens only.")
     answer_policy: str = _option("math_verify", "Which boxed answer the reward grades.", ANSWER_POLICIES)
+    reward_copied_answers: bool = _option(
+        True,
+        "False: an answer copied unevaluated from the prompt (\\boxed{12+7-3} for 16) gets reward 0 "
+        "(d3s.rewards.copied_from_prompt); True: math-verify's verdict.",
+    )
     logging_steps: float = _option(1, "Log every step (TRL: 10); the analysis reads per-step metrics.")
     full_state_checkpoints: str = _option(
         "all", "Checkpoints keeping the training state: all, or the newest.", FULL_STATE_CHECKPOINTS
@@ -227,7 +232,7 @@ class D3SConfig(GRPOConfig):
                     f"{name} must be an integer between 1 and num_generations = {G} at every point of the "
                     f"schedule; got {value!r}. Lower it or raise num_generations."
                 )
-        for name in ("defer_logprob_passes", "kept_token_logprobs"):
+        for name in ("defer_logprob_passes", "kept_token_logprobs", "reward_copied_answers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
         if self.full_state_checkpoints == "latest" and self.save_only_model:

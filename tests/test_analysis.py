@@ -383,6 +383,10 @@ def test_loaders_name_the_manifest_of_every_row(results):
 
 def test_report_names_the_manifests_it_came_from(results):
     _write_tables(results)
+    final = results / "eval" / "d3s" / "seed0" / "final" / "summary.json"  # copied fraction: issue 47
+    summary = json.loads(final.read_text())
+    summary["benchmarks"]["synthetic"]["by_policy"] = {"math_verify": {"copied_fraction": 0.125}}
+    final.write_text(json.dumps(summary))
     report = write_report(results, REPO_ROOT / "results" / "paper", _report_config())
     assert "## Provenance" in report and "Warning: mixed settings" not in report
     for method in ("grpo", "d3s"):
@@ -392,6 +396,9 @@ def test_report_names_the_manifests_it_came_from(results):
             path = f"eval/{method}/seed{seed}/final/manifest.json"
             assert f"[{path}]({path})" in report
     assert "| training runs | 4 | `" in report and "| consistent |" in report
+    assert "## Answers copied from the question" in report
+    assert "| d3s seed 0 | synthetic | 12.50 | n/a |" in report
+    assert "| grpo seed 1 | synthetic | n/a |" in report
     assert "- Sources (manifests checked):\n  - training runs: 4 manifest(s), settings `" in report
     # the regime the verdicts belong to: the batch and each method's update tokens per step (800 and 80)
     regime = "- Regime: 2 prompts x 4 rollouts per step; tokens in the update per step (mean over steps and "

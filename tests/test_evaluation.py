@@ -34,6 +34,7 @@ from d3s.evaluation.runner import (
     ScoringOptions,
     evaluate_benchmark,
     load_completed_samples,
+    write_overall_summary,
 )
 from d3s.rewards import ANSWER_POLICIES, Grader
 
@@ -594,3 +595,54 @@ def test_workflow_config_takes_an_answer_policy() -> None:
     bad["eval"]["answer_policy"] = "first_boxed"
     with pytest.raises(Exception, match="first_boxed"):
         validate(bad, schema)
+
+
+class CopyingBackend(ScriptedBackend):
+    """Per problem: the question's expression copied into a box, the value, a wrong value, no answer."""
+
+    def generate(
+        self, prompts: list[str], settings: GenerationSettings, seeds: list[int], add_special_tokens: bool
+    ) -> list[list[Sample]]:
+        out = []
+        for prompt in prompts:
+            expression, gold = prompt.split("Q:")[1].split("=")[0].strip(), int(self.gold_of[prompt])
+            texts = [rf"\boxed{{{expression}}}", rf"\boxed{{{gold}}}", rf"\boxed{{{gold + 1}}}", "no idea"]
+            out.append([Sample(t, 8, "stop") for t in texts[: settings.samples]])
+        return out
+
+
+def test_copied_fraction_per_policy_in_every_summary(grader: Grader, tmp_path: Path) -> None:
+    problems = load_benchmark("synthetic", synthetic={"count": 3})
+    run = make_run(tmp_path / "synthetic", problems, template="raw")
+    summary = evaluate_benchmark(
+        CopyingBackend({p.question: p.gold[0] for p in problems}), grader, run, batch_size=2, progress=False
+    )
+    records = read_jsonl(run.out_dir / "samples.jsonl")
+    assert [r["copied"] for r in records] == [True, False, False, False] * 3  # the primary's flag on top
+    assert [r["correct"] for r in records] == [True, True, False, False] * 3  # math-verify credits the copy
+    for policy in ANSWER_POLICIES:
+        assert [r["by_policy"][policy]["copied"] for r in records] == [True, False, False, False] * 3
+        assert summary["by_policy"][policy]["copied_fraction"] == pytest.approx(0.25)
+    assert summary["copied_fraction"] == pytest.approx(0.25)
+    overall = write_overall_summary(tmp_path, "tiny", {"synthetic": summary})
+    assert overall["benchmarks"]["synthetic"]["copied_fraction"] == pytest.approx(0.25)
+    assert overall["benchmarks"]["synthetic"]["by_policy"]["trl"]["copied_fraction"] == pytest.approx(0.25)
+
+    # Samples graded before the flag existed get it from their extracted answers, without grading again.
+    for record in records:
+        for verdict in [record, *record["by_policy"].values()]:
+            del verdict["copied"]
+    (run.out_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    in_process = Grader(time_limit=None)
+    resumed = evaluate_benchmark(NoGeneration({}), in_process, run, progress=False)
+    assert in_process._inline is None  # nothing was graded
+    assert resumed["by_policy"] == summary["by_policy"]
+    assert [r["copied"] for r in read_jsonl(run.out_dir / "samples.jsonl")] == [True, False, False, False] * 3
+
+    # An overall summary of benchmark summaries written before the flag still reads (n/a: None).
+    old = json.loads(json.dumps(summary))
+    del old["copied_fraction"]
+    for values in old["by_policy"].values():
+        del values["copied_fraction"]
+    overall = write_overall_summary(tmp_path, "tiny", {"synthetic": old})
+    assert overall["benchmarks"]["synthetic"]["copied_fraction"] is None

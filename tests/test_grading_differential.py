@@ -9,7 +9,9 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,7 +118,8 @@ def gsm8k_solutions() -> list[tuple[str, str, str]]:
     lines = (COMPLETIONS / "gsm8k" / "example_model_solutions.jsonl").read_text().splitlines()
     for row_index, line in enumerate(lines):
         row = json.loads(line)
-        gold = row["ground_truth"].split("####")[-1].strip().replace(",", "")
+        # the number after the reference solution's last "A:" (these files) or "####" (the dataset's)
+        gold = re.split(r"####|(?:^|\n)A:", row["ground_truth"])[-1].strip().replace(",", "")
         for model in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification"):
             items.append((f"gsm8k:{row_index}:{model}", row[model]["solution"], gold))
     return items
@@ -277,3 +280,59 @@ def test_boxed_environment_shortcut_skips_only_where_nothing_matches(
     text = "".join(pieces)
     if not boxed_environment_possible(text):
         assert next(boxed_environment_pattern.finditer(text), None) is None, text
+
+
+# ------------------------------------------------------ the trl policy against TRL's accuracy_reward itself
+
+TRL_PARSE_TIMEOUT_S = 10  # trl.rewards.accuracy_reward's own parsing limit in a main thread
+
+
+class TrlOracle:
+    """TRL 1.16's ``trl.rewards.accuracy_reward`` itself beside the grader's ``trl`` policy, in process."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from trl.rewards import accuracy_reward as trl_accuracy_reward
+
+        logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+        self.trl_accuracy_reward = trl_accuracy_reward
+        self.inline = _MathVerifyGrader("boxed_first")
+
+    def compare(self, item: tuple[str, str, str]) -> tuple[str, float | None, float | None, float]:
+        """``(key, TRL's reward, the policy's reward, seconds TRL took)``; None: the gold is unparsable."""
+        key, completion, gold = item
+        start = time.perf_counter()
+        (expected,) = self.trl_accuracy_reward([[{"role": "assistant", "content": completion}]], [gold])
+        seconds = time.perf_counter() - start
+        result = self.inline.grade(completion, normalize_gold(gold), "trl")
+        got = float(result["correct"]) if result["gold_parsed"] else None
+        return key, expected, got, seconds
+
+
+_trl_oracle: TrlOracle | None = None
+
+
+def _compare_trl_in_worker(item: tuple[str, str, str]) -> tuple[str, float | None, float | None, float]:
+    global _trl_oracle
+    _trl_oracle = _trl_oracle or TrlOracle()
+    return _trl_oracle.compare(item)
+
+
+@pytest.mark.slow
+def test_trl_policy_is_trls_accuracy_reward_on_every_real_completion() -> None:
+    """Every shared completion (PODS and GSM8K, no stride): the ``trl`` policy's reward equals
+    ``trl.rewards.accuracy_reward``'s, None for an unparsable gold included; a difference is allowed only
+    where TRL's own parse ran into its time limit (it then reads nothing)."""
+    if not (COMPLETIONS / "pods").is_dir():
+        pytest.skip(f"real completions not found at {COMPLETIONS}")
+    items = pods_completions() + gsm8k_solutions()
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        compared = pool.map(_compare_trl_in_worker, items, chunksize=64)
+    differences = [c for c in compared if c[1] != c[2] and c[3] < TRL_PARSE_TIMEOUT_S]
+    overruns = [c[0] for c in compared if c[3] >= TRL_PARSE_TIMEOUT_S]
+    credited = sum(c[1] == 1.0 for c in compared)
+    print(f"{len(compared)} completions, {credited} credited by TRL, {len(overruns)} TRL overruns {overruns}")
+    assert len(compared) == len(items) > 28_000
+    assert credited > 100  # the comparison holds credited answers, not only zeros
+    assert not differences, differences[:20]

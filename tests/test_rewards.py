@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from d3s import rewards
 from d3s.data.benchmarks import load_benchmark
@@ -503,7 +505,7 @@ def test_both_policies_under_the_time_limit_and_inline(grader: Grader) -> None:
     verdicts = {
         p: [r.correct for r in v] for p, v in inline.grade_many_by_policy([ISSUE_EXAMPLE], ["20"]).items()
     }
-    assert verdicts == {"math_verify": [False], "last_boxed": [True], "answer_tag": [True]}
+    assert verdicts == {"math_verify": [False], "last_boxed": [True], "answer_tag": [True], "trl": [False]}
 
 
 def test_accuracy_reward_under_each_policy() -> None:
@@ -553,6 +555,29 @@ def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
     reward = trainer.reward_funcs[0]
     assert reward.__name__ == "accuracy_reward" and trainer.reward_func_names == ["accuracy_reward"]
     assert reward(completions=[ISSUE_EXAMPLE], answer=["20"]) == [1.0]
+    assert reward.reward_copied_answers  # the default: math-verify's verdict, copies included
+    with pytest.raises(ValueError, match="reward_copied_answers must be true or false"):
+        D3SConfig(output_dir=str(tmp_path / "bad"), reward_copied_answers="no", **settings)
+    guarded_trainer = D3STrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        args=D3SConfig(
+            output_dir=str(tmp_path / "guarded"),
+            reward_copied_answers=False,
+            max_completion_length=8,
+            metrics_log=None,
+            report_to=[],
+            **settings,
+        ),
+        reward_funcs=[accuracy_reward],
+        train_dataset=Dataset.from_list([{"prompt": "Q: 12+7-3=\nA:", "answer": "16"}] * 4),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+    guarded = guarded_trainer.reward_funcs[0]
+    prompts = ["Q: 12+7-3=\nA:"] * 2
+    assert guarded([r"\boxed{12+7-3}", r"\boxed{16}"], ["16", "16"], prompts=prompts) == [0.0, 1.0]
+    guarded_trainer.train()  # one step: TRL passes the prompts and log_metric, the share is logged
+    (step,) = [entry for entry in guarded_trainer.state.log_history if "loss" in entry]
+    assert 0.0 <= step["reward/copied_fraction"] <= 1.0
 
 
 # ------------------------------------------------- issue 20: what counts as the answer, and how fast
@@ -790,3 +815,111 @@ def test_run_config_selects_pods_reward_template_and_policy() -> None:
         coerce_run_config({"reward": "format"})
     prompt = build_prompt("What is 3 * 6?", "pods")  # no chat template: the plain form
     assert "<think>" in prompt and "<answer>" in prompt and prompt.endswith("What is 3 * 6?\n")
+
+
+# ------------------------------------------------------- issue 47: the trl policy, copied answers
+
+TRL_CASES = [
+    # (completion, gold, math_verify, trl): TRL's reward reads LaTeX only and needs an anchor or a box
+    (r"so \boxed{16}", "16", True, True),
+    ("12 + 4 = 16", "16", True, False),  # a plain expression: math_verify's ExprExtractionConfig only
+    ("The final answer is $16$", "16", True, True),
+    (r"$\boxed{3}$ then $\boxed{4}$", "4", True, True),  # both read the last box in its own $...$
+    (r"The distance is \boxed{5\text{ km}}", "5", True, True),  # units normalised by TRL
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "by_math_verify", "by_trl"), TRL_CASES)
+def test_trl_policy_is_trls_accuracy_reward(
+    completion: str, gold: str, by_math_verify: bool, by_trl: bool, grader: Grader
+) -> None:
+    from trl.rewards import accuracy_reward as trl_accuracy_reward
+
+    results = grader.grade_many_by_policy([completion], [gold], ("math_verify", "trl"))
+    assert results["math_verify"][0].correct is by_math_verify
+    assert results["trl"][0].correct is by_trl
+    assert trl_accuracy_reward([[{"content": completion}]], [gold]) == [float(by_trl)]
+
+
+def test_trl_policy_skips_an_unparsable_gold_as_trl_does(grader: Grader) -> None:
+    from trl.rewards import accuracy_reward as trl_accuracy_reward
+
+    gold = r"\frac{"  # parse(sol) finds nothing
+    assert trl_accuracy_reward([[{"content": r"\boxed{1}"}]], [gold]) == [None]
+    assert not grader.grade(r"\boxed{1}", gold, "trl").gold_parsed
+    assert rewards.make_accuracy_reward(grader, policy="trl")([r"\boxed{1}"], [gold]) == [None]
+
+
+COPIED = [
+    # (answer as extracted, prompt, copied)
+    ("12+7-3", "What is 12+7-3?", True),  # the issue's example
+    ("12 + 7 - 3", "Evaluate $12+7-3$.", True),  # up to whitespace and $
+    ("(1+2i)6-3i", "Evaluate $(1+2i)6-3i$.", True),  # the issue's real completion
+    (r"(\frac{1}{2})^{100} \cdot 2^{100}", r"What is $\left(\frac{1}{2}\right)^{100} \cdot 2^{100}$?", True),
+    (r"\dfrac{24}{2}", r"Simplify $\frac{24}{2}$.", True),  # a fraction not in lowest terms is an operation
+    ("7-3", "What is 12+7-3?", True),  # a copied piece is a copy too
+    ("x+y", "Positive reals satisfy ... What is $x+y$?", True),
+    ("16", "A farmer has 16 cows and buys 12+7-3 more.", False),  # a short answer that is in the prompt
+    ("-3", "What is 12-3?", False),  # a leading sign is not an operation
+    (r"\frac{1}{2}", r"Is $\frac{1}{2}$ of 1 equal to 0.5?", False),  # a fraction in lowest terms: a value
+    ("6+9i", "Is 6+9i a root of the polynomial?", False),  # a complex number written out: a value
+    ("3.5", "Add 3.5 and 0", False),
+    ("1,000", "Of 1,000 apples ...", False),
+    ("12+7-3", "What is 12+7-4?", False),  # not in the prompt
+    ("12+7-3", "", False),
+    (None, "What is 12+7-3?", False),
+    (r"\sqrt{2}", r"Is $\sqrt{2}$ rational?", False),  # no operation written: a value
+]
+
+
+@pytest.mark.parametrize(("answer", "prompt", "copied"), COPIED)
+def test_copied_from_prompt(answer: str | None, prompt: str, copied: bool) -> None:
+    assert rewards.copied_from_prompt(answer, prompt) is copied
+
+
+def test_copied_flag_on_graded_completions() -> None:
+    """The flag reads the answer as the policy extracted it; a correct computed answer is never flagged."""
+    prompt = "Evaluate 12+7-3."
+    for policy in ("math_verify", "last_boxed"):
+        copied = grade_detailed(r"So \boxed{12+7-3}", "16", policy, prompt=prompt)
+        assert copied.correct and copied.copied_from_prompt  # credited by math-verify, flagged
+        computed = grade_detailed(r"12+7-3 = 16, so \boxed{16}", "16", policy, prompt=prompt)
+        assert computed.correct and not computed.copied_from_prompt
+        bare = grade_detailed(" 12+7-3", "16", policy, prompt=prompt)  # no box: math-verify's fallback
+        assert bare.correct and bare.copied_from_prompt
+    assert not grade_detailed(r"So \boxed{12+7-3}", "16").copied_from_prompt  # no prompt: no flag
+
+
+@given(
+    numbers=st.lists(st.integers(0, 999), min_size=2, max_size=4),
+    operators=st.lists(st.sampled_from(["+", "-", "*"]), min_size=3, max_size=3),
+    spaced=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_copied_expression_flagged_and_its_value_never(
+    numbers: list[int], operators: list[str], spaced: bool
+) -> None:
+    """For any arithmetic question: its expression copied is flagged, written with other spacing or in
+    $...$ too; its value, even where that number also appears in the prompt, is not."""
+    joiner = " {} " if spaced else "{}"
+    pairs = zip(operators, numbers[1:], strict=False)
+    expression = str(numbers[0]) + "".join(joiner.format(o) + str(n) for o, n in pairs)
+    value = eval(expression)  # noqa: S307 (integers and + - * only)
+    prompt = f"Compute ${expression}$. (Hint: the answer is not {value + 1}; {value} apples are red.)"
+    assert rewards.copied_from_prompt(expression.replace(" ", ""), prompt)
+    assert rewards.copied_from_prompt(f"{{{expression}}}", prompt)
+    assert not rewards.copied_from_prompt(str(value), prompt)
+
+
+def test_accuracy_reward_logs_copied_fraction_and_guard_zeroes_copies() -> None:
+    logged: list[tuple[str, float]] = []
+    prompts = [[{"role": "user", "content": "Evaluate 12+7-3."}]] * 4
+    completions = [r"\boxed{12+7-3}", r"\boxed{16}", r"\boxed{15}", r"\boxed{12+7-3}"]
+    kwargs = dict(prompts=prompts, log_metric=lambda name, value: logged.append((name, value)))
+    assert accuracy_reward(completions, ["16"] * 4, **kwargs) == [1.0, 1.0, 0.0, 1.0]  # the default
+    assert logged == [("reward/copied_fraction", 0.5)]
+    guarded = rewards.make_accuracy_reward(reward_copied_answers=False)
+    assert guarded(completions, ["16"] * 4, **kwargs) == [0.0, 1.0, 0.0, 0.0]
+    assert guarded(completions, ["16"] * 4) == [1.0, 1.0, 0.0, 1.0]  # without prompts nothing is known
+    bound = rewards.bind_answer_policy([accuracy_reward], "math_verify", reward_copied_answers=False)
+    assert bound[0](completions, ["16"] * 4, prompts=prompts) == [0.0, 1.0, 0.0, 0.0]

@@ -18,8 +18,10 @@ from d3s.analysis.io import load_curve_evals, load_evals, load_metrics
 from d3s.analysis.tables import cell, learning_curves, mean_ci, write_table
 from d3s.markdown import markdown_table
 from d3s.methods import method_trainer
+from d3s.provenance import layout
 from d3s.provenance.manifest import git_state
 from d3s.provenance.settings_check import load_provenance
+from d3s.rewards import ANSWER_POLICIES
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
@@ -211,6 +213,31 @@ def _base_note(results: Path, ks: list) -> str:
     return "Base model before RL: " + ", ".join(f"Pass@{k} {v:.1f} %" for k, v in mean.items()) + "."
 
 
+def _copied_table(results: Path) -> str:
+    """The share of each final model's samples whose answer is an expression copied unevaluated from the
+    question (d3s.rewards.copied_from_prompt), per benchmark and answer policy; "n/a" for a summary written
+    before the flag existed."""
+    rows = []
+    for point in layout.eval_points(results):
+        if point.name != "final":
+            continue
+        summary = json.loads((point.directory / "summary.json").read_text(encoding="utf-8"))
+        for benchmark, info in summary.get("benchmarks", {}).items():
+            by_policy = info.get("by_policy") or {}
+            rows.append(
+                {"model": f"{point.method} seed {point.seed}", "benchmark": benchmark}
+                | {
+                    f"copied ({policy}, %)": _percent((by_policy.get(policy) or {}).get("copied_fraction"))
+                    for policy in ANSWER_POLICIES
+                }
+            )
+    return _md(pd.DataFrame(rows)) if rows else "(no final model evaluated)"
+
+
+def _percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:.2f}"
+
+
 def _side_by_side(paper_dir: Path, main: pd.DataFrame, kmax: int) -> str:
     """The papers' average Pass@1 / Pass@8 next to ours, for the methods in both (in our order)."""
     paper = _paper_averages(paper_dir).drop_duplicates("method")
@@ -273,6 +300,7 @@ def write_report(results: Path, paper_dir: Path, config: dict) -> str:
         reference=reference,
         fraction=f"{analysis.get('target_fraction', 0.99):.0%}",
         base_note=_base_note(results, ks),
+        copied=_copied_table(results),
         side_by_side=_side_by_side(paper_dir, main, max(ks)),
         ordering=ordering,
         table3=_md(pd.read_csv(paper_dir / "d3s_table3.csv")[PAPER_TABLE3]),

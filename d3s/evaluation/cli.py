@@ -175,7 +175,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
             _DEFAULTS.answer_policy,
             "which answer counts for the primary accuracy: math_verify is math-verify's verdict on the whole "
             "completion (default), last_boxed the last \\boxed{} only (Qwen2.5-Math toolkit), answer_tag the "
-            "last <answer> tag (PODS); all are always reported",
+            "last <answer> tag (PODS), trl TRL 1.16's accuracy_reward exactly; all are always reported",
         ),
         "--grading-workers": (_positive_int, _DEFAULTS.grading_workers, "grading subprocesses"),
         "--grading-time-limit": (

@@ -26,6 +26,7 @@ from d3s.rewards import (
     AnswerPolicy,
     Grader,
     check_answer_policy,
+    copied_from_prompt,
     count_boxes,
 )
 
@@ -43,7 +44,7 @@ class ScoringOptions:
     bootstrap_resamples: int = 1000
     confidence: float = 0.95
     bootstrap_seed: int = 0
-    answer_policy: AnswerPolicy = DEFAULT_ANSWER_POLICY  # primary policy; both are always reported
+    answer_policy: AnswerPolicy = DEFAULT_ANSWER_POLICY  # primary policy; all are always reported
 
     def __post_init__(self) -> None:
         check_answer_policy(self.answer_policy)
@@ -132,9 +133,14 @@ def _set_primary(record: dict[str, Any], policy: AnswerPolicy) -> None:
 
 
 def _grade_records(
-    records: Sequence[dict[str, Any]], golds: Sequence[Any], grader: Grader, primary: AnswerPolicy
+    records: Sequence[dict[str, Any]],
+    golds: Sequence[Any],
+    questions: Sequence[str],
+    grader: Grader,
+    primary: AnswerPolicy,
 ) -> None:
-    """Add each sample record's verdict under every answer policy (``by_policy``), the primary one on top."""
+    """Add each sample record's verdict under every answer policy (``by_policy``), the primary one on top;
+    ``copied``: the answer is an unevaluated expression copied from the question (copied_from_prompt)."""
     grades = grader.grade_many_by_policy([r["completion"] for r in records], golds)
     for index, record in enumerate(records):
         record["by_policy"] = {}
@@ -145,6 +151,7 @@ def _grade_records(
                 "extracted": g.extracted,
                 "timed_out": g.timed_out,
                 "bounded": g.bounded,
+                "copied": copied_from_prompt(g.extracted, questions[index]),
             }
             record["by_policy"][policy] = verdict | {"grading_error": g.error}
         record["gold_parsed"] = grades[primary][index].gold_parsed
@@ -161,11 +168,19 @@ def regrade_records(
     """Bring the kept samples of ``problems`` up to date in place: grade under every policy those written
     without one (older files), and make ``primary`` the top-level verdict. Returns whether any changed."""
     gold_of = {p.problem_id: p.gold for p in problems}
+    question_of = {p.problem_id: p.question for p in problems}
     records = [record for problem_id, kept in completed.items() if problem_id in gold_of for record in kept]
     stale = [r for r in records if set(r.get("by_policy") or {}) != set(ANSWER_POLICIES)]
     if stale:  # (starting no grading worker when nothing is stale)
-        _grade_records(stale, [gold_of[str(r["problem_id"])] for r in stale], grader, primary)
-    relabel = [r for r in records if r.get("answer_policy") != primary]
+        ids = [str(r["problem_id"]) for r in stale]
+        _grade_records(stale, [gold_of[i] for i in ids], [question_of[i] for i in ids], grader, primary)
+    # samples graded before the copied flag existed: it needs no grading, only the extracted answer
+    uncopied = [r for r in records if any("copied" not in v for v in r["by_policy"].values())]
+    for record in uncopied:
+        question = question_of[str(record["problem_id"])]
+        for verdict in record["by_policy"].values():
+            verdict["copied"] = copied_from_prompt(verdict["extracted"], question)
+    relabel = [r for r in records if r.get("answer_policy") != primary] + uncopied
     for record in relabel:
         _set_primary(record, primary)
     return bool(stale or relabel)
@@ -227,7 +242,8 @@ def evaluate_benchmark(
                 for problem, samples in zip(batch, generated, strict=True)
             ]
             flat = [record for records in per_problem for record in records]
-            _grade_records(flat, [r["gold"] for r in flat], grader, primary)
+            questions = [p.question for p, records in zip(batch, per_problem, strict=True) for _ in records]
+            _grade_records(flat, [r["gold"] for r in flat], questions, grader, primary)
             for problem, records in zip(batch, per_problem, strict=True):
                 if len(records) != run.settings.samples:
                     raise RuntimeError(
@@ -365,6 +381,8 @@ def summarize_benchmark(
         | {
             "timeouts": count(policy, "timed_out", every),
             "grading_errors": sum(r["by_policy"][policy]["grading_error"] is not None for r in every),
+            # answers copied unevaluated from the question (d3s.rewards.copied_from_prompt), of all samples
+            "copied_fraction": count(policy, "copied", every) / len(every) if every else None,
         }
         for policy in ANSWER_POLICIES
     }
@@ -391,6 +409,7 @@ def summarize_benchmark(
         "unparsable_gold_ids": unparsable,
         "timeouts": by_policy[primary]["timeouts"],
         "grading_errors": by_policy[primary]["grading_errors"],
+        "copied_fraction": by_policy[primary]["copied_fraction"],
         "truncated_samples": sum(r.get("finish_reason") == "length" for r in every),
         **{k: manifest["config"][k] for k in ("generation", "backend", "template", "answer_extraction")},
         **{k: manifest["config"][k] for k in ("grading_time_limit_s", "data_source")},
@@ -421,13 +440,15 @@ def write_overall_summary(
     the primary answer policy and, in ``by_policy`` / ``average_by_policy``, under each policy."""
     primary, averages = _primary(summaries), _averages(summaries)
     keys = ("answer_policy", "pass_at_k", "ci", "n_problems", "unparsable_gold", "timeouts")
+    policy_keys = ("pass_at_k", "copied_fraction")  # (a summary written before the copied flag lacks it)
     overall = {
         "model_path": model_path,
         "answer_policy": primary,
         "benchmarks": {
             name: {key: s[key] for key in keys}
             | {
-                "by_policy": {p: {"pass_at_k": v["pass_at_k"]} for p, v in s["by_policy"].items()},
+                "by_policy": {p: {k: v.get(k) for k in policy_keys} for p, v in s["by_policy"].items()},
+                "copied_fraction": s.get("copied_fraction"),
                 "policy_disagreement": s["policy_disagreement"],
             }
             for name, s in summaries.items()
