@@ -104,7 +104,7 @@ def test_schema_enums_are_the_registries():
     from d3s.data.templates import TEMPLATES
     from d3s.methods import METHODS
     from d3s.orchestration.commands import ACCELERATE_CONFIGS
-    from d3s.rewards import REWARD_SETS
+    from d3s.rewards import ANSWER_POLICIES, REWARD_SETS
 
     schema = yaml.safe_load((REPO_ROOT / "config" / "schema.yaml").read_text())
     names = {name: definition.get("enum") for name, definition in schema["$defs"].items()}
@@ -113,6 +113,8 @@ def test_schema_enums_are_the_registries():
     assert names["template"] == list(TEMPLATES)
     assert names["accelerate_config"] == list(ACCELERATE_CONFIGS)
     assert schema["properties"]["train"]["properties"]["reward"]["enum"] == list(REWARD_SETS)
+    answer_policy = schema["properties"]["eval"]["properties"]["answer_policy"]["enum"]
+    assert answer_policy == list(ANSWER_POLICIES)
     save_strategy = schema["$defs"]["trainer"]["properties"]["save_strategy"]["enum"]
     assert [s for s in save_strategy if s is not False] == [s.value for s in SaveStrategy]
 
@@ -275,7 +277,11 @@ def test_d3s_eval_of_a_run_model_scores_it_on_the_task_it_trained_on(smoke_workf
     smoke = yaml.safe_load((work / "config" / "smoke.yaml").read_text())
     # the workflow's options, but the task: only the problem count stays (the same problems, 12 of them)
     flags = {flag: text for flag, text in settings.items() if flag != "--synthetic"}
-    flags |= {"--synthetic": f"count={smoke['eval']['synthetic']['count']}", "--k": "1"}
+    flags |= {
+        "--synthetic": f"count={smoke['eval']['synthetic']['count']}",
+        "--k": "1",
+        "--benchmarks": "synthetic",
+    }
     flags |= {"--out": str(tmp_path / "cli"), "--batch-size": str(smoke["eval"]["batch_size"])}
     command = [sys.executable, "-m", "d3s.cli", "eval", *(w for pair in flags.items() for w in pair)]
     done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=600)
