@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,6 +74,8 @@ class HookState:
     deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
     old_policy_pass_eager: bool = False  # ... but the old-policy pass: its vLLM ratio decides eligibility
     old_policy_pass_done: bool = False  # that pass ran for real in this scoring
+    # tokens in the gradient by global step since the last log, all ranks (trainer_metrics: a total per step)
+    update_tokens_by_step: dict[int, int] = field(default_factory=dict)
 
 
 class D3STrainer(

@@ -1,8 +1,14 @@
 """What the selection trainer logs: selection, the loss's terms (TRL's loss metrics), the tokens that trained.
 
 A mixin of D3STrainer. It overrides one method, the public ``log`` (transformers' ``Trainer.log``, which
-GRPOTrainer overrides too): it adds ``selection/update_tokens_cumulative`` to a training log, then calls
-GRPOTrainer's. So it must come before GRPOTrainer among D3STrainer's bases (no other base overrides ``log``).
+GRPOTrainer overrides too): it adds ``selection/update_tokens_cumulative`` to a training log and turns the
+micro-batches' token counts into one total per optimizer step, then calls GRPOTrainer's. So it must come
+before GRPOTrainer among D3STrainer's bases (no other base overrides ``log``).
+
+GRPOTrainer's ``log`` averages each ``_metrics`` list over its entries, one per micro-batch: right for means
+and fractions, wrong for a count. So ``selection/update_tokens`` is summed per optimizer step first
+(``HookState.update_tokens_by_step``) and handed to that average as one entry per step: a log gives the
+tokens of one step (the mean over the steps it covers), whatever the gradient accumulation.
 """
 
 from __future__ import annotations
@@ -85,8 +91,11 @@ class SelectionMetrics:
         metrics = self._metrics["train"]
         used = valid.bool() if token_mask is None else token_mask.bool() & valid.bool()
         trained, count = self._summed_over_ranks(used, valid)
-        self._checkpoint_state().update_tokens_total += int(trained.item())
-        metrics["selection/update_tokens"].append(trained.item())
+        tokens = int(trained.item())
+        self._checkpoint_state().update_tokens_total += tokens
+        # every micro-batch of an optimizer step runs at the same global_step (it counts finished steps)
+        by_step = self._hook_state.update_tokens_by_step
+        by_step[self.state.global_step] = by_step.get(self.state.global_step, 0) + tokens
         if token_mask is None:  # every token trained: the selected entropy is the entropy
             metrics["selection/entropy_selected"].append(metrics["entropy"][-1])
         metrics["selection/token_keep_fraction"].append((trained / count.clamp(min=1)).item())
@@ -103,6 +112,10 @@ class SelectionMetrics:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:
             logs["selection/update_tokens_cumulative"] = float(self.update_tokens_total)
+            by_step = self._hook_state.update_tokens_by_step
+            if by_step:  # one entry per step: GRPOTrainer's log averages them over the steps of this log
+                self._metrics["train"]["selection/update_tokens"] = [float(n) for n in by_step.values()]
+                by_step.clear()
         super().log(logs, start_time)
 
     def _log_token_selection(self, inputs, entropies, scores, keep, valid, token_keep_ratio: float) -> None:

@@ -25,7 +25,8 @@ OVERRIDES = {
     "_generate_and_score_completions": "D3STrainer: keeps the selected rollouts, chooses the token mask",
     "_compute_loss": "D3STrainer: TRL's loss for grpo; the selection loss replaces it (d3s/objective.py)",
     "_get_per_token_logps_and_entropies": "D3STrainer: old-policy entropies; savings: deferred placeholders",
-    "log": "SelectionMetrics: adds selection/update_tokens_cumulative to a training log, then TRL's log",
+    "log": "SelectionMetrics: adds selection/update_tokens_cumulative and the step total of update_tokens, "
+    "then TRL's log",
     "_save_checkpoint": "CheckpointSaveErrors: a full disk ends in one line naming the checkpoint",
     "_load_optimizer_and_scheduler": "CpuRanksOptimizerLoad: CPU ranks load on the CPU (under GRPOTrainer's)",
 }

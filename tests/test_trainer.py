@@ -436,3 +436,46 @@ def test_the_scoring_seam_refuses_passes_it_does_not_expect(tmp_path, tiny_sft_m
     monkeypatch.setattr(trainer, "_trl_runs_pass", lambda name: False)
     with pytest.raises(RuntimeError, match=r"one more log-prob pass.*SCORING_PASSES"):
         trainer.train()
+
+
+@pytest.mark.slow
+def test_update_tokens_is_the_steps_total_whatever_the_accumulation(tmp_path, tiny_sft_model):
+    """selection/update_tokens is the tokens of the optimizer step, not the mean of its micro-batches: the
+    same 32-rollout generation batch, PODS keeping 8 rows, trained in 1, 2 and 4 micro-batches logs the sum of
+    the kept rows' completion tokens each time (issue 48: it logged 47 with one micro-batch, 11.75 with 4)."""
+    from d3s.trainer import D3STrainer
+
+    class KeptRows(D3STrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            self.kept_masks.append(output["completion_mask"].clone())
+            return output
+
+    logged, kept = {}, {}
+    for accumulation in (1, 2, 4):
+        args = config(
+            tmp_path / str(accumulation),
+            "pods",
+            max_steps=1,
+            per_device_train_batch_size=32 // accumulation,
+            gradient_accumulation_steps=accumulation,
+            metrics_log=None,
+        )
+        trainer = make_trainer(tiny_sft_model, args, [length_reward], trainer_cls=KeptRows)
+        trainer.kept_masks = []
+        trainer.train()
+        (mask,) = trainer.kept_masks
+        assert mask.shape[0] == 8, "PODS keeps 2 of 8 rollouts of each of 4 prompts"
+        kept[accumulation] = float(mask.sum())
+        (entry,) = step_logs(trainer)
+        logged[accumulation] = entry["selection/update_tokens"]
+        assert entry["selection/update_tokens_cumulative"] == kept[accumulation]
+    assert kept[1] == kept[2] == kept[4] > 8, "the same generation batch, the same kept rows"
+    assert logged == kept
+
+    # a log covering two steps gives the mean of their totals, as it does the loss
+    args = config(tmp_path / "window", "pods", max_steps=2, logging_steps=2, metrics_log=None)
+    trainer = make_trainer(tiny_sft_model, args, [length_reward])
+    trainer.train()
+    (entry,) = step_logs(trainer)
+    assert entry["selection/update_tokens"] == entry["selection/update_tokens_cumulative"] / 2 > 8

@@ -123,6 +123,7 @@ def efficiency_table(
     per_method = final.groupby("method")["value"].agg(["mean", "count"])
     ref_final = per_method.loc[reference, "mean"] if reference in per_method.index else float("nan")
     speed = {label: speedups(curves, reference, fraction, x) for x, label in SPEEDUPS.items()}
+    # selection/update_tokens: each step's total over its micro-batches and ranks (d3s/trainer_metrics.py)
     costs = {"update_tokens_per_step": "selection/update_tokens", "seconds_per_step": "step_time"}
     rows = []
     for method, summary in per_method.iterrows():
