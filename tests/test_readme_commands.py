@@ -1,8 +1,8 @@
 """The README's commands, tested as written (issue 49).
 
-Every shell command of README.md's fenced ``bash`` blocks, and of docs/evaluation.md's and docs/workflow.md's,
-is one test case. Backslash continuations are joined, comments dropped, and an ``export`` line's variables are
-kept for the commands after it in its block. Each command meets the first rule of RULES that matches it: the
+Every shell command of the fenced ``bash`` blocks of README.md and docs/*.md (SOURCES) is one test case.
+Backslash continuations are joined, comments dropped, and an ``export`` line's variables are kept for the
+commands after it in its block. Each command meets the first rule of RULES that matches it: the
 rule either runs it (no GPU, no Hub, no cluster, cheap enough for CI) in a scratch folder, with the command's
 own flags, or skips it with a reason that pytest's ``-ra`` summary prints. A command no rule matches FAILS, so
 that a new command in the README cannot rot unnoticed: give it a rule.
@@ -33,9 +33,8 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, SHARED_DATA, SMOKE_ARGS, SMOKE_SECONDS
 
-# The files whose fenced bash blocks are tested; the other docs/*.md repeat these commands or are GPU/cluster
-# recipes (docs/gpu.md) and long studies (docs/studies.md).
-SOURCES = ("README.md", "docs/evaluation.md", "docs/workflow.md")
+# The files whose fenced bash blocks are tested (the other docs/*.md have none).
+SOURCES = ("README.md", "docs/evaluation.md", "docs/workflow.md", "docs/gpu.md", "docs/studies.md")
 PAPER_CONFIGS = sorted(p.stem for p in (REPO_ROOT / "config" / "paper").glob("*.yaml"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TIMEOUT_S = 600
@@ -150,14 +149,23 @@ RULES = (
         f"{D3S} eval --audit --data-dir \\.\\./shared/data .*",
         "the grader audit of the real copies (~80 s of CPU): test_evaluation.py::test_audit_on_real_copies",
     ),
+    Rule(
+        f"{SNAKEMAKE} --cores 2 --configfile config/studies/\\w+\\.yaml config/studies/smoke/overlay\\.yaml",
+        "a study's smoke: tests/test_studies.py runs every study's smoke",
+    ),
+    Rule(f"{SNAKEMAKE} --cores 4 --configfile config/gpu-smoke\\.yaml", "the GPU smoke workflow: a GPU"),
     Rule(r"\.venv/bin/jupyter lab notebooks/", "interactive: a Jupyter server"),
+    Rule(r"\.venv/bin/tensorboard --logdir .*", "interactive: a TensorBoard server on a paper run's logs"),
+    Rule(r"tmux new -s \w+", "interactive: a terminal session on a cluster's login node"),
+    Rule(r"pip install -c constraints\.txt .*", "installs into the environment (the test extra has it)"),
     # ---- run ---------------------------------------------------------------------------------------------
     Rule(f"{SNAKEMAKE} --cores 2 --configfile config/smoke\\.yaml", "", "smoke_command"),
     Rule(f"{SNAKEMAKE} -n --configfile config/paper/<name>\\.yaml", "", "dry_run_command", expand=True),
     Rule(f"{SNAKEMAKE} -n --configfile config/paper/[\\w.-]+\\.yaml", "", "dry_run_command"),
     Rule(f"{SNAKEMAKE} -n --config .*", "", "dry_run_command"),
     Rule(f"{SNAKEMAKE} --report report\\.html", "", "report_command"),
-    Rule(f"{D3S} regime --config config/regime\\.yaml -n", "", "dry_run_command"),
+    Rule(f"{D3S} regime --config config/regime\\.yaml -n", "", "dry_run_command", slow=False),
+    Rule(f"{D3S} plan --config config/paper/[\\w.-]+\\.yaml", "", "dry_run_command"),
     Rule(f"{D3S} train --config examples/tiny\\.yaml( .*)?", "", "train_command"),
     Rule(f"{D3S} eval --model runs/[\\w-]+/final .*", "", "eval_command"),
 )
@@ -255,20 +263,22 @@ def smoke_command(smoke_workflow, request) -> Callable[[Command], float | None]:
 
 @pytest.fixture
 def dry_run_command(offline_work) -> Callable[[Command], float]:
-    """Dry runs (``snakemake -n``, ``d3s regime -n``) in the session's offline copy of the workflow: no data,
-    the Hub off; they write nothing but Snakemake's own metadata there."""
+    """Commands that only read configs (``snakemake -n``, ``d3s regime -n``, ``d3s plan``) in the session's
+    offline copy of the workflow: no data, the Hub off; they write nothing but Snakemake's metadata there."""
     work, env = offline_work
     return lambda command: run_as_written(command, work, env)
 
 
 @pytest.fixture
 def report_command(smoke_workflow, tmp_path) -> Callable[[Command], float]:
-    """``snakemake --report report.html`` in a copy of the smoke run (the README's form, the default's
-    configuration: Snakemake reports what exists)."""
+    """``snakemake --report report.html`` reports the default's run (results/tiny), which CI does not make;
+    it runs here, in a copy of the session's smoke run, with that run's ``--configfile config/smoke.yaml``
+    added: the same command for the run that exists."""
 
     def run(command: Command) -> float:
         work = Path(shutil.copytree(smoke_workflow, tmp_path / "work", symlinks=True))
-        seconds = run_as_written(command, work, dict(os.environ))
+        words = command.words + SMOKE_ARGS[2:]  # the smoke run's --configfile
+        seconds = run_as_written(command, work, dict(os.environ), words)
         assert (work / "report.html").stat().st_size > 10_000
         return seconds
 
@@ -276,13 +286,13 @@ def report_command(smoke_workflow, tmp_path) -> Callable[[Command], float]:
 
 
 # examples/tiny.yaml: a 500-step SFT, then 40 steps of D3S. Measured 2026-11-28 on the shared 2-core machine:
-# 74 s of wall time, 72 s of CPU, of which the 40 steps take 8 s (the rest: imports and the SFT), so a
-# --max-steps override would save little: the README's example runs as written. Its variants (other flags
-# after it, e.g. --method pods --output-dir runs/tiny-pods) run with their flags as written on a scratch copy
-# of examples/tiny.yaml with a shorter SFT (VARIANT_SFT_STEPS) and --max-steps VARIANT_MAX_STEPS.
+# 74 s of wall time and 72 s of CPU alone, 121 s and 128 s beside other jobs; the 40 steps take 8 s of it (the
+# rest: imports and the SFT), so --max-steps alone would save little. Each command runs with its flags as
+# written plus --max-steps TRAIN_MAX_STEPS, on a scratch copy of examples/tiny.yaml whose SFT is shorter
+# (TRAIN_SFT_STEPS): 12-13 s each.
 EXAMPLE = "examples/tiny.yaml"
-VARIANT_SFT_STEPS = 50
-VARIANT_MAX_STEPS = "2"
+TRAIN_SFT_STEPS = 50
+TRAIN_MAX_STEPS = "2"
 
 
 @pytest.fixture
@@ -293,12 +303,10 @@ def train_command(tmp_path) -> Callable[[Command], float]:
     def run(command: Command) -> float:
         work = tmp_path / "work"
         shutil.copytree(REPO_ROOT / "examples", work / "examples")
-        words = list(command.words)
-        if words[-2:] != ["--config", EXAMPLE]:  # a variant: shorter, see VARIANT_SFT_STEPS
-            config = yaml.safe_load((work / EXAMPLE).read_text())
-            config["tiny"]["sft_steps"] = VARIANT_SFT_STEPS
-            (work / EXAMPLE).write_text(yaml.safe_dump(config, sort_keys=False))
-            words = replaced(words, "--max-steps", VARIANT_MAX_STEPS)
+        config = yaml.safe_load((work / EXAMPLE).read_text())
+        config["tiny"]["sft_steps"] = TRAIN_SFT_STEPS  # shorter: see TRAIN_SFT_STEPS
+        (work / EXAMPLE).write_text(yaml.safe_dump(config, sort_keys=False))
+        words = replaced(command.words, "--max-steps", TRAIN_MAX_STEPS)
         seconds = run_as_written(command, work, dict(os.environ), words)
         output_dir = words[words.index("--output-dir") + 1] if "--output-dir" in words else "runs/tiny-d3s"
         assert (work / output_dir / "final" / "config.json").is_file()
