@@ -77,7 +77,8 @@ def fenced_bash_commands(path: Path) -> list[Command]:
             if words[0] == "export":
                 env |= dict(word.split("=", 1) for word in words[1:])
                 continue
-            commands.append(Command(words, dict(env), [path.relative_to(REPO_ROOT).as_posix()]))
+            source = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+            commands.append(Command(words, dict(env), [source]))
     return commands
 
 
@@ -367,3 +368,16 @@ def test_every_source_has_commands() -> None:
     for source in SOURCES:
         assert fenced_bash_commands(REPO_ROOT / source), source
     assert any(rule_for(c) and rule_for(c).runner for c in CASES)
+
+
+def test_the_parser_joins_lines_drops_comments_and_keeps_exports(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\nexport A=1 B='two words'\n# a comment\n.venv/bin/d3s eval --model m \\\n"
+        "    --out o   # trailing\n\n```\n\n```python\nprint(1)\n```\n```bash\n.venv/bin/x\n```\n"
+    )
+    first, second = fenced_bash_commands(page)
+    assert first.words == [".venv/bin/d3s", "eval", "--model", "m", "--out", "o"]
+    assert first.env == {"A": "1", "B": "two words"} and first.sources == ["page.md"]
+    assert second.words == [".venv/bin/x"] and second.env == {}  # exports end with their block
+    assert rule_for(second) is None  # a command no rule knows: its case fails
