@@ -109,6 +109,7 @@ class Rule:
     runner: str | None = None
     expand: bool = False
     slow: bool = True
+    changes: str = ""  # what the runner changes in the command, for the table (its comment says why)
 
 
 RULES = (
@@ -164,11 +165,20 @@ RULES = (
     Rule(f"{SNAKEMAKE} -n --configfile config/paper/<name>\\.yaml", "", "dry_run_command", expand=True),
     Rule(f"{SNAKEMAKE} -n --configfile config/paper/[\\w.-]+\\.yaml", "", "dry_run_command"),
     Rule(f"{SNAKEMAKE} -n --config .*", "", "dry_run_command"),
-    Rule(f"{SNAKEMAKE} --report report\\.html", "", "report_command"),
+    Rule(
+        f"{SNAKEMAKE} --report report\\.html", "", "report_command", changes="+ the smoke run's --configfile"
+    ),
     Rule(f"{D3S} regime --config config/regime\\.yaml -n", "", "dry_run_command", slow=False),
     Rule(f"{D3S} plan --config config/paper/[\\w.-]+\\.yaml", "", "dry_run_command"),
-    Rule(f"{D3S} train --config examples/tiny\\.yaml( .*)?", "", "train_command"),
-    Rule(f"{D3S} eval --model runs/[\\w-]+/final .*", "", "eval_command"),
+    Rule(
+        f"{D3S} train --config examples/tiny\\.yaml( .*)?",
+        "",
+        "train_command",
+        changes="--max-steps 2, SFT 50 steps",
+    ),
+    Rule(
+        f"{D3S} eval --model runs/[\\w-]+/final .*", "", "eval_command", changes="--limit 2 --samples 2 ..."
+    ),
 )
 
 
@@ -286,11 +296,11 @@ def report_command(smoke_workflow, tmp_path) -> Callable[[Command], float]:
     return run
 
 
-# examples/tiny.yaml: a 500-step SFT, then 40 steps of D3S. Measured 2026-11-28 on the shared 2-core machine:
-# 74 s of wall time and 72 s of CPU alone, 121 s and 128 s beside other jobs; the 40 steps take 8 s of it (the
-# rest: imports and the SFT), so --max-steps alone would save little. Each command runs with its flags as
-# written plus --max-steps TRAIN_MAX_STEPS, on a scratch copy of examples/tiny.yaml whose SFT is shorter
-# (TRAIN_SFT_STEPS): 12-13 s each.
+# examples/tiny.yaml: a 500-step SFT, then 40 steps of D3S. Measured 2026-11-28 on the shared 2-core machine,
+# as written: 74 s of wall time and 72 s of CPU (the 40 steps: 8 s), 98-121 s and 114-128 s beside other jobs
+# (the 40 steps: 29 s); most of it is imports and the SFT, so --max-steps alone would save little. Each
+# command runs with its flags as written plus --max-steps TRAIN_MAX_STEPS, on a scratch copy of
+# examples/tiny.yaml whose SFT is shorter (TRAIN_SFT_STEPS): 12-54 s of wall time each, load permitting.
 EXAMPLE = "examples/tiny.yaml"
 TRAIN_SFT_STEPS = 50
 TRAIN_MAX_STEPS = "2"
@@ -360,7 +370,7 @@ def test_readme_command(command: Command, request, record_property) -> None:
         record_property("readme_command", (command.text, where, f"skipped: {rule.reason}", None))
         pytest.skip(f"{command.text}: {rule.reason}")
     seconds = request.getfixturevalue(rule.runner)(command)
-    record_property("readme_command", (command.text, where, "ran", seconds))
+    record_property("readme_command", (command.text, where, f"ran {rule.changes}".strip(), seconds))
 
 
 def test_every_source_has_commands() -> None:
