@@ -7,12 +7,13 @@ import functools
 import os
 import resource
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, SHARED_DATA, SNAKEMAKE, copy_workflow
+from helpers import REPO_ROOT, SHARED_DATA, SMOKE_ARGS, SMOKE_SECONDS, SNAKEMAKE, copy_workflow
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -41,7 +42,7 @@ LONGEST_FIRST = (
 SPLIT_ACROSS_WORKERS = {"test_resume_workflow.py"}
 # Files that use the session's smoke run (the smoke_workflow fixture) go with test_workflow.py, so that the
 # run is made once (a session fixture is made once per worker).
-WITH_THE_SMOKE_RUN = {"test_slurm.py", "test_workflow_eval_resume.py"}
+WITH_THE_SMOKE_RUN = {"test_slurm.py", "test_workflow_eval_resume.py", "test_readme_commands.py"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -118,11 +119,28 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
             for name, value in getattr(report, "user_properties", ()):
                 if name == "cpu_s":
                     cost[report.nodeid] = cost.get(report.nodeid, 0.0) + value
+    _readme_commands_table(terminalreporter)
     if not cost:
         return
     terminalreporter.write_sep("=", f"most CPU (s; all tests: {sum(cost.values()):.0f} s)")
     for nodeid, seconds in sorted(cost.items(), key=lambda kv: -kv[1])[:20]:
         terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
+
+
+def _readme_commands_table(terminalreporter: object) -> None:
+    """tests/test_readme_commands.py's cases: each README/docs command, whether it ran, its wall seconds."""
+    rows = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "readme_command":
+                    rows[value[0]] = value
+    if not rows:
+        return
+    terminalreporter.write_sep("=", "README commands (tests/test_readme_commands.py)")
+    for text, where, outcome, seconds in rows.values():
+        wall = "" if seconds is None else f"{seconds:7.1f} s"
+        terminalreporter.write_line(f"{wall:>9}  {outcome[:60]:<60}  {text}  [{where}]")
 
 
 @pytest.fixture(scope="session")
@@ -158,18 +176,21 @@ def tiny_sft_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smoke_workflow(tmp_path_factory) -> Path:
+def smoke_workflow(tmp_path_factory, request) -> Path:
     """A copy of the workflow after `snakemake --cores 2` of the smoke configuration (test_workflow.py checks
-    it; test_slurm.py compares the same run through Slurm with it). Run once per session."""
+    it; test_slurm.py compares the same run through Slurm with it; it is the README's smoke command, which
+    test_readme_commands.py checks). Run once per session; its wall seconds in the stash (SMOKE_SECONDS)."""
     work = copy_workflow(tmp_path_factory.mktemp("smoke"))
+    started = time.monotonic()
     done = subprocess.run(
-        SNAKEMAKE + ["--cores", "2", "--configfile", "config/smoke.yaml"],
+        SNAKEMAKE + SMOKE_ARGS,
         cwd=work,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    request.config.stash[SMOKE_SECONDS] = time.monotonic() - started
     return work
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +98,10 @@ def make_trainer(
 # ---- the workflow ------------------------------------------------------------------------------------------
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+# The session's smoke run (conftest.py's smoke_workflow): the README's smoke command's arguments, which
+# tests/test_readme_commands.py checks, and the run's wall seconds, kept in the pytest config's stash.
+SMOKE_ARGS = ["--cores", "2", "--configfile", "config/smoke.yaml"]
+SMOKE_SECONDS = pytest.StashKey[float]()
 # Rules of the analysis stage (no GPU, run on the login/driver node)
 ANALYSIS_RULES = {"training_dynamics", "pass_at_k", "efficiency", "selection_anatomy", "report"}
 
