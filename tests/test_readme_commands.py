@@ -177,7 +177,10 @@ RULES = (
         changes="--max-steps 2, SFT 50 steps",
     ),
     Rule(
-        f"{D3S} eval --model runs/[\\w-]+/final .*", "", "eval_command", changes="--limit 2 --samples 2 ..."
+        f"{D3S} eval --model (runs/[\\w-]+|results/tiny/runs/d3s/seed0)/final .*",
+        "",
+        "eval_command",
+        changes="--limit 2 --samples 2 ...",
     ),
 )
 
@@ -244,8 +247,8 @@ def replaced(words: list[str], flag: str, value: str) -> list[str]:
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory, smoke_workflow) -> Path:
     """A working folder for the `d3s eval` commands: ``runs/d3s/final`` and
-    ``runs/tiny-d3s/final`` linked to the smoke run's final d3s model, ``../shared/data`` to the benchmark
-    copies (when present)."""
+    ``runs/tiny-d3s/final`` linked to the smoke run's final d3s model, ``results/tiny/runs/d3s/seed0`` to its
+    run folder (its record too), ``../shared/data`` to the benchmark copies (when present)."""
     root = tmp_path_factory.mktemp("readme")
     work = root / "work"
     final = smoke_workflow / "results" / "smoke" / "runs" / "d3s" / "seed0" / "final"
@@ -253,6 +256,9 @@ def scratch(tmp_path_factory, smoke_workflow) -> Path:
     for run in ("d3s", "tiny-d3s"):
         (work / "runs" / run).mkdir(parents=True)
         (work / "runs" / run / "final").symlink_to(final)
+    # a default run's folder (docs/evaluation.md: the synthetic task a run trained on, from its record)
+    (work / "results" / "tiny" / "runs" / "d3s").mkdir(parents=True)
+    (work / "results" / "tiny" / "runs" / "d3s" / "seed0").symlink_to(final.parent)
     if SHARED_DATA.is_dir():
         (root / "shared").mkdir()
         (root / "shared" / "data").symlink_to(SHARED_DATA)
