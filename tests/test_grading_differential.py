@@ -5,11 +5,8 @@ instead. Both sides get the same parsed gold: what is under test is the reading 
 
 from __future__ import annotations
 
-import gzip
-import json
 import multiprocessing
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from helpers import SHARED_DATA
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from d3s.evaluation import reader_comparison
 from d3s.rewards import Grader, _MathVerifyGrader, boxed_environment_possible, normalize_gold
 
 COMPLETIONS = SHARED_DATA / "completions"
@@ -99,30 +97,15 @@ def _compare_in_worker(item: tuple[str, str, str]) -> tuple[str, str, bool | Non
 
 
 def pods_completions() -> list[tuple[str, str, str]]:
-    """(key, completion, gold) of PODS's released evaluation outputs."""
-    items = []
-    for path in sorted((COMPLETIONS / "pods").glob("*.json.gz")):
-        data = json.loads(gzip.decompress(path.read_bytes()))
-        checkpoints = {"": data} if path.name.startswith("base-") else data
-        for checkpoint, benchmarks in checkpoints.items():
-            for benchmark, evaluation in benchmarks.items():
-                for index, example in enumerate(evaluation["examples"]):
-                    key = f"{path.name}:{checkpoint}:{benchmark}:{index}"
-                    items.append((key, example["completion"], example["answer"]))
-    return items
+    """(key, completion, gold) of PODS's released evaluation outputs (read as the comparison script reads
+    them: d3s.evaluation.reader_comparison)."""
+    return [(c.key, c.completion, c.gold) for c in reader_comparison.pods_completions(COMPLETIONS)]
 
 
 def gsm8k_solutions() -> list[tuple[str, str, str]]:
-    """(key, solution, gold) of OpenAI's GSM8K example solutions, four models per question."""
-    items = []
-    lines = (COMPLETIONS / "gsm8k" / "example_model_solutions.jsonl").read_text().splitlines()
-    for row_index, line in enumerate(lines):
-        row = json.loads(line)
-        # the number after the reference solution's last "A:" (these files) or "####" (the dataset's)
-        gold = re.split(r"####|(?:^|\n)A:", row["ground_truth"])[-1].strip().replace(",", "")
-        for model in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification"):
-            items.append((f"gsm8k:{row_index}:{model}", row[model]["solution"], gold))
-    return items
+    """(key, solution, gold) of OpenAI's GSM8K example solutions, four models per question; the gold is the
+    number after the reference solution's last "A:" (these files) or "####" (the dataset's)."""
+    return [(c.key, c.completion, c.gold) for c in reader_comparison.gsm8k_solutions(COMPLETIONS)]
 
 
 def checked_share(items: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:

@@ -1,5 +1,6 @@
 # Shared settings and helpers of the workflow (no rules).
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path

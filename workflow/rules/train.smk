@@ -15,7 +15,9 @@ rule train:
         train=config["train"],
         task=TASK,
         data_dir=config["train"].get("data_dir"),
-        accelerate_dir=ACCELERATE_DIR,
+        # relative to the working directory, where jobs run: an absolute path in a parameter would re-run
+        # every finished run of a workflow copied or moved elsewhere (Snakemake compares parameters)
+        accelerate_dir=os.path.relpath(ACCELERATE_DIR),
     threads: config["train"]["threads"]
     resources:
         **config["train"]["resources"],
