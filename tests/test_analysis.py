@@ -519,3 +519,17 @@ def test_every_notebook_shows_its_figures_in_a_real_kernel(results, monkeypatch)
         shown += len(images)
     # one image per figure file written: the seven figures of the four notebooks (docs/workflow.md)
     assert shown == len(list((results / "figures").glob("*.png"))) == 7
+
+
+def test_without_an_informative_rollout_the_latest_is_drawn_saying_so():
+    """A short run may log only A = 0 rollouts (the regime sweep's smallest point): the workflow's figure is
+    still made, from the latest rollout of a token-selecting method, and never from another method's."""
+    records = [
+        _token_record("d3s", 0, [(0.0, [False, False]), (0.0, [True, False])]),
+        _token_record("grpo", 5, [(1.0, [True, True])]),
+    ]
+    assert figures.informative_token_examples(records) == []
+    (example,) = figures.latest_token_example(records)
+    assert (example["where"], example["selected"]) == ("d3s seed 0 step 0", [True, False])
+    assert figures.token_selection_figure([example]).axes
+    assert figures.latest_token_example(records[1:]) == []

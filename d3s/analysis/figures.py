@@ -207,6 +207,18 @@ def informative_token_examples(token_records: list[dict], methods=TOKEN_SELECTIN
     return fallback
 
 
+def latest_token_example(token_records: list[dict], methods=TOKEN_SELECTING_METHODS) -> list[dict]:
+    """The most-selected rollout of the latest token record of a token-selecting method, whatever its A: what
+    to draw, saying so, when informative_token_examples finds none (a short run whose logged rollouts all have
+    A = 0). Empty without such a record."""
+    records = [r for r in token_records if r.get("method") in methods and r.get("examples")]
+    if not records:
+        return []
+    record = records[-1]
+    example = max(record["examples"], key=lambda e: sum(map(bool, e["selected"])))
+    return [example | {"where": f"{record['method']} seed {record['seed']} step {record['step']}"}]
+
+
 def token_scores_figure(example: dict, max_tokens: int = 48, ax=None, per_row: int = 16):
     """One completion, one cell per token, coloured by its score |A| x H, its entropy H (nats) written under
     the token; selected tokens outlined red. Draws on ``ax`` when given (and returns its figure)."""
