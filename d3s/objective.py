@@ -39,6 +39,10 @@ class Objective:
     kept_tokens_normalise: bool  # the loss mask is T (token_norm "selected", or the sequence mean)
     max_completion_length: int  # dr_grpo's L
 
+    def loss_mask(self, valid: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """The tokens the loss's terms are summed and normalised over: T or m."""
+        return kept if self.kept_tokens_normalise else valid
+
 
 @dataclass
 class LossTerms:
@@ -61,11 +65,13 @@ def selection_loss(
     rows_counted: torch.Tensor,
     accumulation: float,
     dapo_denominator: torch.Tensor | float,
+    row_scale: torch.Tensor | None = None,
 ) -> LossTerms:
     """The loss of one micro-batch. ``valid`` m and ``kept`` T (a subset of m) are 0/1 tensors of ``logps``'s
     shape; ``rows_counted`` the rows a mean over rows counts (vLLM's correction may zero a whole rollout);
     ``accumulation`` the micro-batches of the optimizer step; ``dapo_denominator`` D per accumulation
-    window."""
+    window. ``row_scale``: each row's normaliser where it differs from this micro-batch's own (packed rows
+    keep their unpacked micro-batch's, d3s/packing.py); None: ``loss_row_scale`` of these rows."""
     o = objective
     advantage = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old_logps
@@ -85,17 +91,35 @@ def selection_loss(
             kl = kl * ratio
         per_token = per_token + o.beta * kl * (kept if o.kl_on_kept_tokens else valid)
 
-    loss_mask = kept if o.kept_tokens_normalise else valid
-    summed = per_token * loss_mask
+    loss_mask = o.loss_mask(valid, kept)
+    summed = (per_token * loss_mask).sum(-1)
+    if o.loss_type == "grpo":  # the row's token mean
+        summed = summed / loss_mask.sum(-1).clamp(min=1.0)
+    if row_scale is None:
+        row_scale = loss_row_scale(o, loss_mask, rows_counted, accumulation, dapo_denominator)
+    loss = (summed * row_scale.to(summed.dtype)).sum()
+    return LossTerms(loss=loss, ratio=capped, kl=kl, loss_mask=loss_mask)
+
+
+def loss_row_scale(
+    objective: Objective,
+    loss_mask: torch.Tensor,
+    rows_counted: torch.Tensor,
+    accumulation: float,
+    dapo_denominator: torch.Tensor | float,
+) -> torch.Tensor:
+    """What the loss multiplies each row's summed terms (grpo: the row's token mean) by in a micro-batch of
+    these rows, as ``loss_type`` divides: grpo by the rows counted, bnpo by the loss-mask tokens, dr_grpo by
+    the rows counted x L, each x ``accumulation``; dapo by D. One value per row, the same for all."""
+    o = objective
     if o.loss_type == "grpo":
-        row_means = summed.sum(-1) / loss_mask.sum(-1).clamp(min=1.0)
-        loss = row_means.sum() / rows_counted.sum().clamp(min=1) / accumulation
+        denominator = rows_counted.sum().clamp(min=1) * accumulation
     elif o.loss_type == "bnpo":
-        loss = summed.sum() / loss_mask.sum().clamp(min=1.0) / accumulation
+        denominator = loss_mask.sum().clamp(min=1.0) * accumulation
     elif o.loss_type == "dr_grpo":
-        loss = summed.sum() / (rows_counted.sum().clamp(min=1) * o.max_completion_length) / accumulation
+        denominator = rows_counted.sum().clamp(min=1) * o.max_completion_length * accumulation
     elif o.loss_type == "dapo":
-        loss = summed.sum() / dapo_denominator
+        denominator = torch.as_tensor(dapo_denominator, device=loss_mask.device)
     else:
         raise ValueError(f"the selection loss has no loss_type {o.loss_type!r}; use one of {CLIPPED_LOSSES}")
-    return LossTerms(loss=loss, ratio=capped, kl=kl, loss_mask=loss_mask)
+    return (1.0 / denominator.float()).expand(loss_mask.shape[0])

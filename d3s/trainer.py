@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -24,7 +25,8 @@ from d3s import trl_contract
 from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
 from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
 from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
-from d3s.objective import selection_loss
+from d3s.objective import loss_row_scale, selection_loss
+from d3s.packing import LOSS_ROW_SCALE, is_empty, pack_generation_batch
 from d3s.rewards import bind_answer_policy
 from d3s.rows import keep_rows, loss_mask, valid_tokens
 from d3s.savings import DeferredLogprobPasses
@@ -47,6 +49,8 @@ from d3s.vllm_engine import (
 )
 
 __all__ = ["D3SConfig", "D3STrainer"]
+
+logger = logging.get_logger(__name__)
 
 
 def scoring_mismatch(expected: list[str], ran: list[str]) -> str:
@@ -74,8 +78,10 @@ class HookState:
     deferring_logprobs: bool = False  # savings/deferred.py: TRL's log-prob passes return placeholders
     old_policy_pass_eager: bool = False  # ... but the old-policy pass: its vLLM ratio decides eligibility
     old_policy_pass_done: bool = False  # that pass ran for real in this scoring
-    # tokens in the gradient by global step since the last log, all ranks (trainer_metrics: a total per step)
-    update_tokens_by_step: dict[int, int] = field(default_factory=dict)
+    # the loss's metrics of the optimizer step now running, this rank, unsynced (trainer_metrics.py): a mean's
+    # (total, count), and a per-rollout metric's extreme by (name, largest)
+    step_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_extremes: dict[tuple[str, bool], torch.Tensor] = field(default_factory=dict)
 
 
 class D3STrainer(
@@ -180,7 +186,9 @@ class D3STrainer(
             loss = super()._compute_loss(model, inputs)
             self._log_update_tokens(valid_tokens(self.args.excludes_zeroed(), inputs), None)
             return loss
-        valid = valid_tokens(self.args.excludes_zeroed(), inputs)
+        if is_empty(inputs):  # packing moved this micro-batch's rows to a later one of the step
+            return self._empty_micro_batch_loss()
+        valid, rows_counted, is_weight = self._loss_rows(inputs)
         token_mask = inputs.get("token_mask")
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -205,13 +213,6 @@ class D3STrainer(
             token_mask = self._rank_tokens(inputs, entropies.detach(), valid.bool())
         kept = valid if token_mask is None else valid * token_mask
         old_logps = inputs.get("old_per_token_logps")
-        rows_counted = torch.ones_like(valid[:, 0], dtype=torch.bool)
-        is_weight = None
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            is_weight = inputs["importance_sampling_ratio"]
-            if self.args.excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
-                rows_counted = ~zeroed_rollouts(is_weight, loss_mask(inputs))
-        accumulation = self.current_gradient_accumulation_steps
         terms = selection_loss(
             self.objective,
             logps,
@@ -222,14 +223,88 @@ class D3STrainer(
             kept,
             is_weight,
             rows_counted=rows_counted,
-            accumulation=accumulation,
-            dapo_denominator=inputs["num_items_in_batch"].clamp(min=1.0)
-            / self.accelerator.num_processes
-            * accumulation
-            / self.args.steps_per_generation,
+            accumulation=self.current_gradient_accumulation_steps,
+            dapo_denominator=self._dapo_denominator(inputs),
+            row_scale=inputs.get(LOSS_ROW_SCALE),  # packed rows: their unpacked micro-batch's normaliser
         )
         self._log_objective(terms, inputs["advantages"], entropies, valid, token_mask)
         return terms.loss
+
+    def _loss_rows(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The loss's valid tokens m, the rows a mean over rows counts, and vLLM's importance weights."""
+        valid = valid_tokens(self.args.excludes_zeroed(), inputs)
+        rows_counted = torch.ones_like(valid[:, 0], dtype=torch.bool)
+        is_weight = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_weight = inputs["importance_sampling_ratio"]
+            if self.args.excludes_zeroed():  # a rollout the correction zeroed is out of a mean over rows
+                rows_counted = ~zeroed_rollouts(is_weight, loss_mask(inputs))
+        return valid, rows_counted, is_weight
+
+    def _dapo_denominator(self, inputs: dict) -> torch.Tensor:
+        """dapo's D: the loss tokens of the generation batch, every rank, per micro-batch of the step."""
+        accumulation = self.current_gradient_accumulation_steps
+        return (
+            inputs["num_items_in_batch"].clamp(min=1.0)
+            / self.accelerator.num_processes
+            * accumulation
+            / self.args.steps_per_generation
+        )
+
+    # ---- packing: an optimizer step's kept rows in as few micro-batches as they fill (d3s/packing.py) ----
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's micro-batch of this step; once TRL split a new generation batch, its micro-batches packed."""
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.packs_micro_batches and self.model.training and self._buffered_inputs is not before:
+            self._buffered_inputs = pack_generation_batch(
+                self._buffered_inputs,
+                self.args.gradient_accumulation_steps,
+                self.args.per_device_train_batch_size,
+                self._unpacked_row_scale,
+            )
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _unpacked_row_scale(self, micro_batch: dict) -> torch.Tensor:
+        """Each row's loss normaliser in TRL's (unpacked) micro-batch, which packing keeps: exact packing."""
+        valid, rows_counted, _ = self._loss_rows(micro_batch)
+        token_mask = micro_batch.get("token_mask")
+        kept = valid if token_mask is None else valid * token_mask
+        return loss_row_scale(
+            self.objective,
+            self.objective.loss_mask(valid, kept),
+            rows_counted,
+            self.args.gradient_accumulation_steps,
+            self._dapo_denominator(micro_batch),
+        )
+
+    def _empty_micro_batch_loss(self) -> torch.Tensor:
+        """The loss of a slot packing emptied: zero, no forward, a backward that reaches no weight. The last
+        micro-batch of a step is never empty (DDP all-reduces in its backward); if it were, rows were lost."""
+        if self.accelerator.sync_gradients:
+            raise RuntimeError(
+                "packing left the last micro-batch of an optimizer step empty: set pack_micro_batches: false "
+                "and report the geometry (steps_per_generation, gradient_accumulation_steps)"
+            )
+        return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+
+    def _packing_blocker(self) -> str | None:
+        """Why this run trains TRL's micro-batches although packing is on; None when it packs."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+            return (
+                f"{engine} counts the micro-steps of its accumulation boundary itself, and an empty "
+                "micro-step with no backward would shift it"
+            )
+        if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
+            return (
+                f"steps_per_generation ({self.args.steps_per_generation}) is not a multiple of "
+                f"gradient_accumulation_steps ({self.args.gradient_accumulation_steps}): an optimizer step "
+                "spans generation batches"
+            )
+        return None
 
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
@@ -267,6 +342,10 @@ class D3STrainer(
                 "loss: set router_aux_loss_coef 0, or train method grpo (TRL's own loss)"
             )
         self.objective = self.args.objective()
+        blocker = self._packing_blocker() if self.owns_loss and self.args.pack_micro_batches else None
+        if blocker:  # one line, and docs/fidelity.md says so
+            logger.warning("pack_micro_batches is off: %s", blocker)
+        self.packs_micro_batches = self.owns_loss and self.args.pack_micro_batches and blocker is None
 
     def _sample_scope(self) -> str:
         """The sample scope of this generation batch: the method's, or the adaptive switch's verdict on the

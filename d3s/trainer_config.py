@@ -139,6 +139,12 @@ class D3SConfig(GRPOConfig):
     anatomy_examples: int = _option(4, "Completions per anatomy record whose tokens are written.")
     defer_logprob_passes: bool = _option(False, "Compute saving: log-prob passes on the kept rollouts only.")
     kept_token_logprobs: bool = _option(False, "Compute saving: LM head gradient at the kept tokens only.")
+    pack_micro_batches: bool | None = _option(
+        None,
+        "Train the kept rows of an optimizer step in ceil(rows / per_device_train_batch_size) micro-batches, "
+        "not gradient_accumulation_steps smaller ones (exact, d3s/packing.py). None: on, except where the "
+        "token level ranks each micro-batch (token_scope micro_batch); false: TRL's micro-batches.",
+    )
     answer_policy: str = _option("math_verify", "Which boxed answer the reward grades.", ANSWER_POLICIES)
     reward_copied_answers: bool = _option(
         True,
@@ -232,7 +238,14 @@ class D3SConfig(GRPOConfig):
                     f"{name} must be an integer between 1 and num_generations = {G} at every point of the "
                     f"schedule; got {value!r}. Lower it or raise num_generations."
                 )
-        for name in ("defer_logprob_passes", "kept_token_logprobs", "reward_copied_answers"):
+        self._resolve_packing()
+        switches = (
+            "defer_logprob_passes",
+            "kept_token_logprobs",
+            "reward_copied_answers",
+            "pack_micro_batches",
+        )
+        for name in switches:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
         if self.full_state_checkpoints == "latest" and self.save_only_model:
@@ -259,6 +272,17 @@ class D3SConfig(GRPOConfig):
                     f"per_device_train_batch_size ({micro}) a multiple of num_generations ({G}), or choose "
                     f"keep values N with N x {micro} divisible by {G}."
                 )
+
+    def _resolve_packing(self) -> None:
+        """Packing is exact unless the token level ranks inside each micro-batch, which packing changes."""
+        ranks_per_micro_batch = self.token_rule != "none" and self.token_scope == "micro_batch"
+        if self.pack_micro_batches is None:
+            self.pack_micro_batches = not ranks_per_micro_batch
+        elif self.pack_micro_batches is True and ranks_per_micro_batch:
+            raise ValueError(
+                "pack_micro_batches: true changes which tokens token_scope micro_batch ranks together (it "
+                "ranks each micro-batch): set pack_micro_batches: false, or token_scope: batch"
+            )
 
     def excludes_zeroed(self) -> bool:
         """Whether what vLLM's correction zeroed leaves selection and the loss (``zeroed_rollouts``, with the

@@ -25,6 +25,8 @@ OVERRIDES = {
     "_generate_and_score_completions": "D3STrainer: keeps the selected rollouts, chooses the token mask",
     "_compute_loss": "D3STrainer: TRL's loss for grpo; the selection loss replaces it (d3s/objective.py)",
     "_get_per_token_logps_and_entropies": "D3STrainer: old-policy entropies; savings: deferred placeholders",
+    "_prepare_inputs": "D3STrainer: packs the micro-batches TRL cut a generation batch into (d3s/packing.py)",
+    "training_step": "SelectionMetrics: after a step's last micro-batch, one entry per metric for the step",
     "log": "SelectionMetrics: adds selection/update_tokens_cumulative and the step total of update_tokens, "
     "then TRL's log",
     "_save_checkpoint": "CheckpointSaveErrors: a full disk ends in one line naming the checkpoint",
@@ -33,6 +35,8 @@ OVERRIDES = {
 # The transformers.Trainer methods among OVERRIDES, and those called: checked against the pinned transformers.
 TRANSFORMERS_TRAINER_METHODS = (
     "log",
+    "_prepare_inputs",  # GRPOTrainer's replaces Trainer's; D3STrainer's wraps GRPOTrainer's
+    "training_step",  # GRPOTrainer's wraps Trainer's; SelectionMetrics' wraps GRPOTrainer's
     "_save_checkpoint",
     "_load_optimizer_and_scheduler",  # replaced below GRPOTrainer's own (d3s/callbacks/optimizer_load.py)
     "_get_output_dir",  # CheckpointSaveErrors: the checkpoint's folder, named in a full-disk error
@@ -40,6 +44,10 @@ TRANSFORMERS_TRAINER_METHODS = (
 # Attributes of a built GRPOTrainer that are read (checked once the trainer is built).
 TRAINER_ATTRIBUTES = (
     "_metrics",  # the per-step metric lists TRL averages in log()
+    "_buffered_inputs",  # with the next one: TRL's micro-batches of a generation batch, which packing packs
+    "_step",
+    "is_deepspeed_enabled",  # with the next one (transformers.Trainer's): no packing under DeepSpeed, FSDP
+    "is_fsdp_enabled",
     "reward_weights",
     "num_generations",
     "scale_rewards",
