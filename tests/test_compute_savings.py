@@ -204,7 +204,7 @@ def _loss_and_grads(trainer, inputs):
     trainer._metrics["train"].clear()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    trainer._close_step_metrics()  # the step's metrics, as the training loop closes them after its last backward
+    trainer._close_step_metrics()  # as the training loop closes a step after its last backward
     grads = {
         name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None
     }

@@ -265,3 +265,53 @@ def test_packed_training_equals_unpacked(tmp_path, tiny_sft_model, method, overr
         for key, value in reference.items():
             if isinstance(value, float) and key not in ("step_time", "train_runtime"):
                 assert record[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+
+
+@pytest.mark.slow
+def test_packing_under_ddp_all_reduces_in_a_real_backward(tmp_path, tiny_sft_model):
+    """2 ranks (accelerate's DDP, the workflow's config): packed, each rank runs 1 forward with gradient per
+    step instead of 4, the last one DDP's synchronising backward; gradients and weights equal unpacked."""
+    import os
+    import subprocess
+
+    from helpers import ACCELERATE_DIR, REPO_ROOT
+
+    from d3s.orchestration.commands import accelerate_command
+    from d3s.ports import free_port
+
+    cmd = accelerate_command(
+        [str(REPO_ROOT / "tests" / "packing_worker.py"), str(tiny_sft_model), str(tmp_path)],
+        num_processes=2,
+        config_file=ACCELERATE_DIR / "ddp.yaml",
+        main_process_port=free_port(),
+        threads_per_process=1,
+        cpu=True,
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    runs = {
+        name: [torch.load(tmp_path / f"{name}_rank{rank}.pt") for rank in range(2)]
+        for name in ("packed", "unpacked")
+    }
+    assert [r["packs"] for r in runs["packed"]] == [True, True]
+    assert [r["packs"] for r in runs["unpacked"]] == [False, False]
+    for rank in range(2):
+        packed, unpacked = runs["packed"][rank], runs["unpacked"][rank]
+        assert [s["forwards"] for s in packed["steps"]] == [1, 1]
+        assert [s["forwards"] for s in unpacked["steps"]] == [4, 4]
+        # one synchronising backward per step, packed or not: the same buckets all-reduced
+        buckets = [s["all_reduces"] for s in unpacked["steps"]]
+        assert buckets[0] > 0 and [s["all_reduces"] for s in packed["steps"]] == buckets
+        for step, reference in zip(packed["steps"], unpacked["steps"], strict=True):
+            torch.testing.assert_close(
+                torch.tensor(step["grad"]), torch.tensor(reference["grad"]), rtol=1e-4, atol=1e-7
+            )
+        torch.testing.assert_close(
+            torch.tensor(packed["weights"]), torch.tensor(unpacked["weights"]), rtol=1e-4, atol=1e-5
+        )
+    # the all-reduce made the ranks' gradients and weights one (each rank trained on other rows)
+    for name in ("packed", "unpacked"):
+        first, second = runs[name]
+        assert first["steps"][0]["grad"] == second["steps"][0]["grad"]
+        assert first["weights"] == second["weights"]
