@@ -106,6 +106,7 @@ def main(model_path: str, method: str, out_dir: str) -> None:
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
         if trainer.is_deepspeed_enabled
         else None,
+        "packs": trainer.packs_micro_batches,
         "decisions": decisions,
         "token_decisions": token_decisions,
         "batches": batches,

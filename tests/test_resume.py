@@ -72,10 +72,13 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path):
     setting): the older ones are cut to their weights, and the resumed run still ends bitwise where an
     uninterrupted run that keeps every full state ends."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    reference = run_config(tmp_path, "reference")
+    # TRL's 2 micro-batches of 8 rows per step; d3s keeps 2 of 8 rollouts, 4 rows, which packing
+    # (pack_micro_batches, on) trains as 1 micro-batch: the resume restores a packed run
+    packed = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}
+    reference = run_config(tmp_path, "reference", **packed)
     subprocess.run(train_command(reference), env=env, check=True, capture_output=True, timeout=600)
 
-    interrupted = run_config(tmp_path, "interrupted", full_state_checkpoints="latest")
+    interrupted = run_config(tmp_path, "interrupted", full_state_checkpoints="latest", **packed)
     run = tmp_path / "interrupted"
     proc = subprocess.Popen(
         train_command(interrupted), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -97,6 +100,8 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["resumed_from"].endswith("checkpoint-4") and manifest["finished"]
 
+    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert resolved["resolved_trainer"]["pack_micro_batches"] is True
     assert step_metrics(run) == step_metrics(tmp_path / "reference")
     ours, theirs = final_weights(run), final_weights(tmp_path / "reference")
     assert ours.keys() == theirs.keys()

@@ -94,11 +94,24 @@ def test_method_defaults_resolve_against_num_generations(tmp_path):
         ("pods", {"multi_objective_aggregation": "normalize_then_sum"}, "renormalize=True"),
         ("d3s", {"kept_token_logprobs": "yes"}, "kept_token_logprobs must be true or false"),
         ("d3s", {"defer_logprob_passes": 1}, "defer_logprob_passes must be true or false"),
+        ("d3s", {"pack_micro_batches": "no"}, "pack_micro_batches must be true or false"),
+        (
+            "d3s",
+            {"pack_micro_batches": True, "token_scope": "micro_batch"},
+            "pack_micro_batches: true changes which tokens token_scope micro_batch ranks together",
+        ),
     ],
 )
 def test_config_rejects_bad_values_with_a_fix(tmp_path, method, overrides, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, method, **overrides)
+
+
+def test_packing_is_on_where_it_is_exact(tmp_path):
+    assert config(tmp_path, "d3s").pack_micro_batches is True
+    assert config(tmp_path, "d3s", pack_micro_batches=False).pack_micro_batches is False
+    # the token level ranking each micro-batch: packing would change the ranking, so it stays off
+    assert config(tmp_path, "d3s", token_scope="micro_batch").pack_micro_batches is False
 
 
 def test_gspo_needs_its_trl_settings(tmp_path):
