@@ -176,22 +176,29 @@ CONSTANT_N2 = {"schedule": "constant", "keep_per_prompt": 2}
 # Every method that selects rollouts or tokens: (method, overrides). Sample selection at N = 2 of 8 packs 4
 # micro-batches into 1; the token level alone (entropy_8020) keeps every row, so packing saves nothing there
 # and must change nothing.
+GSPO_MINIBATCHES = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+# Every method that selects rollouts or tokens: (method, overrides, forward passes with gradient per optimizer
+# step packed, unpacked). Sample selection at N = 2 of 8 packs 4 micro-batches into 1; the token level alone
+# (entropy_8020) keeps every row, so packing saves nothing there and must change nothing.
 SELECTING_METHODS = [
-    ("pods", CONSTANT_N2),
-    ("pods_random", CONSTANT_N2),
-    ("pods_max_reward", CONSTANT_N2),
-    ("d1s", CONSTANT_N2),
-    ("d1s_cross", CONSTANT_N2),
-    ("d2s", CONSTANT_N2),
-    ("d3s", CONSTANT_N2),
-    ("d3s_i", CONSTANT_N2),
-    ("d3s_adaptive", CONSTANT_N2),
-    ("gspo_d3s", CONSTANT_N2 | {"minibatches_per_generation": 1}),
-    ("entropy_8020", {}),
-    ("d3s", CONSTANT_N2 | {"loss_type": "bnpo"}),
-    ("d3s", CONSTANT_N2 | {"loss_type": "dr_grpo"}),
-    ("d3s", CONSTANT_N2 | {"loss_type": "dapo", "beta": 0.04}),
-    ("d3s", {"keep_per_prompt": 6, "keep_per_prompt_final": 2}),  # 24 rows -> 3 micro-batches, 16 -> 2
+    ("pods", CONSTANT_N2, [1, 1], [4, 4]),
+    ("pods_random", CONSTANT_N2, [1, 1], [4, 4]),
+    ("pods_max_reward", CONSTANT_N2, [1, 1], [4, 4]),
+    ("d1s", CONSTANT_N2, [1, 1], [4, 4]),
+    ("d1s_cross", CONSTANT_N2, [1, 1], [4, 4]),
+    ("d2s", CONSTANT_N2, [1, 1], [4, 4]),
+    ("d3s", CONSTANT_N2, [1, 1], [4, 4]),
+    ("d3s_i", CONSTANT_N2, [1, 1], [4, 4]),
+    ("d3s_adaptive", CONSTANT_N2, [1, 1], [4, 4]),
+    # GSPO's 4 optimizer steps per generation batch (steps_per_generation 8, accumulation 2, 4-row
+    # micro-batches): 8 kept rows, 1 per TRL micro-batch; each step's 2 packed into 1; off-policy after step 1
+    ("gspo_d3s", CONSTANT_N2 | GSPO_MINIBATCHES, [1, 1], [2, 2]),
+    ("entropy_8020", {}, [4, 4], [4, 4]),
+    ("d3s", CONSTANT_N2 | {"loss_type": "bnpo"}, [1, 1], [4, 4]),
+    ("d3s", CONSTANT_N2 | {"loss_type": "dr_grpo"}, [1, 1], [4, 4]),
+    ("d3s", CONSTANT_N2 | {"loss_type": "dapo", "beta": 0.04}, [1, 1], [4, 4]),
+    # linear N = 6 at p = 0, 4 at p = 1/2: 24 rows in 3 micro-batches, then 16 in 2
+    ("d3s", {"keep_per_prompt": 6, "keep_per_prompt_final": 2}, [3, 2], [4, 4]),
 ]
 
 
@@ -237,18 +244,15 @@ def train(model_path, out, method: str, overrides: dict, packed: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, overrides", SELECTING_METHODS)
-def test_packed_training_equals_unpacked(tmp_path, tiny_sft_model, method, overrides):
+@pytest.mark.parametrize("method, overrides, packed_forwards, unpacked_forwards", SELECTING_METHODS)
+def test_packed_training_equals_unpacked(
+    tmp_path, tiny_sft_model, method, overrides, packed_forwards, unpacked_forwards
+):
     packed, packed_steps, packed_logs = train(tiny_sft_model, tmp_path, method, overrides, True)
     unpacked, unpacked_steps, unpacked_logs = train(tiny_sft_model, tmp_path, method, overrides, False)
     assert packed.packs_micro_batches and not unpacked.packs_micro_batches
-    kept_rows = 32 * overrides.get("keep_per_prompt", 8) // 8
-    if method == "entropy_8020":  # every row kept: TRL's 4 micro-batches of 8 either way
-        assert packed_steps.forwards == unpacked_steps.forwards == [4, 4]
-    elif "keep_per_prompt_final" in overrides:  # linear N = 6 at p = 0, 4 at p = 1/2: 24 rows in 3, 16 in 2
-        assert packed_steps.forwards == [3, 2] and unpacked_steps.forwards == [4, 4]
-    else:
-        assert kept_rows == 8 and packed_steps.forwards == [1, 1] and unpacked_steps.forwards == [4, 4]
+    assert packed_steps.forwards == packed_forwards
+    assert unpacked_steps.forwards == unpacked_forwards
     moved = [any(g.abs().sum() > 0 for g in step.values()) for step in unpacked_steps.grads]
     assert any(moved), "no step carried a gradient: the comparison checks nothing"
     for grads, reference in zip(packed_steps.grads, unpacked_steps.grads, strict=True):
