@@ -85,13 +85,11 @@ class SelectionMetrics:
             return
         names, keys = list(sums), list(extremes)
         device = self.accelerator.device
-        local = torch.cat(
-            [torch.stack([sums[n] for n in names]).flatten().to(device)] * bool(names)
-            + [torch.stack([extremes[k] for k in keys]).to(device)] * bool(keys)
-        )
+        values = [sums[n].to(device) for n in names] + [extremes[k].to(device).view(1) for k in keys]
+        local = torch.cat(values)  # the means' (total, count) pairs, then the extremes
         gathered = self.accelerator.gather(local.unsqueeze(0)).view(-1, local.numel())
         totals = gathered[:, : 2 * len(names)].sum(0).view(-1, 2).tolist()
-        lows = gathered[:, 2 * len(names) :].min(0).values.tolist()
+        lows = gathered[:, 2 * len(names) :].min(0).values.tolist() if keys else []
         metrics = self._metrics["train"]
         for name, (total, count) in zip(names, totals, strict=True):
             if name == UPDATE_TOKENS:  # a count of the step, not a mean
