@@ -3,8 +3,10 @@
     .venv/bin/python perf/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
     .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
     .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
+    bash scripts/device_update_cost.sh                   # one lent GPU: micro-batches 32 and 8, --profile
 
-Variants, models, peak memory and the truncation table (``update_cost_truncation.*``): perf/README.md.
+Variants (GRPO; D3S in TRL's micro-batches; D3S packed, d3s/packing.py), models, peak memory, --profile and
+the truncation table (``update_cost_truncation.*``): perf/README.md.
 """
 
 from __future__ import annotations
@@ -654,6 +656,7 @@ def main() -> None:
         help="torch.profiler trace and summary of one D3S micro-batch, unpacked and packed, at the first "
         "random geometry (the tiny model without one) and its smallest micro-batch (update_cost_profile.*)",
     )
+    parser.add_argument("--note", action="append", default=[], help="a note for the table (repeatable)")
     parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
     args = parse_args(parser, sft_steps=20)
@@ -739,27 +742,31 @@ def main() -> None:
         )
         for label, micro_batch in dict.fromkeys((r["model"], r["micro_batch"]) for r in rows)
     )
-    notes = [
-        f"Measured on the {device_text}{device_name}",
-        f"Run: perf/update_cost.py {' '.join(sys.argv[1:])}".rstrip(),
-        "One update = the step's batch in micro-batches with gradient checkpointing, compute_loss + backward "
-        "per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up "
-        "update. Column 'micro-batch': per_device_train_batch_size, the micro-batch of that row's figure. "
-        "GRPO: the step's rows in micro-batches of that many rows. d3s and d3s (masked head): TRL's "
-        "micro-batches (pack_micro_batches false), as many as GRPO's with N/G of the rows each. "
-        "d3s (packed): pack_micro_batches true, the step's kept rows in ceil(rows / micro-batch) "
-        "micro-batches (d3s/packing.py). Column 'rollouts': the micro-batches and rows the update ran.",
-        "Peak memory: "
-        + (
-            "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
-            "optimizer state)."
-            if cuda
-            else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
-            "warm-up update, in a fresh process per variant; allocator reuse makes small values coarse."
-        ),
-        f"D3S / GRPO update time (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}), per model and micro-batch: "
-        f"{ratios}.",
-    ] + failed
+    notes = (
+        [
+            f"Measured on the {device_text}{device_name}",
+            f"Run: perf/update_cost.py {' '.join(sys.argv[1:])}".rstrip(),
+            "One update = the step's batch in micro-batches with gradient checkpointing, compute_loss + backward "
+            "per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up "
+            "update. Column 'micro-batch': per_device_train_batch_size, the micro-batch of that row's figure. "
+            "GRPO: the step's rows in micro-batches of that many rows. d3s and d3s (masked head): TRL's "
+            "micro-batches (pack_micro_batches false), as many as GRPO's with N/G of the rows each. "
+            "d3s (packed): pack_micro_batches true, the step's kept rows in ceil(rows / micro-batch) "
+            "micro-batches (d3s/packing.py). Column 'rollouts': the micro-batches and rows the update ran.",
+            "Peak memory: "
+            + (
+                "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
+                "optimizer state)."
+                if cuda
+                else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
+                "warm-up update, in a fresh process per variant; allocator reuse makes small values coarse."
+            ),
+            f"D3S / GRPO update time (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}), per model and micro-batch: "
+            f"{ratios}.",
+        ]
+        + failed
+        + args.note
+    )
     settings = dict(
         num_generations=G,
         keep_per_prompt=KEEP,
