@@ -742,31 +742,28 @@ def main() -> None:
         )
         for label, micro_batch in dict.fromkeys((r["model"], r["micro_batch"]) for r in rows)
     )
-    notes = (
-        [
-            f"Measured on the {device_text}{device_name}",
-            f"Run: perf/update_cost.py {' '.join(sys.argv[1:])}".rstrip(),
-            "One update = the step's batch in micro-batches with gradient checkpointing, compute_loss + backward "
-            "per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up "
-            "update. Column 'micro-batch': per_device_train_batch_size, the micro-batch of that row's figure. "
-            "GRPO: the step's rows in micro-batches of that many rows. d3s and d3s (masked head): TRL's "
-            "micro-batches (pack_micro_batches false), as many as GRPO's with N/G of the rows each. "
-            "d3s (packed): pack_micro_batches true, the step's kept rows in ceil(rows / micro-batch) "
-            "micro-batches (d3s/packing.py). Column 'rollouts': the micro-batches and rows the update ran.",
-            "Peak memory: "
-            + (
-                "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
-                "optimizer state)."
-                if cuda
-                else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
-                "warm-up update, in a fresh process per variant; allocator reuse makes small values coarse."
-            ),
-            f"D3S / GRPO update time (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}), per model and micro-batch: "
-            f"{ratios}.",
-        ]
-        + failed
-        + args.note
-    )
+    notes = [
+        f"Measured on the {device_text}{device_name}",
+        f"Run: perf/update_cost.py {' '.join(sys.argv[1:])}".rstrip(),
+        "One update = the step's batch in micro-batches with gradient checkpointing, compute_loss + backward "
+        "per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up "
+        "update. Column 'micro-batch': per_device_train_batch_size, the micro-batch of that row's figure. "
+        "GRPO: the step's rows in micro-batches of that many rows. d3s and d3s (masked head): TRL's "
+        "micro-batches (pack_micro_batches false), as many as GRPO's with N/G of the rows each. "
+        "d3s (packed): pack_micro_batches true, the step's kept rows in ceil(rows / micro-batch) "
+        "micro-batches (d3s/packing.py). Column 'rollouts': the micro-batches and rows the update ran.",
+        "Peak memory: "
+        + (
+            "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
+            "optimizer state)."
+            if cuda
+            else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
+            "warm-up update, in a fresh process per variant; allocator reuse makes small values coarse."
+        ),
+        f"D3S / GRPO update time (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}), per model and micro-batch: "
+        f"{ratios}.",
+    ]
+    notes += failed + args.note
     settings = dict(
         num_generations=G,
         keep_per_prompt=KEEP,
