@@ -657,6 +657,7 @@ def main() -> None:
         "random geometry (the tiny model without one) and its smallest micro-batch (update_cost_profile.*)",
     )
     parser.add_argument("--note", action="append", default=[], help="a note for the table (repeatable)")
+    parser.add_argument("--name", default="update_cost", help="the result files' name (<name>.json, .md)")
     parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
     args = parse_args(parser, sft_steps=20)
@@ -773,9 +774,7 @@ def main() -> None:
         gradient_checkpointing=True,
     )
     title = f"Update cost: GRPO vs D3S ({device_text})"
-    write_results(
-        "update_cost", args, rows, markdown_table(rows, UPDATE_COLUMNS), notes, title=title, **settings
-    )
+    write_results(args.name, args, rows, markdown_table(rows, UPDATE_COLUMNS), notes, title=title, **settings)
     if profiled:
         summaries = [r for r in profiled if r["kind"] == "summary"]
         markdown = (
@@ -799,7 +798,7 @@ def main() -> None:
             "Perfetto).",
         ]
         title = f"Update cost: where one D3S micro-batch's time goes ({device_text})"
-        write_results("update_cost_profile", args, profiled, markdown, notes, title=title, **settings)
+        write_results(f"{args.name}_profile", args, profiled, markdown, notes, title=title, **settings)
     modelled = [r for r in truncation if r["source"].startswith("MODEL")]
     bound = max(
         max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"]) for r in modelled
@@ -826,7 +825,7 @@ def main() -> None:
     title = "Token level: what stopping each kept rollout at its last selected token saves"
     markdown = markdown_table(truncation, TRUNCATION_COLUMNS)
     settings = {"schedule_points": SCHEDULE_POINTS} | settings
-    write_results("update_cost_truncation", args, truncation, markdown, notes, title=title, **settings)
+    write_results(f"{args.name}_truncation", args, truncation, markdown, notes, title=title, **settings)
 
 
 if __name__ == "__main__":
