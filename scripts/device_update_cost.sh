@@ -17,9 +17,9 @@
 # 4 prompts: at micro-batch 32 an optimizer step is 4 micro-batches, D3S's 32 kept rows 4 x 8 unpacked, 1 x 32
 # packed (1 prompt would be one micro-batch either way).
 # About 6 minutes on an H100 without t3000 (model builds, 3 timed updates per variant after a warm-up).
-# Environment: REPEATS (default 3) timed updates per variant; DRY=1 runs the same steps on the CPU with a tiny geometry (the test suite's check of this
-# script: arguments, files, the profiler's summary); PY (default python3); RESERVE (default 15) seconds kept
-# to pack.
+# Environment: REPEATS (default 3) timed updates per variant; DRY=1 runs the same steps on the CPU with a tiny
+# geometry (the test suite's check of this script: arguments, files, the profiler's summary); PY (default
+# python3); RESERVE (default 15) seconds kept to pack.
 set -u
 set -o pipefail
 BUDGET=${1:-480}
