@@ -1,7 +1,7 @@
 """One policy update as training runs it: GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
 
     .venv/bin/python perf/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
-    .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
+    .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~25 min, 2 cores)
     .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
     bash scripts/device_update_cost.sh                   # one lent GPU: micro-batches 32 and 8, --profile
 
