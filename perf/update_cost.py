@@ -1,10 +1,12 @@
 """One policy update as training runs it: GRPO (G = 32, every rollout) against D3S (N of 32, K of tokens).
 
     .venv/bin/python perf/update_cost.py --device cuda   # Qwen2.5-Math-1.5B architecture, paper geometry
-    .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~10 min, 2 cores)
+    .venv/bin/python perf/update_cost.py                 # CPU: tiny model + a small Qwen2 (~25 min, 2 cores)
     .venv/bin/python perf/update_cost.py --quick         # CPU smoke run (the test suite runs it)
+    bash scripts/device_update_cost.sh                   # one lent GPU: micro-batches 32 and 8, --profile
 
-Variants, models, peak memory and the truncation table (``update_cost_truncation.*``): perf/README.md.
+Variants (GRPO; D3S in TRL's micro-batches; D3S packed, d3s/packing.py), models, peak memory, --profile and
+the truncation table (``update_cost_truncation.*``): perf/README.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import multiprocessing
 import re
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -55,10 +58,14 @@ QWEN_SMALL = QWEN_1_5B | dict(
     hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
 )
 D3S_OVERRIDES = {"keep_per_prompt": KEEP, "token_keep_ratio": TOKEN_RATIO, "schedule": "constant"}
+KEPT_HEAD, MASKED_HEAD = {"kept_token_logprobs": True}, {"kept_token_logprobs": False}
 VARIANTS = {  # name -> (method, trainer overrides, rows it trains on)
     "grpo": ("grpo", {}, "all"),
-    "d3s": ("d3s", D3S_OVERRIDES | {"kept_token_logprobs": True}, "kept"),
-    "d3s (masked head)": ("d3s", D3S_OVERRIDES | {"kept_token_logprobs": False}, "kept"),
+    # TRL's micro-batches: D3S's kept rows in as many micro-batches as GRPO's rows, N/G as large
+    "d3s": ("d3s", D3S_OVERRIDES | KEPT_HEAD | {"pack_micro_batches": False}, "kept"),
+    # d3s/packing.py: an optimizer step's kept rows in ceil(rows / per_device_train_batch_size) micro-batches
+    "d3s (packed)": ("d3s", D3S_OVERRIDES | KEPT_HEAD | {"pack_micro_batches": True}, "kept"),
+    "d3s (masked head)": ("d3s", D3S_OVERRIDES | MASKED_HEAD | {"pack_micro_batches": False}, "kept"),
 }
 # device -> (random model, label, prompt tokens, geometries: prompts x G rollouts, completion tokens). CUDA:
 # the H100 figures' geometries (../shared/docs/gpu-device-notes.md); CPU: short prompts, as the LM head
@@ -107,22 +114,48 @@ def make_trainer(
     return trainer
 
 
-def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
-    """Backward of the step's loss, micro-batch by micro-batch (``split``: as TRL's ``_prepare_inputs`` splits
-    step's batch, without its shuffle, which timing does not depend on) or in one pass."""
+def micro_batches(trainer: Any, batch: dict, split: bool = True) -> list[dict]:
+    """The micro-batches the update runs, with a forward and a backward each: TRL's split of the step's batch
+    into ``steps_per_generation`` parts (``split``; as ``_prepare_inputs`` splits it, without its shuffle,
+    which timing does not depend on), packed as the trainer packs them (``trainer.packs_micro_batches``, its
+    empty slots left out: no forward, no backward), or the whole batch in one pass."""
     from trl.trainer.utils import split_tensor_dict
+
+    from d3s.packing import is_empty, pack_generation_batch
+
+    if not split:
+        return [batch]
+    parts = split_tensor_dict(batch, trainer.args.steps_per_generation)
+    if trainer.packs_micro_batches:
+        args = trainer.args
+        parts = pack_generation_batch(
+            parts,
+            args.gradient_accumulation_steps,
+            args.per_device_train_batch_size,
+            trainer._unpacked_row_scale,
+        )
+    return [part for part in parts if not is_empty(part)]
+
+
+def accumulate_gradient(trainer: Any, batch: dict, split: bool = True) -> None:
+    """Backward of the step's loss, micro-batch by micro-batch (``micro_batches``); then the step's metrics
+    closed, as the training loop closes them after an optimizer step's last micro-batch."""
+    from d3s.packing import rows_of
 
     trainer.model.train()
     if "token_mask" not in batch and trainer.args.token_rule != "none":
         # chosen once per generation batch, before the update: the warm-up call adds it, timed calls reuse it
         batch["token_mask"] = token_mask(trainer, batch)
     tokens_before = trainer.update_tokens_total
-    for part in split_tensor_dict(batch, trainer.args.steps_per_generation) if split else [batch]:
+    parts = micro_batches(trainer, batch, split)
+    for part in parts:
         with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
             loss = trainer.compute_loss(trainer.model, part)
         trainer.accelerator.backward(loss)
-    # log-probs that reached the gradient
+    trainer._close_step_metrics()  # update_tokens_total grows here, once per optimizer step
+    # log-probs that reached the gradient, and the rows of each forward pass
     trainer.trained_tokens = trainer.update_tokens_total - tokens_before
+    trainer.micro_batch_rows = [rows_of(part) for part in parts]
 
 
 def token_mask(trainer: Any, batch: dict) -> torch.Tensor:
@@ -216,6 +249,7 @@ def measure(builders: dict, batches: dict, repeats: int, cuda: bool) -> dict[str
                 results[name]["samples_s"].append(time.perf_counter() - start)
         for name, trainer in trainers.items():
             results[name]["trained_tokens"] = trainer.trained_tokens
+            results[name]["micro_batch_rows"] = trainer.micro_batch_rows
             if cuda:
                 peak = torch.cuda.max_memory_allocated()
                 results[name]["peak_above_state_mib"] = (peak - before) / 2**20
@@ -255,13 +289,16 @@ def cpu_memory(
         return pool.submit(memory_worker, variant, model_dir, out, batch, micro_batch, rows).result()
 
 
-def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: Any, device: str) -> list[dict]:
-    """Time (and measure the memory of) every variant on one step's batch; one row per variant."""
-    micro_batch, cuda = args.micro_batch, device == "cuda"
+def run_geometry(
+    label: str, model: Path | Any, work: Path, full: dict, args: Any, device: str, micro_batch: int
+) -> list[dict]:
+    """Time (and measure the memory of) every variant on one step's batch in micro-batches of
+    ``micro_batch`` rows; one row per variant."""
+    cuda = device == "cuda"
     rows, width = int(full["advantages"].shape[0]), int(full["completion_mask"].shape[1])
     batches = {"all": full, "kept": kept_rows(full)}
     per_variant = {name: batches[VARIANTS[name][2]] for name in VARIANTS}
-    setup = (model, work / label, micro_batch, rows, device, args.weights, True, width)
+    setup = (model, work / f"{label}-mb{micro_batch}", micro_batch, rows, device, args.weights, True, width)
     builders = {name: functools.partial(make_trainer, name, *setup) for name in VARIANTS}
     results = measure(builders, per_variant, args.repeats, cuda)
     if not cuda and not args.skip_cpu_memory:
@@ -277,16 +314,18 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
         batch, measured = per_variant[name], results[name]
         median = statistics.median(measured["samples_s"])
         memory = measured.get(memory_key)
-        kept, micro_batches = int(batch["advantages"].shape[0]), rows // micro_batch
+        forward_rows = measured["micro_batch_rows"]  # what the update ran: one forward + backward each
         has_ratio = memory is not None and grpo_memory and not math.isnan(grpo_memory)
         out.append(
             {
                 "model": label,
                 "variant": name,
                 "device": device,
-                "rollouts": kept,
-                "micro_batches": micro_batches,
-                "micro_batch_rows": kept // micro_batches,
+                "micro_batch": micro_batch,
+                "rollouts": int(batch["advantages"].shape[0]),
+                "micro_batches": len(forward_rows),
+                "micro_batch_rows": max(forward_rows),
+                "forward_rows": forward_rows,
                 "completion_width": int(batch["completion_mask"].shape[1]),
                 "completion_tokens": int(batch["completion_mask"].sum()),
                 "trained_tokens": measured["trained_tokens"],
@@ -301,6 +340,130 @@ def run_geometry(label: str, model: Path | Any, work: Path, full: dict, args: An
             }
         )
     return out
+
+
+# ---- where a micro-batch's time goes: torch.profiler over one micro-batch's forward + backward -----------
+
+PROFILED = ("d3s", "d3s (packed)")  # D3S in TRL's micro-batches (N/G of the rows each), and packed
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+TOP_OPS = 15
+
+
+def _self_device_us(event: Any) -> float:
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+
+
+def profile_micro_batch(trainer: Any, batch: dict, trace: Path, cuda: bool) -> tuple[dict, list[dict]]:
+    """One micro-batch's forward + backward (the update's last one, which packing fills) under torch.profiler,
+    after a warm-up update; its Chrome trace written to ``trace``. Returns a summary (wall, CPU time in
+    operators, CUDA kernel time, kernel launches) and the top operators by self CUDA time (CPU: self CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from d3s.packing import rows_of
+
+    update(trainer, batch)  # warm-up: the token mask, the allocator's pool, the kernels' first calls
+    part = micro_batches(trainer, batch)[-1]
+    trainer.optimizer.zero_grad(set_to_none=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
+            loss = trainer.compute_loss(trainer.model, part)
+        trainer.accelerator.backward(loss)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    trainer._close_step_metrics()
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    averages = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    launches = [e for e in averages if e.key in LAUNCH_CALLS]
+    cpu_us = sum(e.self_cpu_time_total for e in averages)
+    kernel_us = sum(e.duration for e in kernels) if kernels else 0.0
+    summary = {
+        "rows": rows_of(part),
+        "tokens": int(part["prompt_mask"].shape[1] + part["completion_mask"].shape[1]),
+        "wall_s": wall,
+        "cpu_op_s": cpu_us / 1e6,
+        "cuda_kernel_s": kernel_us / 1e6,
+        "gpu_busy_fraction": kernel_us / 1e6 / wall if cuda else None,
+        "kernels": len(kernels),
+        "kernel_launches": sum(e.count for e in launches),
+        "launch_cpu_s": sum(e.self_cpu_time_total for e in launches) / 1e6,
+        "mean_kernel_us": kernel_us / len(kernels) if kernels else None,
+        "trace": trace.name,
+    }
+    by = _self_device_us if cuda else (lambda e: float(e.self_cpu_time_total))
+    top = [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self_cuda_s": _self_device_us(e) / 1e6,
+            "self_cpu_s": e.self_cpu_time_total / 1e6,
+            "cpu_total_s": e.cpu_time_total / 1e6,
+        }
+        for e in sorted(averages, key=by, reverse=True)[:TOP_OPS]
+    ]
+    return summary, top
+
+
+def profile_geometry(
+    label: str, model: Path | Any, work: Path, full: dict, args: Any, device: str, micro_batch: int
+) -> list[dict]:
+    """``profile_micro_batch`` for each variant of ``PROFILED`` (a fresh trainer each, freed before the next);
+    the traces go to ``args.out``. One summary row per variant, then its top operators."""
+    cuda = device == "cuda"
+    rows, width = int(full["advantages"].shape[0]), int(full["completion_mask"].shape[1])
+    kept = kept_rows(full)
+    out: list[dict] = []
+    for name in PROFILED:
+        trainer = make_trainer(
+            name,
+            model,
+            work / f"profile-mb{micro_batch}",
+            micro_batch,
+            rows,
+            device,
+            args.weights,
+            True,
+            width,
+        )
+        trace = args.out / f"update_cost_profile_{re.sub(r'[^a-z0-9]+', '_', name).strip('_')}.json.gz"
+        summary, top = profile_micro_batch(trainer, kept, trace, cuda)
+        common = {"model": label, "variant": name, "device": device, "micro_batch": micro_batch}
+        out.append(common | {"kind": "summary"} | summary)
+        out += [common | {"kind": "op", "rank": i + 1} | op for i, op in enumerate(top)]
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+PROFILE_COLUMNS = {
+    "update": "{variant}",
+    "micro-batch (rows x tokens)": "{rows} x {tokens}",
+    "wall": lambda r: fmt_seconds(r["wall_s"]),
+    "CPU time in ops": lambda r: fmt_seconds(r["cpu_op_s"]),
+    "CUDA kernel time": lambda r: fmt_seconds(r["cuda_kernel_s"]) if r["kernels"] else "n/a",
+    "GPU busy": lambda r: "n/a" if r["gpu_busy_fraction"] is None else f"{r['gpu_busy_fraction']:.0%}",
+    "kernels (launches)": "{kernels} ({kernel_launches})",
+    "launch CPU time": lambda r: fmt_seconds(r["launch_cpu_s"]),
+    "trace": "{trace}",
+}
+PROFILE_OP_COLUMNS = {
+    "update": "{variant}",
+    "#": "{rank}",
+    "operator": lambda r: r["op"][:70].replace("|", "/"),
+    "calls": "{calls}",
+    "self CUDA": lambda r: fmt_seconds(r["self_cuda_s"]),
+    "self CPU": lambda r: fmt_seconds(r["self_cpu_s"]),
+    "CPU total": lambda r: fmt_seconds(r["cpu_total_s"]),
+}
 
 
 # Forward FLOPs of one token at position t in Qwen2.5-Math-1.5B: 2 x (non-embedding parameters + the LM head)
@@ -432,13 +595,16 @@ def token_entropies(trainer: Any, full: dict) -> torch.Tensor:
 
 
 def _geometries(text: str) -> list[tuple[int, int]]:
-    """``PROMPTSxTOKENS,...`` (e.g. 1x1024,4x3072) as (prompts, tokens) pairs."""
+    """``PROMPTSxTOKENS,...`` (e.g. 1x1024,4x3072) as (prompts, tokens) pairs; ``none``: no random run."""
+    if text == "none":
+        return []
     return [(int(p), int(t)) for p, t in (item.split("x") for item in text.split(","))]
 
 
 UPDATE_COLUMNS = {
     "model": "{model}",
     "update": "{variant}",
+    "micro-batch": "{micro_batch}",
     "rollouts (micro-batches x rows)": "{rollouts} ({micro_batches} x {micro_batch_rows})",
     "tokens (trained)": "{completion_tokens} ({trained_tokens})",
     "median time": lambda r: fmt_seconds(r["median_s"]),
@@ -460,13 +626,38 @@ TRUNCATION_COLUMNS = {
 }
 
 
+def _ints(text: str) -> list[int]:
+    """``8`` or ``32,8``: micro-batches (rows)."""
+    return [int(item) for item in text.split(",")]
+
+
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the 1.5B model")
     parser.add_argument("--repeats", type=int, default=None, help="timed updates per variant (3; quick 2)")
     parser.add_argument("--prompts", type=int, help="tiny model: prompts per step (8; quick 2)")
     parser.add_argument("--geometries", type=_geometries, help="PROMPTSxTOKENS,... of the random-token runs")
-    parser.add_argument("--micro-batch", type=int, help="per_device_train_batch_size (cuda 32, cpu 8)")
+    parser.add_argument(
+        "--micro-batch",
+        type=_ints,
+        help="per_device_train_batch_size(s) of the random-token runs (cuda 32, cpu 8)",
+    )
+    parser.add_argument(
+        "--tiny-micro-batch",
+        type=_ints,
+        help="per_device_train_batch_size(s) of the tiny model (4,8; quick 4)",
+    )
+    parser.add_argument(
+        "--no-tiny", action="store_true", help="skip the tiny model (its rows and truncation rows)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler trace and summary of one D3S micro-batch, unpacked and packed, at the first "
+        "random geometry (the tiny model without one) and its smallest micro-batch (update_cost_profile.*)",
+    )
+    parser.add_argument("--note", action="append", default=[], help="a note for the table (repeatable)")
+    parser.add_argument("--name", default="update_cost", help="the result files' name (<name>.json, .md)")
     parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
     args = parse_args(parser, sft_steps=20)
@@ -476,23 +667,39 @@ def main() -> None:
     # options left unset take the defaults of the mode (quick, CPU or CUDA)
     args.repeats = args.repeats or (2 if args.quick else 3)
     prompts = args.prompts = args.prompts or (2 if args.quick else 8)
-    micro_batch = args.micro_batch = args.micro_batch or (32 if cuda else 8)
+    args.micro_batch = args.micro_batch or [32 if cuda else 8]
+    args.tiny_micro_batch = args.tiny_micro_batch or ([4] if args.quick else [4, 8])
     dims, dims_label, prompt_len, default_geometries = RANDOM_MODELS[args.device]
-    geometries = args.geometries or ([] if args.quick else default_geometries)
+    geometries = default_geometries if args.geometries is None and not args.quick else args.geometries or []
     rows: list[dict] = []
+    truncation: list[dict] = []
+    profiled: list[dict] = []
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        tiny = prepare_tiny_model(work / "tiny", sft_steps=args.sft_steps)
-        full, generator = generated_batch(tiny, work, prompts)
-        entropies = token_entropies(generator, full)
-        scored = full | {"entropies": entropies, "prompt_lengths": full["prompt_mask"].sum(1)}
-        source = f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)"
-        truncation = truncation_rows(source, scored, micro_batch, full["advantages"].shape[0])
-        del generator, scored, entropies
-        rows += run_geometry("tiny (generated batch)", tiny, work, full, args, "cpu")
-        print("tiny: done", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(tiny)
-        for n_prompts, tokens in geometries:
+        if args.no_tiny:
+            from d3s.tiny_model import build_tokenizer
+
+            tokenizer = build_tokenizer()
+        else:
+            tiny = prepare_tiny_model(work / "tiny", sft_steps=args.sft_steps)
+            full, generator = generated_batch(tiny, work, prompts)
+            entropies = token_entropies(generator, full)
+            scored = full | {"entropies": entropies, "prompt_lengths": full["prompt_mask"].sum(1)}
+            source = f"tiny model's own rollouts ({prompts} x 32, completions <= 64 tokens, real entropies)"
+            rows_per_step = full["advantages"].shape[0]
+            truncation = truncation_rows(source, scored, max(args.tiny_micro_batch), rows_per_step)
+            del generator, scored, entropies
+            for micro_batch in args.tiny_micro_batch:
+                rows += run_geometry("tiny (generated batch)", tiny, work, full, args, "cpu", micro_batch)
+                print(f"tiny, micro-batch {micro_batch}: done", flush=True)
+            if args.profile and not geometries:
+                tiny_batch = min(args.tiny_micro_batch)
+                profiled = profile_geometry(
+                    "tiny (generated batch)", tiny, work, full, args, "cpu", tiny_batch
+                )
+            tokenizer = AutoTokenizer.from_pretrained(tiny)
+        for index, (n_prompts, tokens) in enumerate(geometries):
             model: Path | Any = qwen_model(dims, tokenizer, args.device)
             if not cuda:  # the CPU memory worker loads it from disk (make_trainer casts bf16 weights)
                 model.save_pretrained(work / "qwen_small")
@@ -500,10 +707,25 @@ def main() -> None:
                 model = work / "qwen_small"
             batch = random_batch(n_prompts, tokens, dims["vocab_size"], args.device, prompt_len)
             label = f"{dims_label}, {n_prompts} x 32, {tokens} tokens"
-            found = run_geometry(label, model, work, batch, args, args.device)
-            rows += [r | {"prompts": n_prompts, "tokens": tokens} for r in found]
-            print(f"{n_prompts} x 32, {tokens} tokens: done", flush=True)
-            del model
+            for micro_batch in args.micro_batch:
+                try:
+                    found = run_geometry(label, model, work, batch, args, args.device, micro_batch)
+                except torch.cuda.OutOfMemoryError:  # the longest geometries may not fit: say so, go on
+                    failed.append(f"{n_prompts}x{tokens} at micro-batch {micro_batch}: CUDA out of memory")
+                    print(failed[-1], flush=True)
+                    found = []
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+                rows += [r | {"prompts": n_prompts, "tokens": tokens} for r in found]
+                print(f"{n_prompts} x 32, {tokens} tokens, micro-batch {micro_batch}: done", flush=True)
+            if args.profile and index == 0:
+                micro_batch = min(args.micro_batch)
+                profiled = profile_geometry(label, model, work, batch, args, args.device, micro_batch)
+            del model, batch
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     modelled_prompts, modelled_tokens = (2, 600) if args.quick else (8, 3000)
     for scenario in ENTROPY_MODELS:
         modelled = modelled_rollouts(scenario, modelled_prompts, modelled_tokens)
@@ -512,13 +734,25 @@ def main() -> None:
 
     device_text = "CUDA" if cuda else "CPU"
     device_name = f": {torch.cuda.get_device_name()}." if cuda else " (no GPU): CPU figures, not GPU figures."
-    ratios = ", ".join(f"{r['time_ratio_vs_grpo']:.3f}" for r in rows if r["variant"] == "d3s")
+    ratios = "; ".join(
+        f"{label}, micro-batch {micro_batch}: "
+        + ", ".join(
+            f"{r['variant']} {r['time_ratio_vs_grpo']:.3f}"
+            for r in rows
+            if (r["model"], r["micro_batch"]) == (label, micro_batch) and r["variant"] != "grpo"
+        )
+        for label, micro_batch in dict.fromkeys((r["model"], r["micro_batch"]) for r in rows)
+    )
     notes = [
         f"Measured on the {device_text}{device_name}",
-        "One update = the step's batch in micro-batches of per_device_train_batch_size rows for GRPO (D3S: "
-        "the same number of micro-batches, N/G of the rows) with gradient checkpointing, compute_loss + "
-        "backward per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a "
-        "warm-up update.",
+        f"Run: perf/update_cost.py {' '.join(sys.argv[1:])}".rstrip(),
+        "One update = the step's batch in micro-batches with gradient checkpointing, compute_loss + backward "
+        "per micro-batch, gradient clipping, one AdamW step; median of the timed updates after a warm-up "
+        "update. Column 'micro-batch': per_device_train_batch_size, the micro-batch of that row's figure. "
+        "GRPO: the step's rows in micro-batches of that many rows. d3s and d3s (masked head): TRL's "
+        "micro-batches (pack_micro_batches false), as many as GRPO's with N/G of the rows each. "
+        "d3s (packed): pack_micro_batches true, the step's kept rows in ceil(rows / micro-batch) "
+        "micro-batches (d3s/packing.py). Column 'rollouts': the micro-batches and rows the update ran.",
         "Peak memory: "
         + (
             "torch.cuda.max_memory_allocated during one update, above the allocation before it (weights, "
@@ -527,8 +761,10 @@ def main() -> None:
             else "growth of the resident set's high-water mark (VmHWM, /proc) during one update after a "
             "warm-up update, in a fresh process per variant; allocator reuse makes small values coarse."
         ),
-        f"D3S / GRPO update time: {ratios} (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}).",
+        f"D3S / GRPO update time (kept rollouts {KEEP}/{G} = {KEEP / G:.2f}), per model and micro-batch: "
+        f"{ratios}.",
     ]
+    notes += failed + args.note
     settings = dict(
         num_generations=G,
         keep_per_prompt=KEEP,
@@ -538,9 +774,31 @@ def main() -> None:
         gradient_checkpointing=True,
     )
     title = f"Update cost: GRPO vs D3S ({device_text})"
-    write_results(
-        "update_cost", args, rows, markdown_table(rows, UPDATE_COLUMNS), notes, title=title, **settings
-    )
+    write_results(args.name, args, rows, markdown_table(rows, UPDATE_COLUMNS), notes, title=title, **settings)
+    if profiled:
+        summaries = [r for r in profiled if r["kind"] == "summary"]
+        markdown = (
+            markdown_table(summaries, PROFILE_COLUMNS)
+            + "\n\nTop operators by self "
+            + ("CUDA" if cuda else "CPU")
+            + " time:\n\n"
+            + markdown_table([r for r in profiled if r["kind"] == "op"], PROFILE_OP_COLUMNS)
+        )
+        first = summaries[0]
+        notes = [
+            f"Measured on the {device_text}{device_name}",
+            "One micro-batch's compute_loss + backward (gradient checkpointing, autocast) of "
+            f"{first['model']} at micro-batch {first['micro_batch']}, the update's last micro-batch, after a "
+            "warm-up update, "
+            "under torch.profiler (" + ("CPU and CUDA activities" if cuda else "CPU activity only") + "); "
+            "the profiler's own overhead is in the wall time. 'CPU time in ops': self CPU time summed over "
+            "operators (the host's work, the launch calls included); 'CUDA kernel time': the kernels' "
+            "durations summed; 'GPU busy': that over the wall time (low: the micro-batch is bound by the "
+            "host, a fixed cost a larger micro-batch shares). Traces: Chrome trace format (chrome://tracing, "
+            "Perfetto).",
+        ]
+        title = f"Update cost: where one D3S micro-batch's time goes ({device_text})"
+        write_results(f"{args.name}_profile", args, profiled, markdown, notes, title=title, **settings)
     modelled = [r for r in truncation if r["source"].startswith("MODEL")]
     bound = max(
         max(r["flop_fraction_after_last_selected"], r["padded_micro_batch_fraction"]) for r in modelled
@@ -567,7 +825,7 @@ def main() -> None:
     title = "Token level: what stopping each kept rollout at its last selected token saves"
     markdown = markdown_table(truncation, TRUNCATION_COLUMNS)
     settings = {"schedule_points": SCHEDULE_POINTS} | settings
-    write_results("update_cost_truncation", args, truncation, markdown, notes, title=title, **settings)
+    write_results(f"{args.name}_truncation", args, truncation, markdown, notes, title=title, **settings)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@
 #            (results/ and .snakemake/ stay on a warm machine). With smoke, tests and trainer run beside the
 #            workflow (16 cores: the workflow's jobs take 4, pytest 4 and 2), not before it.
 #   bench    perf/update_cost.py --device cuda --quick --skip-cpu-memory --micro-batch 8, the CUDA rows of
-#            BENCH_GEOMETRIES (default 1x1024,4x1024; only 1x1024 when under BENCH_BOTH seconds are left)
+#            BENCH_GEOMETRIES (default 1x1024,4x1024; only 1x1024 when under BENCH_BOTH seconds are left);
+#            its rows include D3S packed (pack_micro_batches true) beside D3S in TRL's micro-batches
+#   update-cost  scripts/device_update_cost.sh with what is left of SECONDS (it wants about 400): GRPO vs D3S
+#            unpacked vs packed at micro-batches 32 and 8, 1,024 and 1,536 tokens (3,000 with time to spare),
+#            and a torch.profiler trace of one D3S micro-batch; its files under $OUT/update-cost
 # SECONDS: the wall time this call may use. Every step is cut (timeout) so that the call ends inside it, with
 # RESERVE seconds (default 20) left to pack; with bench, smoke leaves BENCH_NEED seconds (default 100) for it.
 # Writes under $OUT (default ./gpu-checks-out): log-<steps>.txt (everything printed) and results-<steps>.tgz
@@ -156,6 +160,11 @@ main() {
             stamp "bench exit $?"
         fi
         pack
+    fi
+    if has update-cost; then
+        stamp "scripts/device_update_cost.sh ($(left)s)"
+        OUT=$OUT RESERVE=5 bash "$(dirname "$0")/device_update_cost.sh" "$(left)"
+        stamp "update-cost exit $?"
     fi
     ls -la "$OUT"
     stamp "done"

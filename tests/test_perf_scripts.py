@@ -171,7 +171,7 @@ def _assert_same_gradients(left: dict, right: dict) -> None:
 def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cost, tmp_path: Path) -> None:
     """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S
     (kept-token head, checkpointed) has the gradient of the masked head without checkpointing on the same
-    micro-batches."""
+    micro-batches, and D3S packed the same gradient in one forward pass."""
     from helpers import save_tiny
     from trl.trainer.utils import split_tensor_dict
 
@@ -224,6 +224,17 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     assert masked.trained_tokens == d3s.trained_tokens
     _assert_same_gradients(_gradients(d3s), _gradients(masked))
 
+    # packed (issue 48): the 8 kept rows in ceil(8 / 8) = 1 forward pass with gradient, not 4 of 2 rows, and
+    # the gradient of TRL's micro-batches (each row keeps its unpacked micro-batch's normaliser)
+    assert not d3s.packs_micro_batches and d3s.micro_batch_rows == [2, 2, 2, 2]
+    layer_calls.clear()
+    packed = trainer("d3s (packed)", checkpointing=True)
+    assert packed.packs_micro_batches and packed.kept_token_head
+    update_cost.accumulate_gradient(packed, kept)
+    assert packed.micro_batch_rows == [8] and layer_calls == ["d3s (packed)"] * 2  # forward + recompute
+    assert packed.trained_tokens == d3s.trained_tokens
+    _assert_same_gradients(_gradients(d3s), _gradients(packed))
+
 
 # cuda: `perf/update_cost.py --device cuda` once failed here (GPU rollouts, CPU positions)
 @pytest.mark.parametrize(
@@ -267,12 +278,16 @@ def test_update_cost_quick_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     record = json.loads((tmp_path / "update_cost.json").read_text())
     assert record["settings"]["gradient_checkpointing"] is True and record["settings"]["device"] == "cpu"
     rows = {row["variant"]: row for row in record["rows"]}
-    assert set(rows) == {"grpo", "d3s", "d3s (masked head)"}
-    grpo, d3s = rows["grpo"], rows["d3s"]
+    assert set(rows) == {"grpo", "d3s", "d3s (packed)", "d3s (masked head)"}
+    assert {row["micro_batch"] for row in record["rows"]} == {4}  # --quick: the small micro-batch
+    grpo, d3s, packed = rows["grpo"], rows["d3s"], rows["d3s (packed)"]
     assert grpo["micro_batches"] == d3s["micro_batches"] > 1  # D3S: the same micro-batches, N/G of the rows
     assert d3s["rollouts"] * 4 == grpo["rollouts"] and d3s["micro_batch_rows"] * 4 == grpo["micro_batch_rows"]
+    # packed: ceil(kept / micro-batch) full micro-batches (2 prompts x 8 kept = 16 rows, 4 of 4)
+    assert packed["rollouts"] == d3s["rollouts"] and packed["forward_rows"] == [4, 4, 4, 4]
+    assert packed["micro_batches"] * 4 == d3s["micro_batches"] and packed["micro_batch_rows"] == 4
     assert grpo["trained_tokens"] == grpo["completion_tokens"]
-    assert 0 < d3s["trained_tokens"] < d3s["completion_tokens"]
+    assert 0 < d3s["trained_tokens"] == packed["trained_tokens"] < d3s["completion_tokens"]
     assert all(row["median_s"] > 0 for row in record["rows"])
     assert "CPU" in (tmp_path / "update_cost.md").read_text()
     truncation = json.loads((tmp_path / "update_cost_truncation.json").read_text())
@@ -282,3 +297,96 @@ def test_update_cost_quick_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         for key in ("token_fraction_after_last_selected", "flop_fraction_after_last_selected"):
             assert 0.0 <= row[key] < 1.0
     assert "Decision:" in truncation["notes"][-1]
+
+
+def test_update_cost_profile_of_one_micro_batch(update_cost, tmp_path: Path) -> None:
+    """--profile's path on the CPU (ProfilerActivity.CPU): one micro-batch of D3S unpacked (2 rows) and packed
+    (8 rows), a summary row each, their top operators, and a Chrome trace each."""
+    import argparse
+    import gzip
+
+    from helpers import save_tiny
+
+    model_dir = save_tiny(tmp_path / "model", seed=3)
+    batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
+    args = argparse.Namespace(out=tmp_path / "out", weights="fp32")
+    rows = update_cost.profile_geometry("tiny", model_dir, tmp_path, batch, args, "cpu", micro_batch=8)
+    summaries = {row["variant"]: row for row in rows if row["kind"] == "summary"}
+    assert set(summaries) == set(update_cost.PROFILED) == {"d3s", "d3s (packed)"}
+    assert summaries["d3s"]["rows"] == 2 and summaries["d3s (packed)"]["rows"] == 8
+    for name, summary in summaries.items():
+        assert summary["tokens"] == 6 + 12 and summary["wall_s"] > 0 and summary["cpu_op_s"] > 0
+        assert summary["kernels"] == summary["kernel_launches"] == 0 and summary["gpu_busy_fraction"] is None
+        ops = [row for row in rows if row["kind"] == "op" and row["variant"] == name]
+        assert len(ops) == update_cost.TOP_OPS and all(op["calls"] > 0 for op in ops)
+        trace = json.loads(gzip.decompress((args.out / summary["trace"]).read_bytes()))
+        assert trace["traceEvents"]
+    table = update_cost.markdown_table(list(summaries.values()), update_cost.PROFILE_COLUMNS)
+    assert "| d3s (packed) | 8 x 18 |" in table
+
+
+DEVICE_SCRIPT = REPO_ROOT / "scripts" / "device_update_cost.sh"
+
+
+def _run_device_script(tmp_path: Path, fake: bool, **env: str) -> tuple[str, Path]:
+    import os
+    import subprocess
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "out"
+    python = f"env PYTHONPATH={REPO_ROOT} {sys.executable}"
+    if fake:  # records its arguments and writes the table perf/update_cost.py would write
+        script = tmp_path / "fake.py"
+        script.write_text(
+            "import pathlib, sys\n"
+            "args = sys.argv[1:]\n"
+            "out = pathlib.Path(args[args.index('--out') + 1])\n"
+            "(out / 'update_cost.md').write_text('| a | b |\\n|---|---|\\n| ' + ' '.join(args) + ' |\\n')\n"
+        )
+        python = f"{sys.executable} {script}"
+    result = subprocess.run(
+        ["bash", str(DEVICE_SCRIPT), "600"],
+        cwd=REPO_ROOT,
+        env=os.environ | {"DRY": "1", "OUT": str(out), "PY": python} | env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, out / "update-cost"
+
+
+def test_device_update_cost_script_arguments(tmp_path: Path) -> None:
+    """scripts/device_update_cost.sh parses (bash -n, and gpu_checks.sh that calls it), runs its three
+    perf/update_cost.py runs with their arguments into their folders, and skips the 3,000-token run without
+    the time it needs; DRY=1 runs on the CPU, here with a stand-in for the Python."""
+    import subprocess
+
+    for script in (DEVICE_SCRIPT, REPO_ROOT / "scripts" / "gpu_checks.sh"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    log, dest = _run_device_script(tmp_path, fake=True)
+    assert {path.name for path in dest.iterdir() if path.is_dir()} == {"t1024", "t1536", "t3000"}
+    first = (dest / "t1024" / "update_cost.md").read_text()
+    assert "--device cpu" in first and "--profile" in first and "--tiny-micro-batch 8,4" in first
+    assert "--profile" not in (dest / "t1536" / "update_cost.md").read_text()
+    assert "--out" in (dest / "summary.md").read_text() and "=== " in log and "done" in log
+    log, dest = _run_device_script(tmp_path / "short", fake=True, LONG_NEED="100000")
+    assert "t3000: skipped" in log and not (dest / "t3000").exists()
+
+
+@pytest.mark.slow
+def test_device_update_cost_script_dry_run(tmp_path: Path) -> None:
+    """The device script's dry run with the real perf/update_cost.py on the CPU: every run writes its tables,
+    the profile its summary and traces."""
+    _, dest = _run_device_script(tmp_path, fake=False)
+    for run in ("t1024", "t1536", "t3000"):
+        record = json.loads((dest / run / "update_cost.json").read_text())
+        assert {row["micro_batch"] for row in record["rows"]} == {4, 8}
+        assert {row["variant"] for row in record["rows"]} == VARIANT_NAMES
+    profile = json.loads((dest / "t1024" / "update_cost_profile.json").read_text())
+    assert {row["variant"] for row in profile["rows"]} == {"d3s", "d3s (packed)"}
+    assert len(list((dest / "t1024").glob("update_cost_profile_*.json.gz"))) == 2
+    assert "update_cost_profile" not in {path.stem for path in (dest / "t1536").iterdir()}
+
+
+VARIANT_NAMES = {"grpo", "d3s", "d3s (packed)", "d3s (masked head)"}
