@@ -255,10 +255,16 @@ def test_zeroed_rollouts_take_no_slot_and_leave_the_denominators(tmp_path, tiny_
     if args.loss_type == "dapo":
         assert int(selected["num_items_in_batch"]) == counted
 
-    # -- the loss TRL computed on each micro-batch: weights r_i, the denominators above -------------------
-    # step 0 is on-policy (pi / pi_old = 1), so each row's term is -r_i A_i per trained token
+    # -- the loss of each of TRL's micro-batches: weights r_i, the denominators above -----------------------
+    # step 0 is on-policy (pi / pi_old = 1), so each row's term is -r_i A_i per trained token. Packing (on)
+    # ran TRL's micro-batches of the step as one, their rows in order, after an empty slot: its loss is the
+    # sum of theirs, each with its own denominator
     assert len(record["loss_calls"]) == args.gradient_accumulation_steps
-    for inputs, loss in record["loss_calls"]:
+    calls = [(inputs, loss) for inputs, loss in record["loss_calls"] if "completion_ids" in inputs]
+    assert len(calls) == 1 and trainer.packs_micro_batches
+    micro_rows = sum(len(inputs["advantages"]) for inputs, _ in calls) // args.gradient_accumulation_steps
+
+    def expected_loss(inputs: dict) -> torch.Tensor:
         r = inputs["importance_sampling_ratio"].squeeze(1).double()
         a = inputs["advantages"].double()
         trained = inputs["completion_mask"].double()
@@ -266,11 +272,21 @@ def test_zeroed_rollouts_take_no_slot_and_leave_the_denominators(tmp_path, tiny_
             trained = trained * inputs["token_mask"]
         rows_live = r != 0
         if args.loss_type == "dapo":
-            expected = -(r * a * trained.sum(1)).sum() / counted
-        else:  # grpo: a mean over the micro-batch's rows, the zeroed ones left out under "excluded"
-            rows = int(rows_live.sum()) if excluded else r.numel()
-            expected = -(r * a).sum() / max(rows, 1) / args.gradient_accumulation_steps
-        assert loss == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+            return -(r * a * trained.sum(1)).sum() / counted
+        # grpo: a mean over the micro-batch's rows, the zeroed ones left out under "excluded"
+        rows = int(rows_live.sum()) if excluded else r.numel()
+        return -(r * a).sum() / max(rows, 1) / args.gradient_accumulation_steps
+
+    for inputs, loss in calls:
+        parts = [
+            {
+                k: v[start : start + micro_rows]
+                for k, v in inputs.items()
+                if isinstance(v, torch.Tensor) and v.dim()
+            }
+            for start in range(0, len(inputs["advantages"]), micro_rows)
+        ]
+        assert loss == pytest.approx(sum(expected_loss(part) for part in parts).item(), rel=1e-4, abs=1e-6)
 
     logged = trainer.state.log_history[0]
     if excluded:
