@@ -11,6 +11,7 @@ the truncation table (``update_cost_truncation.*``): perf/README.md.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import math
@@ -631,7 +632,8 @@ def _ints(text: str) -> list[int]:
     return [int(item) for item in text.split(",")]
 
 
-def main() -> None:
+def command_line() -> argparse.ArgumentParser:
+    """The options (scripts/device_update_cost.sh passes them; tests/test_perf_scripts.py parses them)."""
     parser = base_parser(__doc__)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the 1.5B model")
     parser.add_argument("--repeats", type=int, default=None, help="timed updates per variant (3; quick 2)")
@@ -660,7 +662,11 @@ def main() -> None:
     parser.add_argument("--name", default="update_cost", help="the result files' name (<name>.json, .md)")
     parser.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="cuda: master weights")
     parser.add_argument("--skip-cpu-memory", action="store_true", help="no fresh-process RSS measurement")
-    args = parse_args(parser, sft_steps=20)
+    return parser
+
+
+def main() -> None:
+    args = parse_args(command_line(), sft_steps=20)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU is visible; run on a GPU node or drop --device cuda")

@@ -18,8 +18,8 @@
 # packed (1 prompt would be one micro-batch either way).
 # About 6 minutes on an H100 without t3000 (model builds, 3 timed updates per variant after a warm-up).
 # Environment: REPEATS (default 3) timed updates per variant; DRY=1 runs the same steps on the CPU with a tiny
-# geometry (the test suite's check of this script: arguments, files, the profiler's summary); PY (default
-# python3); RESERVE (default 15) seconds kept to pack.
+# geometry (2-3 minutes: a check by hand; tests/test_perf_scripts.py runs this script with a stand-in Python
+# and parses every run's arguments); PY (default python3); RESERVE (default 15) seconds kept to pack.
 set -u
 set -o pipefail
 BUDGET=${1:-480}

@@ -7,6 +7,7 @@ The scripts run in this process (``runpy``, as ``python perf/<name>.py`` would r
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -335,7 +336,7 @@ def _run_device_script(tmp_path: Path, fake: bool, **env: str) -> tuple[str, Pat
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     python = f"env PYTHONPATH={REPO_ROOT} {sys.executable}"
-    if fake:  # records its arguments and writes the table perf/update_cost.py would write
+    if fake:  # records its arguments (test_device_update_cost_arguments_parse parses them) in a table
         script = tmp_path / "fake.py"
         script.write_text(
             "import pathlib, sys\n"
@@ -374,19 +375,26 @@ def test_device_update_cost_script_arguments(tmp_path: Path) -> None:
     assert "t3000: skipped" in log and not (dest / "t3000").exists()
 
 
-@pytest.mark.slow
-def test_device_update_cost_script_dry_run(tmp_path: Path) -> None:
-    """The device script's dry run with the real perf/update_cost.py on the CPU: every run writes its tables,
-    the profile its summary and traces."""
-    _, dest = _run_device_script(tmp_path, fake=False)
-    for run in ("t1024", "t1536", "t3000"):
-        record = json.loads((dest / run / "update_cost.json").read_text())
-        assert {row["micro_batch"] for row in record["rows"]} == {4, 8}
-        assert {row["variant"] for row in record["rows"]} == VARIANT_NAMES
-    profile = json.loads((dest / "t1024" / "update_cost_profile.json").read_text())
-    assert {row["variant"] for row in profile["rows"]} == {"d3s", "d3s (packed)"}
-    assert len(list((dest / "t1024").glob("update_cost_profile_*.json.gz"))) == 2
-    assert "update_cost_profile" not in {path.stem for path in (dest / "t1536").iterdir()}
+@pytest.mark.parametrize("mode", ["DRY", "GPU"])
+def test_device_update_cost_arguments_parse(update_cost, mode: str) -> None:
+    """The arguments of scripts/device_update_cost.sh's runs (COMMON, MB_ARGS and GEOMETRY of its dry run on
+    the CPU and of its GPU runs) parse with perf/update_cost.py's parser."""
+    text = DEVICE_SCRIPT.read_text()
+    block = text.split("if [[ -n $DRY ]]; then")[1].split("\nfi\n")[0].split("\nelse\n")[mode == "GPU"]
+
+    def array(name: str) -> list[str]:  # the words of the bash array NAME=(...)
+        return re.search(rf"{name}=\(([^)]*)\)", block)[1].replace('"${REPEATS:-3}"', "3").split()
+
+    common, micro, geometries = array("COMMON"), array("MB_ARGS"), array("GEOMETRY")
+    assert len(geometries) == 3
+    for geometry in geometries:
+        args = update_cost.command_line().parse_args(
+            [*common, *micro, "--geometries", geometry, "--profile", "--out", "x"]
+        )
+        assert args.device == ("cuda" if mode == "GPU" else "cpu")
+        if mode == "GPU":
+            assert args.micro_batch == [32, 8] and args.repeats == 3 and args.no_tiny
+            assert geometries == ["4x1024", "4x1536", "4x3000"]
 
 
 VARIANT_NAMES = {"grpo", "d3s", "d3s (packed)", "d3s (masked head)"}
