@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -163,13 +164,27 @@ def write_cache(cache: Mapping[str, Any], path: Path = CACHE_PATH) -> None:
 # ---- plans ------------------------------------------------------------------------------------------------
 
 
-def kept_rows(method: str, trainer: Mapping[str, Any]) -> int:
-    """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N)."""
+def kept_rows(method: str, trainer: Mapping[str, Any], deepspeed: bool = False) -> int:
+    """Rows of the largest micro-batch of the update: a selection method's kept rows (at its largest N), of
+    TRL's micro-batch, or of a packed one (d3s/packing.py: the kept rows of an optimizer step's
+    gradient_accumulation_steps micro-batches in ceil(rows / per_device_train_batch_size) near-equal ones)."""
     micro = int(trainer.get("per_device_train_batch_size", 8))
     generations = int(trainer.get("num_generations", 8))
     # the registry's N is G for a method that keeps every rollout (sample_rule none)
     keep = trainer.get("keep_per_prompt") or max(get_method(method).keep_per_prompt(generations))
-    return max(1, int(keep) * micro // generations)
+    rows = max(1, int(keep) * micro // generations)
+    accumulation = int(trainer.get("gradient_accumulation_steps", 1))
+    steps_per_generation = trainer.get("steps_per_generation")
+    packs = (
+        trainer.get("pack_micro_batches") is not False
+        and trainer.get("token_scope", get_method(method).token_scope) != "micro_batch"
+        and not deepspeed  # packing is off under DeepSpeed (docs/fidelity.md)
+        and (steps_per_generation is None or int(steps_per_generation) % accumulation == 0)
+    )
+    if not packs or accumulation == 1:
+        return rows
+    window = rows * accumulation
+    return math.ceil(window / math.ceil(window / micro))
 
 
 def plan_training(
@@ -187,7 +202,7 @@ def plan_training(
     trainer = method_trainer(config["train"], method)
     stage, offload = launch.zero_stage()
     processes = launch.processes  # the vLLM server's GPUs (server mode) train nothing
-    rows = kept_rows(method, trainer)
+    rows = kept_rows(method, trainer, deepspeed=stage > 0)
     completion = int(trainer.get("max_completion_length", 512))
     prompt = int(settings["prompt_tokens"])
     kl = float(trainer.get("beta", 0.0)) != 0.0

@@ -151,14 +151,21 @@ def instrument(trainer: Any, recorder: StepRecorder) -> Iterator[None]:
     compute_loss = _wrap(recorder, trainer.compute_loss, "compute_loss_s", "loss")
 
     def compute_loss_counting(model, inputs, *args, **kwargs):
-        tokens_before = trainer.update_tokens_total  # the trainer's count of tokens that reached the gradient
         loss = compute_loss(model, inputs, *args, **kwargs)
-        recorder.now["completion_tokens_in_update"] += inputs["completion_mask"].sum().item()
-        recorder.now["update_rows"] += inputs["completion_mask"].shape[0]
-        recorder.now["backprop_tokens"] += trainer.update_tokens_total - tokens_before
+        if "completion_mask" in inputs:  # not a micro-batch packing emptied (d3s/packing.py)
+            recorder.now["completion_tokens_in_update"] += inputs["completion_mask"].sum().item()
+            recorder.now["update_rows"] += inputs["completion_mask"].shape[0]
         return loss
 
+    close_step = trainer._close_step_metrics
+
+    def close_step_counting():  # the trainer counts the tokens that reached the gradient once per step
+        tokens_before = trainer.update_tokens_total
+        close_step()
+        recorder.now["backprop_tokens"] += trainer.update_tokens_total - tokens_before
+
     restore.enter_context(mock.patch.object(trainer, "compute_loss", compute_loss_counting))
+    restore.enter_context(mock.patch.object(trainer, "_close_step_metrics", close_step_counting))
     hooks = _count_forward(recorder, trainer.model, "policy")
     if trainer.ref_model is not None:  # beta > 0
         hooks += _count_forward(recorder, trainer.ref_model, "ref")

@@ -165,3 +165,19 @@ def test_server_mode_plans_the_gpus_the_vllm_server_leaves() -> None:
     del config["train"]["launch"]["vllm_server"]
     trainer["vllm_server_base_url"] = "http://elsewhere:8000"
     assert "8 x ZeRO-2" in _plan(config).jobs[0].job
+
+
+def test_the_planned_micro_batch_is_the_packed_one_where_training_packs() -> None:
+    """d3s at N = 2 of 8 in TRL's micro-batches of 8, accumulation 4: 2 kept rows each, packed into one of
+    8 rows (d3s/packing.py), which the plan must trace; DeepSpeed and pack_micro_batches: false keep TRL's."""
+    from d3s.memory_plan import kept_rows
+
+    trainer = {"per_device_train_batch_size": 8, "num_generations": 8, "keep_per_prompt": 2}
+    assert kept_rows("d3s", trainer) == 2  # one micro-batch per step: nothing to pack
+    trainer["gradient_accumulation_steps"] = 4
+    assert kept_rows("d3s", trainer) == 8
+    assert kept_rows("d3s", trainer, deepspeed=True) == 2
+    assert kept_rows("d3s", trainer | {"pack_micro_batches": False}) == 2
+    assert kept_rows("d3s", trainer | {"token_scope": "micro_batch"}) == 2
+    assert kept_rows("d3s", trainer | {"keep_per_prompt": 6}) == 8  # 24 rows in 3 micro-batches of 8
+    assert kept_rows("d3s", trainer | {"keep_per_prompt": 3, "per_device_train_batch_size": 16}) == 12
