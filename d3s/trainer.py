@@ -25,6 +25,7 @@ from d3s import trl_contract
 from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
 from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
 from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
+from d3s.length_buckets import bucketed_pass
 from d3s.objective import loss_row_scale, selection_loss
 from d3s.packing import LOSS_ROW_SCALE, is_empty, pack_generation_batch
 from d3s.rewards import bind_answer_policy
@@ -400,10 +401,26 @@ class D3STrainer(
         takes_entropies = scoring_pass == "old_policy" and state.old_policy_entropies_wanted
         if takes_entropies:
             kwargs["compute_entropy"] = True
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        logps, entropies, aux = self._logprob_pass(model, *args, **kwargs)
         if takes_entropies:
             state.old_policy_entropies = entropies
         return logps, entropies, aux
+
+    def _logprob_pass(self, model, input_ids, attention_mask, logits_to_keep, **kwargs) -> tuple:
+        """TRL's pass, or with ``length_bucket_rows`` the same pass over rows bucketed by length, each bucket
+        cut at its longest row (d3s/length_buckets.py; not where the model takes more than text)."""
+        trl_pass = super()._get_per_token_logps_and_entropies
+        bucket_rows = self.args.length_bucket_rows
+        if not bucket_rows or has_multimodal_inputs(kwargs):
+            return trl_pass(model, input_ids, attention_mask, logits_to_keep, **kwargs)
+        bucket_rows = min(bucket_rows, kwargs.get("batch_size") or bucket_rows)
+        return bucketed_pass(
+            lambda ids, mask, keep: trl_pass(model, ids, mask, keep, **kwargs),
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            bucket_rows,
+        )
 
     # ---- the scoring seam: which of TRL's log-prob passes runs (d3s/trl_contract.py SCORING_PASSES) -------
 

@@ -139,6 +139,11 @@ class D3SConfig(GRPOConfig):
     anatomy_examples: int = _option(4, "Completions per anatomy record whose tokens are written.")
     defer_logprob_passes: bool = _option(False, "Compute saving: log-prob passes on the kept rollouts only.")
     kept_token_logprobs: bool = _option(False, "Compute saving: LM head gradient at the kept tokens only.")
+    length_bucket_rows: int = _option(
+        0,
+        "Compute saving: log-prob passes over rows sorted by length in buckets of this many rows, each cut "
+        "at its longest row (d3s/length_buckets.py; equal up to float rounding). 0: TRL's passes exactly.",
+    )
     pack_micro_batches: bool | None = _option(
         None,
         "Train the kept rows of an optimizer step in ceil(rows / per_device_train_batch_size) micro-batches, "
@@ -238,6 +243,14 @@ class D3SConfig(GRPOConfig):
                     f"{name} must be an integer between 1 and num_generations = {G} at every point of the "
                     f"schedule; got {value!r}. Lower it or raise num_generations."
                 )
+        if (
+            isinstance(self.length_bucket_rows, bool)
+            or not isinstance(self.length_bucket_rows, int)
+            or (self.length_bucket_rows < 0)
+        ):
+            raise ValueError(
+                f"length_bucket_rows must be an integer >= 0 (0: off); got {self.length_bucket_rows!r}"
+            )
         self._resolve_packing()
         switches = (
             "defer_logprob_passes",

@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -38,6 +37,8 @@ def bootstrap_ci(
         raise ValueError(f"resamples must be >= 1, got {resamples}")
     if len(set(values)) == 1:  # no spread (or one problem, which scipy refuses): no width
         return float(values[0]), float(values[0])
+    from scipy import stats  # here, not at import: scipy.stats costs ~1-2 s, and `d3s train` needs none
+
     result = stats.bootstrap(
         (np.asarray(values, dtype=float),),
         np.mean,
