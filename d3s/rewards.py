@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any, Literal, get_args
 
+from d3s.integer_answers import integer_grade
+
 AnswerExtraction = Literal["boxed_first", "boxed_only"]
 AnswerPolicy = Literal["math_verify", "last_boxed", "answer_tag", "trl"]
 ANSWER_POLICIES: tuple[AnswerPolicy, ...] = get_args(AnswerPolicy)
@@ -570,10 +572,16 @@ class Grader(contextlib.AbstractContextManager):
         policies = tuple(dict.fromkeys(check_answer_policy(p) for p in policies))
         pairs = [(str(c), normalize_gold(g)) for c, g in zip(completions, golds, strict=True)]
         jobs = [(c, g, policy, False) for policy in policies for c, g in pairs]
+        # a box around a plain integer after a chain of sums (the synthetic task) needs no parser: the same
+        # verdict, read here (d3s/integer_answers.py); every other answer goes to math-verify
+        read_here = [_graded_here(*job[:3]) for job in jobs]
+        parsed_jobs = [job for job, result in zip(jobs, read_here, strict=True) if result is None]
         with self._lock:
             if os.getpid() != self._owner_pid:
                 raise RuntimeError("Grader used in a forked child: create a new Grader in this process")
-            results = self._grade_inline(jobs) if self.time_limit is None else self._grade_in_workers(jobs)
+            grade_jobs = self._grade_inline if self.time_limit is None else self._grade_in_workers
+            parsed = iter(grade_jobs(parsed_jobs) if parsed_jobs else [])
+        results = [next(parsed) if result is None else result for result in read_here]
         n = len(pairs)
         return {policy: results[i * n : (i + 1) * n] for i, policy in enumerate(policies)}
 
@@ -705,6 +713,12 @@ def grade_detailed(
 def with_copied_flag(result: GradeResult, prompt: str | None) -> GradeResult:
     """``result`` with ``copied_from_prompt`` set for ``prompt`` (:func:`copied_from_prompt`)."""
     return dataclasses.replace(result, copied_from_prompt=copied_from_prompt(result.extracted, prompt))
+
+
+def _graded_here(completion: str, golds: tuple[str, ...], policy: AnswerPolicy) -> GradeResult | None:
+    start = time.perf_counter()
+    fields = integer_grade(completion, golds, policy)
+    return None if fields is None else GradeResult(**fields, seconds=time.perf_counter() - start)
 
 
 def grade(
