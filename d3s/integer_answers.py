@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 # The answer policies whose reading of such a completion is the box's content (each tested).
-POLICIES = ("math_verify", "last_boxed", "answer_tag")
+POLICIES = ("math_verify", "last_boxed", "answer_tag", "trl")
 _INTEGER = r"-?(?:0|[1-9][0-9]{0,5})"
 PLAIN_INTEGER = re.compile(rf"(?!-0$){_INTEGER}")
 COMPLETION = re.compile(rf"[0-9+\-=,. ]*\\boxed\{{((?!-0\}}){_INTEGER})\}}")

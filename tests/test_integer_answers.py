@@ -43,7 +43,7 @@ def test_every_completion_read_here_gets_math_verifys_grade(completion, gold, po
 )
 def test_the_right_answer_and_a_wrong_one(prefix, answer, policy):
     completion = f"{prefix}\\boxed{{{answer}}}"
-    for gold in (answer, str(int(answer) + 1)):
+    for gold in (answer, str(int(answer) + (1 if int(answer) < 999_999 else -1))):
         read = integer_grade(completion, (gold,), policy)
         assert read is not None and read["correct"] == (gold == answer)
         assert {key: read[key] for key in FIELDS} == _parsed(completion, gold, policy)
@@ -52,7 +52,6 @@ def test_the_right_answer_and_a_wrong_one(prefix, answer, policy):
 @pytest.mark.parametrize(
     "completion, gold, policy",
     [
-        (" 3+4=7, 7-2=5. \\boxed{5}", "5", "trl"),  # TRL's reward needs an anchor: not read here
         (" 3+4=7. \\boxed{07}", "7", "math_verify"),  # a leading zero: math-verify decides
         (" 3+4=7. \\boxed{-0}", "0", "math_verify"),
         (" 3+4=7. \\boxed{5} ", "5", "math_verify"),  # anything after the box
