@@ -38,6 +38,7 @@ SCRIPTS = {
     "eval_throughput": {"kind", "seconds"},
     "grading_time_limit": {"kind", "seconds"},
     "grading_throughput": {"kind", "seconds", "completions_per_s"},
+    "step_breakdown": {"part", "phase", "seconds", "floor_s"},
 }
 
 
