@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     regime = sub.add_parser(
         "regime",
         help="the regime sweep: the workflow at each prompts-per-step of a config's regime section, then the "
-        "gaps to the reference against update tokens per step (docs/workflow.md, 'The regime sweep')",
+        "gaps to the reference against update tokens per step (docs/workflow/regime-sweep.md)",
     )
     regime.add_argument("--config", required=True, help="sweep config, e.g. config/regime.yaml")
     regime.add_argument("--cores", type=int, default=2, help="snakemake --cores of every point (default 2)")

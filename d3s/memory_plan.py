@@ -1,7 +1,7 @@
 """The per-GPU memory plan of a workflow config's training and evaluation jobs (`d3s plan`).
 
 1- and 2-layer traces (d3s.memory_trace) scaled linearly to the layer count, plus formulas for DeepSpeed's
-sharding, the reference model, DDP's buckets and vLLM (docs/gpu.md, "Memory plan"). How the training jobs
+sharding, the reference model, DDP's buckets and vLLM (docs/gpu/memory-plan.md). How the training jobs
 run (their GPUs, the vLLM server's, the accelerate config) is the caller's TrainLaunch, the one the workflow
 launches with. Traces are cached in d3s/memory_plan_cache.json; ``check_fit`` reads only that cache (no
 torch): the parse-time check stays fast.
@@ -178,7 +178,7 @@ def kept_rows(method: str, trainer: Mapping[str, Any], deepspeed: bool = False) 
     packs = (
         trainer.get("pack_micro_batches") is not False
         and trainer.get("token_scope", get_method(method).token_scope) != "micro_batch"
-        and not deepspeed  # packing is off under DeepSpeed (docs/fidelity.md)
+        and not deepspeed  # packing is off under DeepSpeed (docs/fidelity/trainer.md)
         and (steps_per_generation is None or int(steps_per_generation) % accumulation == 0)
     )
     if not packs or accumulation == 1:

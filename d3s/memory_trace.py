@@ -2,7 +2,8 @@
 
 A model with published dimensions (d3s.architectures.ARCHITECTURES) and TRL's fused LM head runs one
 micro-batch (checkpointed forward, GRPO loss, backward, fused AdamW with its state allocated) under
-``FakeTensorMode`` and ``MemTracker``; it follows CUDA where the CPU differs (docs/gpu.md, "CPU vs GPU").
+``FakeTensorMode`` and ``MemTracker``; it follows CUDA where the CPU differs (docs/gpu/memory-plan.md,
+"CPU vs GPU").
 This module imports torch and transformers: the planner imports it only to trace.
 """
 

@@ -1,7 +1,8 @@
 """The method registry: one table from method name to its selection settings.
 
 Keep counts are given as fractions of the rollouts per prompt G so one entry serves every G: the paper
-runs G = 32 with N going 8 -> 32, i.e. 0.25 G -> 1.0 G (docs/fidelity.md, the `d3s` row of "Objectives").
+runs G = 32 with N going 8 -> 32, i.e. 0.25 G -> 1.0 G (docs/fidelity/objectives.md, the `d3s` row of
+"Objectives").
 A run can override any field (`keep_per_prompt`, `token_keep_ratio`, ...) in its config.
 """
 
@@ -30,8 +31,9 @@ class Method:
     # Optimizer steps per generation batch: GSPO splits each rollout batch into 4 mini-batches (GSPO paper v2,
     # section 5.1; TRL's GSPO docs: steps_per_generation = 4 x gradient_accumulation_steps).
     minibatches_per_generation: int = 1
-    # What vLLM's importance-sampling correction zeroed (docs/fidelity.md): "excluded" takes no sample or
-    # token slot and leaves the loss and its denominators; "trl" is TRL's (a zero weight that still counts).
+    # What vLLM's importance-sampling correction zeroed (docs/fidelity/importance-sampling.md): "excluded"
+    # takes no sample or token slot and leaves the loss and its denominators; "trl" is TRL's (a zero weight
+    # that still counts).
     zeroed_rollouts: str = "excluded"
     # The adaptive method (D3S's first open question): cross-group selection until the gradient norm's spike
     # ratio exceeds this, then intra-group (d3s.selection.ScopeSwitch); 0: the scope never changes.

@@ -1,4 +1,4 @@
-"""The selection methods' loss, in the order and notation of docs/fidelity.md ("Objectives").
+"""The selection methods' loss, in the order and notation of docs/fidelity/objectives.md ("Objectives").
 
 For the rollouts i of a micro-batch, their valid completion tokens m_i, the kept tokens T_i (m_i without a
 token level), advantages A_i, log-probs of the policy, the old policy (that generated) and the reference:

@@ -9,8 +9,8 @@ slots. The slots before them are empty: no forward, no backward. The last slot, 
 accumulated gradient, is always a real backward.
 
 Exactness: a micro-batch's loss divides its terms by a normaliser of its own rows (the rows or tokens it
-counts, docs/fidelity.md), so packing would change the weights of the rows. Each row carries the scale its
-unpacked micro-batch gave it (``LOSS_ROW_SCALE``, from d3s/objective.py ``loss_row_scale``), so the step's
+counts, docs/fidelity/trainer.md), so packing would change the weights of the rows. Each row carries the scale
+its unpacked micro-batch gave it (``LOSS_ROW_SCALE``, from d3s/objective.py ``loss_row_scale``), so the step's
 gradient is the unpacked sum in another order, for every loss type. Pure dict and tensor code, no TRL.
 """
 

@@ -1,5 +1,5 @@
 """Answer grading with math-verify, shared by the training reward and the evaluation, so a model is rewarded
-as it is scored. The rules (gold, extraction, answer policies, time limit): docs/evaluation.md, "Grading"."""
+as it is scored. The rules (gold, extraction, answer policies, time limit): docs/evaluation/grading.md."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ class GradeResult:
     error: str | None = None  # unexpected exception inside the grader (counted as wrong)
     gold_as_text: bool = False  # gold parsed only as a string (no math): compared by exact string match
     # math_verify only: math-verify overran the time limit on the whole completion, so the verdict is the
-    # bounded reading's (docs/evaluation.md, "Answer policy"); ``timed_out`` says whether that overran too
+    # bounded reading's (docs/evaluation/grading.md, "Answer policy"); ``timed_out`` says whether that overran
+    # too
     bounded: bool = False
     # the answer is an unevaluated expression copied from the prompt (:func:`copied_from_prompt`); False
     # when no prompt was given
@@ -204,7 +205,7 @@ def _last_answer_tag(completion: str) -> str | None:
 def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
     """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong): the
     bounded reading, one linear pass, each distinct answer parsed once; the rules, one example each:
-    docs/evaluation.md. ``math_verify`` grades with it only where math-verify on the whole completion
+    docs/evaluation/grading.md. ``math_verify`` grades with it only where math-verify on the whole completion
     overran the time limit. ``fallback=False``: ``answer_extraction="boxed_only"``."""
     if policy == "answer_tag":
         tag = _last_answer_tag(completion)
@@ -249,7 +250,7 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
 
 
 # Credit for copying the question: math-verify compares values, so "\boxed{12+7-3}" is 16. An answer is
-# "copied" when it still holds an operation and occurs, as written, in the prompt (docs/evaluation.md,
+# "copied" when it still holds an operation and occurs, as written, in the prompt (docs/evaluation/readers.md,
 # "Answers copied from the question").
 _COPY_NOISE = re.compile(r"\s+|\$|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[,;!: ]|\\displaystyle")
 _COPY_OPERATION = re.compile(r"[+\-*/^]|\\(?:cdot|times|div|frac|dfrac|tfrac)(?![A-Za-z])")
@@ -476,7 +477,7 @@ class _MathVerifyGrader:
 
 # The worker: a plain subprocess (multiprocessing pool workers may not start multiprocessing children),
 # spoken to over a multiprocessing.connection.Connection (pickled messages). pebble.ProcessPool was measured
-# against this pool and not adopted (DEVELOPERS.md, "The grading pool").
+# against this pool and not adopted (docs/evaluation/grading-performance.md, "The grading pool").
 
 
 def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:

@@ -4,8 +4,8 @@ Sample level, which rollouts train: max_variance_subset, select_samples, renorma
 Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
 training, with round_half_up the one rounding rule for keep counts; ScopeSwitch, the adaptive method's
 choice between cross- and intra-group selection from the gradient norm's spikes. vLLM's importance-sampling
-correction: zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity.md, "vLLM's
-importance-sampling correction").
+correction: zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity/
+importance-sampling.md).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def variance_tie_tolerance(
     spread: torch.Tensor | float, magnitude: torch.Tensor | float, k: int, dtype: torch.dtype
 ) -> torch.Tensor | float:
     """Variances of two size-k splits closer than this are a tie: 16 (u + k 2^-53) R M, with R the row's
-    range, M its largest magnitude, u the input's unit roundoff (docs/fidelity.md, on ties)."""
+    range, M its largest magnitude, u the input's unit roundoff (docs/fidelity/open-questions.md, "Ties")."""
     unit_roundoff = 2.0**-53 if dtype == torch.float64 or not dtype.is_floating_point else 2.0**-24
     return 16 * (unit_roundoff + k * 2.0**-53) * spread * magnitude
 

@@ -3,10 +3,10 @@
 TRL owns generation, rewards, advantages and logging. D3S adds, once per generation batch and identically on
 every rank: (1) keep a subset of the scored rollouts and re-index every per-rollout tensor; (2) over the kept
 rollouts of every rank, the top-K% tokens by |A| x H as the per-rollout ``token_mask``; (3) the loss of the
-selecting methods, one function in docs/fidelity.md's notation (d3s/objective.py). With ``method="grpo"``
-all three are off: TRL's GRPOTrainer, its loss included, step for step. What vLLM's importance-sampling
-correction zeroed takes no slot at either level and leaves the loss (``D3SConfig.excludes_zeroed``).
-Opt-in savings: d3s/savings/; TRL internals used: d3s/trl_contract.py.
+selecting methods, one function in docs/fidelity/objectives.md's notation (d3s/objective.py). With
+``method="grpo"`` all three are off: TRL's GRPOTrainer, its loss included, step for step. What vLLM's
+importance-sampling correction zeroed takes no slot at either level and leaves the loss
+(``D3SConfig.excludes_zeroed``). Opt-in savings: d3s/savings/; TRL internals used: d3s/trl_contract.py.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class D3STrainer(
 
     def _select_tokens(self, batch: dict, entropies: torch.Tensor | None = None) -> torch.Tensor:
         """The token mask of a generation batch, ranked over the kept rollouts of every rank (the paper's T),
-        by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity.md: which entropies)."""
+        by the old-policy pass's entropies, else a no-gradient pass's (docs/fidelity/objectives.md: which
+        entropies)."""
         if entropies is None:
             _, entropies, _ = self._no_grad_pass(self.model, batch, compute_entropy=True)
         return self._rank_tokens(batch, entropies, valid_tokens(self.args.excludes_zeroed(), batch).bool())
@@ -344,7 +345,7 @@ class D3STrainer(
             )
         self.objective = self.args.objective()
         blocker = self._packing_blocker() if self.owns_loss and self.args.pack_micro_batches else None
-        if blocker:  # one line, and docs/fidelity.md says so
+        if blocker:  # one line, and docs/fidelity/trainer.md says so
             logger.warning("pack_micro_batches is off: %s", blocker)
         self.packs_micro_batches = self.owns_loss and self.args.pack_micro_batches and blocker is None
 

@@ -85,8 +85,8 @@ class D3SConfig(GRPOConfig):
     """GRPOConfig plus the selection options. Unset selection fields (None) come from ``method``.
 
     Build with ``D3SConfig.for_method(name, **overrides)`` to also get the TRL settings a method needs
-    (GSPO's sequence-level ratio); every field here can still be overridden. docs/fidelity.md explains the
-    options ("The trainer options D3SConfig adds").
+    (GSPO's sequence-level ratio); every field here can still be overridden. docs/fidelity/options.md explains
+    the options ("The trainer options D3SConfig adds").
     """
 
     vllm_mode: str = _trl_choices("vllm_mode", "colocate", "server")
@@ -349,8 +349,8 @@ class D3SConfig(GRPOConfig):
             if refused:
                 raise ValueError(
                     f"method {self.method!r} trains with the selection loss (d3s/objective.py, "
-                    f"docs/fidelity.md), which needs {name} {wanted}; got {getattr(self, name)!r}. Change "
-                    f"{name}, or train method grpo (TRL's own loss)"
+                    f"docs/fidelity/objectives.md), which needs {name} {wanted}; "
+                    f"got {getattr(self, name)!r}. Change {name}, or train method grpo (TRL's own loss)"
                 )
 
     def _validate_scope_switch(self) -> None:

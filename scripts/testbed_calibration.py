@@ -1,4 +1,4 @@
-"""The tiny testbed's calibration, read from a finished run of the workflow (docs/workflow.md, "The testbed").
+"""The tiny testbed's calibration, read from a finished run of the workflow (docs/workflow/testbed.md).
 
     .venv/bin/python scripts/testbed_calibration.py                       # config/config.yaml's results
     .venv/bin/python scripts/testbed_calibration.py --configfile config/standard.yaml

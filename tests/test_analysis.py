@@ -1,4 +1,4 @@
-"""d3s.analysis on a small logged-results tree written by the test (the layout of docs/workflow.md)."""
+"""d3s.analysis on a small logged-results tree written by the test (the layout of docs/workflow/stages.md)."""
 
 from __future__ import annotations
 
@@ -517,7 +517,7 @@ def test_every_notebook_shows_its_figures_in_a_real_kernel(results, monkeypatch)
         ]
         assert not as_text, (notebook.name, cell.source)
         shown += len(images)
-    # one image per figure file written: the seven figures of the four notebooks (docs/workflow.md)
+    # one image per figure file written: the seven figures of the four notebooks (docs/workflow/stages.md)
     assert shown == len(list((results / "figures").glob("*.png"))) == 7
 
 

@@ -1,5 +1,5 @@
 """Faults beyond a kill: a corrupt checkpoint or final model is never trusted, a full disk says so in one
-line, and the run recovers to the weights of an uninterrupted run (docs/gpu.md, "Faults a run survives").
+line, and the run recovers to the weights of an uninterrupted run (docs/gpu/faults.md).
 
 One uninterrupted run (4 steps, checkpoints 2 and 4 with their full state) is trained once; each case copies
 it, breaks what the fault breaks and runs again. ZeRO-3's sharded checkpoint and the workflow's re-runs after

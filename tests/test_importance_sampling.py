@@ -1,4 +1,4 @@
-"""vLLM's importance-sampling correction and selection (docs/fidelity.md, "vLLM's importance-sampling
+"""vLLM's importance-sampling correction and selection (docs/fidelity/importance-sampling.md
 correction").
 
 TRL's default correction (``sequence_mask``, C_max = 3) weights each rollout's policy term by its sequence

@@ -1,5 +1,5 @@
-"""The package's layering: no module of d3s/ imports another that imports it back (DEVELOPERS.md, "Where
-things live"). Read from the source with ``ast``, nothing imported: every import counts, at module level, in
+"""The package's layering: no module of d3s/ imports another that imports it back (docs/code-map.md,
+"Layering"). Read from the source with ``ast``, nothing imported: every import counts, at module level, in
 a function or under ``if TYPE_CHECKING:``, since any of them ties the two modules together."""
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def test_two_processes_agree_and_keep_every_row(tmp_path, tiny_sft_model, method
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert [r["backend"] for r in ranks] == ["gloo", "gloo"]
     assert [r["zero_stage"] for r in ranks] == [3 if launcher.endswith("zero3") else None] * 2
-    # packing is off under DeepSpeed, in one line of the log (docs/fidelity.md says why); on under DDP
+    # packing is off under DeepSpeed, in one line of the log (docs/fidelity/trainer.md says why); on under DDP
     zero = launcher.endswith("zero3")
     assert [r["packs"] for r in ranks] == [not zero] * 2
     assert ("pack_micro_batches is off: DeepSpeed counts the micro-steps" in result.stderr) is zero

@@ -58,7 +58,7 @@ EDGE = 1e-5
 BIAS_CORRECTED_KL = True  # TRL's use_bias_correction_kl (its default): the KL estimate weighted by the ratio
 
 
-# ---- what the papers say (docs/fidelity.md's table; ../shared/docs/paper-notes.md), not d3s.methods --------
+# ---- what the papers say (docs/fidelity/objectives.md; ../shared/docs/paper-notes.md), not d3s.methods -----
 
 
 @dataclass(frozen=True)

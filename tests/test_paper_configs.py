@@ -213,7 +213,7 @@ def test_resolved_trainer_settings(config_path, resolved):
         # no KL term in the Qwen runs (the papers'); Llama: PODS's 0.04, the only beta a paper gives
         beta = 0.04 if "llama" in config_path.name else 0.0
         assert args.scale_rewards == "group" and args.beta == pytest.approx(beta), where
-        assert args.report_to == ["tensorboard"], where  # logs to <run>/runs/ (docs/gpu.md)
+        assert args.report_to == ["tensorboard"], where  # logs to <run>/runs/ (docs/gpu/configurations.md)
         # optimisation and sampling [choice]
         assert (
             args.learning_rate == pytest.approx(1e-6) and str(args.lr_scheduler_type.value) == "constant"
@@ -249,7 +249,8 @@ def test_pods_own_protocol(config_path, resolved):
         assert args.answer_policy == "answer_tag" and args.loss_type == "grpo" and args.beta == 0.0
         assert (args.learning_rate, args.max_grad_norm, args.weight_decay) == (5e-6, 0.1, 0.1)
         assert (args.temperature, args.max_completion_length) == (0.9, 512)
-        assert args.report_to == ["tensorboard"]  # as the D3S paper files: logs to <run>/runs/ (docs/gpu.md)
+        # as the D3S paper files: logs to <run>/runs/ (docs/gpu/configurations.md)
+        assert args.report_to == ["tensorboard"]
     # the same prompts per optimizer step, and the update trains m rollouts per prompt in both arms
     assert (
         grpo.generation_batch_size // grpo.num_generations

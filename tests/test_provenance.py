@@ -136,7 +136,7 @@ def clone_eval(results: Path, method: str, seed: int, edit=None) -> Path:
 
 def test_hardware_tells_cpu_generations_and_kernel_levels_apart():
     """A model name such as "AMD EPYC" covers several generations, and runs of one config diverged between
-    two 2-core machines (docs/workflow.md, "The testbed"): the manifest also records vendor, family, model
+    two 2-core machines (docs/workflow/testbed.md): the manifest also records vendor, family, model
     and stepping, and torch's CPU kernel level."""
     import platform
     import re

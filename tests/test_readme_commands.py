@@ -1,6 +1,6 @@
 """The README's commands, tested as written (issue 49).
 
-Every shell command of the fenced ``bash`` blocks of README.md and docs/*.md (SOURCES) is one test case.
+Every shell command of the fenced ``bash`` blocks of README.md and the docs pages (SOURCES) is one test case.
 Backslash continuations are joined, comments dropped, and an ``export`` line's variables are kept for the
 commands after it in its block. Each command meets the first rule of RULES that matches it: the
 rule either runs it (no GPU, no Hub, no cluster, cheap enough for CI) in a scratch folder, with the command's
@@ -33,8 +33,21 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, SHARED_DATA, SMOKE_ARGS, SMOKE_SECONDS
 
-# The files whose fenced bash blocks are tested (the other docs/*.md have none).
-SOURCES = ("README.md", "docs/evaluation.md", "docs/workflow.md", "docs/gpu.md", "docs/studies.md")
+# The files whose fenced bash blocks are tested: every page with one (test_every_page_with_bash_is_a_source).
+SOURCES = (
+    "README.md",
+    "docs/evaluation.md",
+    "docs/workflow/stages.md",
+    "docs/workflow/configuration.md",
+    "docs/workflow/run-by-hand.md",
+    "docs/workflow/regime-sweep.md",
+    "docs/gpu.md",
+    "docs/gpu/first-run.md",
+    "docs/gpu/configurations.md",
+    "docs/gpu/memory-plan.md",
+    "docs/gpu/slurm.md",
+    "docs/studies.md",
+)
 PAPER_CONFIGS = sorted(p.stem for p in (REPO_ROOT / "config" / "paper").glob("*.yaml"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TIMEOUT_S = 600
@@ -384,6 +397,13 @@ def test_every_source_has_commands() -> None:
     for source in SOURCES:
         assert fenced_bash_commands(REPO_ROOT / source), source
     assert any(rule_for(c) and rule_for(c).runner for c in CASES)
+
+
+def test_every_page_with_bash_is_a_source() -> None:
+    """A docs page with a fenced bash block is in SOURCES: a page split off another keeps its commands."""
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    with_bash = {p.relative_to(REPO_ROOT).as_posix() for p in pages if fenced_bash_commands(p)}
+    assert with_bash == set(SOURCES)
 
 
 def test_the_parser_joins_lines_drops_comments_and_keeps_exports(tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""The regime sweep (`d3s regime`, d3s.analysis.regime; docs/workflow.md, "The regime sweep"): the slope of
+"""The regime sweep (`d3s regime`, d3s.analysis.regime; docs/workflow/regime-sweep.md): the slope of
 the gap against log update tokens and its interval against brute force, the equal-wall-clock interpolation by
 hand, the paper-regime estimate, the sweep config and its one-line refusals, and (slow) the real driver end
 to end on a tiny sweep."""

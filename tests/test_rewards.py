@@ -280,7 +280,8 @@ def test_default_grader_shared_by_thread_pool() -> None:
 
 def _grade_in_child(payload: tuple[str, str]) -> tuple[bool, bool, float]:
     # A pool worker is daemonic: it may not start multiprocessing children (so no process pool such as
-    # concurrent.futures or pebble can grade here: DEVELOPERS.md); the grader's plain subprocess it may.
+    # concurrent.futures or pebble can grade here: docs/evaluation/grading-performance.md); the grader's plain
+    # subprocess it may.
     assert multiprocessing.current_process().daemon
     completion, gold = payload
     with Grader(time_limit=LIMIT_S) as child_grader:

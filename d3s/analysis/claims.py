@@ -1,5 +1,5 @@
-"""The papers' claims as verdicts with intervals (``tables/claims.csv``; docs/workflow.md, "The claims
-table")."""
+"""The papers' claims as verdicts with intervals (``tables/claims.csv``; docs/workflow/provenance.md, "The
+claims table")."""
 
 from __future__ import annotations
 
@@ -122,8 +122,8 @@ def holm(p_values: Iterable[float], alpha: float = 1 - LEVEL) -> list[bool]:
 
 
 def pods_protocol(method: str, reference: str, generations: Mapping[str, int] | None) -> str:
-    """The PODS comparison (docs/fidelity.md, "PODS: two protocols") of a row of a PODS-family method (one
-    that re-normalises after down-sampling); empty for other methods."""
+    """The PODS comparison (docs/fidelity/open-questions.md, "PODS: two protocols") of a row of a PODS-family
+    method (one that re-normalises after down-sampling); empty for other methods."""
     from d3s.methods import METHODS
 
     entry = METHODS.get(method)  # None for "base" and the ordering rows
@@ -167,7 +167,7 @@ def difference_row(
     claim: Claim, per_seed: pd.DataFrame, method: str, reference: str, scale: float = 1.0
 ) -> dict:
     """A paired-difference claim from one value per (method, seed), times ``scale``; an ``se`` column adds
-    ``seed_sd`` and ``eval_se`` (docs/workflow.md, "Noise, both kinds")."""
+    ``seed_sd`` and ``eval_se`` (docs/workflow/provenance.md, "Noise, both kinds")."""
     pairs = _paired(per_seed, method, reference)
     differences = scale * (pairs[method] - pairs[reference])
     row = _row(claim, method, reference, paired_t(differences))

@@ -1,5 +1,6 @@
-"""Readers of the workflow's logged files (docs/workflow.md); each checks the manifests of what it reads and
-refuses mixed settings (MixedSettingsError) unless ``allow_mixed=True``; rows name their ``manifest``."""
+"""Readers of the workflow's logged files (docs/workflow/stages.md); each checks the manifests of what it
+reads and refuses mixed settings (MixedSettingsError) unless ``allow_mixed=True``; rows name their
+``manifest``."""
 
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def load_base_eval(results: str | Path, allow_mixed: bool = False) -> pd.DataFra
 def load_anatomy(results: str | Path, allow_mixed: bool = False) -> tuple[pd.DataFrame, list[dict]]:
     """(groups, token_records) of ``anatomy.jsonl`` (trainer.anatomy_every > 0): a row per (method, seed,
     step, group) with rewards, advantages, kept, ``n_kept``, ``var_kept``, ``var_all`` and ``var_ratio``
-    (Lemma 1; docs/workflow.md, "Notebooks"); the token records (method, seed, step, token_keep_ratio,
+    (Lemma 1; docs/workflow/stages.md, "Notebooks"); the token records (method, seed, step, token_keep_ratio,
     examples)."""
     load_provenance(results, allow_mixed, groups=("training",))
     groups, tokens = [], []

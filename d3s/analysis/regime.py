@@ -1,4 +1,4 @@
-"""The regime sweep's analysis (docs/workflow.md, "The regime sweep"): how the gaps of the methods to the
+"""The regime sweep's analysis (docs/workflow/regime-sweep.md): how the gaps of the methods to the
 reference (D3S - GRPO, PODS - GRPO) move with the update tokens per step, from the sweep's points
 ``results/<experiment>/p<P>/``, each a complete experiment of the workflow.
 
@@ -565,7 +565,7 @@ by seed, both on the checkpoints' problems (the final models' evaluations rescor
 
 The slope of each gap against log10 update tokens per step (points of Pass@1 per tenfold more update
 tokens): ordinary least squares on the points' mean gaps; its interval from the seed variance of each point
-(independent runs), t with Welch-Satterthwaite degrees of freedom (docs/workflow.md, "The regime sweep").
+(independent runs), t with Welch-Satterthwaite degrees of freedom (docs/workflow/regime-sweep.md).
 A positive slope means the method gains on the reference as the update grows.
 
 {markdown_table(claims.to_dict("records"), trend_columns)}

@@ -311,7 +311,7 @@ def load_benchmark(
     on_malformed: str | None = None,
 ) -> list[Problem]:
     """The first ``limit`` problems of benchmark ``name``: its local copy, else (``allow_hub``) the Hub;
-    ``synthetic`` holds the synthetic task's options. Malformed rows: docs/evaluation.md, "Benchmarks"."""
+    ``synthetic`` holds the synthetic task's options. Malformed rows: docs/evaluation/benchmarks.md."""
     spec = get_benchmark(name)
     on_malformed = on_malformed or ("skip" if spec.role == "train" else "error")
     if on_malformed not in ("error", "skip"):

@@ -1,5 +1,5 @@
 """The synthetic task of the tiny default: chained integer arithmetic with a short chain of thought
-(docs/workflow.md, "The testbed"); problems are a pure function of (seed, index)."""
+(docs/workflow/testbed.md); problems are a pure function of (seed, index)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def demonstrations(
     problems: Sequence[ArithmeticProblem], box_error: Sequence[float] = (0.0, 0.0), seed: int = 0
 ) -> list[tuple[str, str]]:
     """SFT (prompt, completion) pairs; a fraction, from ``box_error[0]`` on the shortest chains rising
-    linearly to ``box_error[1]`` on the longest, box the first intermediate result (docs/workflow.md)."""
+    linearly to ``box_error[1]`` on the longest, box the first intermediate result
+    (docs/workflow/testbed.md)."""
     rng = random.Random(f"d3s-demonstrations-{seed}")
     low, high = (min(p.num_ops for p in problems), max(p.num_ops for p in problems)) if problems else (0, 0)
     pairs = []

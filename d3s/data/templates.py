@@ -1,4 +1,5 @@
-r"""Prompt templates (``qwen_math_cot``, ``plain``, ``pods``, ``raw``, ``auto``; docs/evaluation.md)."""
+r"""Prompt templates (``qwen_math_cot``, ``plain``, ``pods``, ``raw``, ``auto``;
+docs/evaluation/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 r"""Grader audit: do the gold answers and reference solutions parse and verify, and how often do the answer
-policies disagree on real completions (docs/evaluation.md, "Grader audit")."""
+policies disagree on real completions (docs/evaluation/audit.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """KL to the initial policy (k1, k3) on a fixed probe set, without gradient: one JSON per evaluated checkpoint
-(docs/workflow.md says what is measured and why; the paper configs train with beta = 0, so TRL logs no KL)."""
+(docs/workflow/configuration.md, "eval.kl", says what is measured and why; the paper configs train with
+beta = 0, so TRL logs no KL)."""
 
 from __future__ import annotations
 

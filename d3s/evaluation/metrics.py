@@ -11,7 +11,8 @@ import numpy as np
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that at least one of ``k`` of ``n`` samples (``c`` correct), drawn without replacement, is
-    correct: ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, no huge binomials (docs/evaluation.md, "Pass@k")."""
+    correct: ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, no huge binomials (docs/evaluation/outputs.md,
+    "Pass@k")."""
     if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)):
         raise TypeError(f"n, c, k must be integers, got {n!r}, {c!r}, {k!r}")
     if n < 1 or not 0 <= c <= n:

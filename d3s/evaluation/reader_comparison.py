@@ -3,7 +3,7 @@
 differ from the policy's, and, where the completions carry a reference verdict, the errors against it, with
 and without the guard against answers copied from the question (``reward_copied_answers: false``).
 
-Run on the shared real completions (README there), to regenerate docs/evaluation.md's table:
+Run on the shared real completions (README there), to regenerate docs/evaluation/readers.md's table:
 ``python -m d3s.evaluation.reader_comparison ../shared/data/completions``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Evaluate a model on benchmarks: generate, grade under every answer policy, write per-sample JSONL (one
-whole problem per append, so a killed run resumes) and summaries (docs/evaluation.md, "Outputs")."""
+whole problem per append, so a killed run resumes) and summaries (docs/evaluation/outputs.md)."""
 
 from __future__ import annotations
 

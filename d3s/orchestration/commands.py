@@ -18,7 +18,7 @@ TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"
 # vLLM's OpenAI-compatible server as a module: `vllm serve` without vLLM's CLI (vllm_serve_command, cpu=True)
 VLLM_API_SERVER = "vllm.entrypoints.launchers.api_server.entry"
 # Runs any workflow/accelerate/ config without a GPU: bf16 needs one; accelerate's --cpu would replace the
-# DeepSpeed launcher by one plain process (docs/gpu.md, "How a training job starts").
+# DeepSpeed launcher by one plain process (docs/gpu/launch.md, "How a training job starts").
 CPU_OVERRIDES = ("--mixed_precision", "no")
 
 

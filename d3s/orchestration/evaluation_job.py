@@ -1,6 +1,7 @@
 """One evaluation job of the workflow (rules evaluate_run, evaluate_checkpoint, evaluate_final and the base
 models' evaluations): every model's STEPS in order, all inside one process and one GPU lease; each model
-resumes only the same model and sample settings (docs/workflow.md, "Evaluation resumes" and "eval.kl")."""
+resumes only the same model and sample settings (docs/workflow/resume.md; eval.kl:
+docs/workflow/configuration.md)."""
 
 from __future__ import annotations
 

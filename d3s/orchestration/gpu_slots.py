@@ -1,5 +1,5 @@
 """GPU ids for a job: its declared count, and ids of its own on a shared machine, since Snakemake never
-sets CUDA_VISIBLE_DEVICES for local jobs (docs/gpu.md, "GPU assignment")."""
+sets CUDA_VISIBLE_DEVICES for local jobs (docs/gpu/launch.md, "GPU assignment")."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def granted_gpus(resources: Any, declared: int, section: str) -> int:
     if declared and not granted:
         raise SystemExit(
             f"{section}.resources.gpu = {declared}, but Snakemake gave this job no GPU (none visible to the "
-            "profile, or --resources gpu=0): run on a GPU machine (docs/gpu.md)"
+            "profile, or --resources gpu=0): run on a GPU machine (docs/gpu/launch.md)"
         )
     return granted
 

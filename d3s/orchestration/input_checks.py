@@ -1,4 +1,4 @@
-"""The workflow's input check before any job of a `snakemake` run starts (docs/workflow.md, "What is
+"""The workflow's input check before any job of a `snakemake` run starts (docs/workflow/checks.md, "What is
 checked where"), run in a process of its own so that TRL stays out of Snakemake's; the request is
 {"config", "task", "accelerate_dir", "checks": names in CHECKS}. Each problem is one line naming the fix;
 else the output file records where each input was found."""

@@ -1,4 +1,4 @@
-"""The regime sweep (``d3s regime``; docs/workflow.md, "The regime sweep"): one complete experiment of the
+"""The regime sweep (``d3s regime``; docs/workflow/regime-sweep.md): one complete experiment of the
 workflow per prompts-per-step P of a config's ``regime`` section, all from one shared base model, then the
 sweep's analysis (d3s.analysis.regime).
 

@@ -104,7 +104,7 @@ def batch_settings(
     trainer: Mapping[str, Any], prompts_per_step: int | None, processes: int
 ) -> dict[str, Any]:
     """The trainer settings with gradient_accumulation_steps derived from ``prompts_per_step`` for
-    ``processes`` training processes (docs/gpu.md, "The batch"); unchanged without it."""
+    ``processes`` training processes (docs/gpu/launch.md, "The batch"); unchanged without it."""
     trainer = dict(trainer)
     if prompts_per_step is None:
         return trainer
@@ -185,7 +185,7 @@ def resolved_trainer_configs(
     check_inputs: bool = True,
 ) -> dict[str, Any]:
     """Every run's D3SConfig (each method and variant) as its training job builds it (first seed), resolved
-    on the CPU without GPUs (docs/workflow.md, "What is checked where"); ``generation_batch_size`` comes out
+    on the CPU without GPUs (docs/workflow/checks.md); ``generation_batch_size`` comes out
     per process."""
     from d3s.runs.resolve import resolve_config
 

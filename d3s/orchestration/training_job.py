@@ -1,6 +1,6 @@
 """One training job of the workflow (rule train): the run's config written to its train.yaml and ``d3s train``
 run, in this process on the CPU, or under accelerate on GPUs of its own with its vLLM server in server mode
-(docs/gpu.md, "How a training job starts")."""
+(docs/gpu/launch.md, "How a training job starts")."""
 
 from __future__ import annotations
 

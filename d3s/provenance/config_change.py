@@ -1,5 +1,6 @@
 """The one "did the configuration change" rule of training and evaluation resume and the provenance check:
-configs compared as dotted keys, per-attempt keys left out (docs/workflow.md, "How a setting travels")."""
+configs compared as dotted keys, per-attempt keys left out (docs/workflow/checks.md, "How a setting
+travels")."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ reported in one line, and moving a folder aside (never deleting it) with the rea
 xxh3-128 (the xxhash package, which datasets already installs): about 12 GB/s per core, ten times SHA-256 and
 five times CRC-32 here; a checkpoint is read from disk faster than that only on the fastest NVMe arrays. It
 guards against truncation, partial copies and flipped bits, not against someone forging a file
-(docs/gpu.md, "Faults a run survives").
+(docs/gpu/faults.md).
 
 No torch import: the workflow's parse and `d3s eval`'s argument checks use it.
 """

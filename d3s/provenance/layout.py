@@ -1,4 +1,4 @@
-"""Where the workflow writes runs and evaluations (docs/workflow.md), one place for the loaders
+"""Where the workflow writes runs and evaluations (docs/workflow/stages.md), one place for the loaders
 (d3s.analysis.io) and the settings check alike."""
 
 from __future__ import annotations

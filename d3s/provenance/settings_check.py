@@ -1,5 +1,5 @@
 """Which results may share a table: their manifests compared group by group, each key under the first
-matching rule of TRAINING_RULES / EVALUATION_RULES (docs/workflow.md, "Provenance")."""
+matching rule of TRAINING_RULES / EVALUATION_RULES (docs/workflow/provenance.md)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ SELECTION_FIELDS = (
     "minibatches_per_generation",
     "zeroed_rollouts",
 )
-# Geometry following from a method's settings: GSPO updates 4 times per generation batch (docs/fidelity.md).
+# Geometry following from a method's settings: GSPO updates 4 times per generation batch
+# (docs/fidelity/objectives.md).
 # G itself (num_generations) must agree; PODS's own protocol, which compares n = 4m with m, says so in its
 # config (analysis.allow_mixed_settings).
 BATCH_GEOMETRY_FIELDS = ("steps_per_generation", "generation_batch_size", "gradient_accumulation_steps")
@@ -66,7 +67,7 @@ THREADS_WHY = "torch threads change CPU numerics and the wall-clock compared"
 
 _SHARED_TAIL = (
     ("versions.*", AGREE, "package versions change what is computed"),
-    ("git.*", WARN, "the code's commit and dirty flag; stated, not refused (docs/workflow.md)"),
+    ("git.*", WARN, "the code's commit and dirty flag; stated, not refused (docs/workflow/provenance.md)"),
     (
         "hardware.*",
         WARN,
@@ -254,7 +255,8 @@ class Provenance:
             "allow_mixed": self.allow_mixed,
             "groups": self.checks,
             "notes": self.notes,
-            "rules": "d3s.provenance.settings_check (TRAINING_RULES, EVALUATION_RULES); docs/workflow.md",
+            "rules": "d3s.provenance.settings_check (TRAINING_RULES, EVALUATION_RULES); "
+            "docs/workflow/provenance.md",
         }
 
     def write_sidecar(self, table: str | Path) -> Path:
@@ -297,8 +299,8 @@ class Provenance:
             "resolved configuration, method settings, package versions, git commit and dirty flag, seed, "
             "torch threads, hardware, start and end time, and the input files' checksums. Within each group "
             "the settings that must agree were checked (rule table: `d3s.provenance.settings_check`, "
-            "docs/workflow.md); the settings hash is a hash of those settings, equal across a consistent "
-            "group.",
+            "docs/workflow/provenance.md); the settings hash is a hash of those settings, equal across a "
+            "consistent group.",
             "",
             "| group | manifests | settings hash | settings |",
             "|---|---|---|---|",
@@ -396,7 +398,7 @@ def load_provenance(
     results: str | Path, allow_mixed: bool = False, groups: Sequence[str] = tuple(GROUPS)
 ) -> Provenance:
     """:func:`check_results`, read from ``provenance.json`` (rule provenance) while it lists exactly the
-    manifests there are and none is newer (docs/workflow.md, "Provenance"); else checked now."""
+    manifests there are and none is newer (docs/workflow/provenance.md); else checked now."""
     results = Path(results)
     saved = results / PROVENANCE_FILE
     if saved.is_file():

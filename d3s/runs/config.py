@@ -2,8 +2,8 @@
 
 Each section (top level, dataset, tiny, trainer) is converted by one parse of its whole mapping with
 transformers' ``HfArgumentParser`` of its dataclass, after a pre-pass only where that parser falls short
-(``pre-pass:`` below; docs/workflow.md, "How a setting travels"). Every error is one :class:`ConfigError`
-line naming the key, the value, where it came from and what to write instead.
+(``pre-pass:`` below; docs/workflow/checks.md, "How a setting travels"). Every error is one
+:class:`ConfigError` line naming the key, the value, where it came from and what to write instead.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ _RUN_DESCRIPTION = ("resolved_config.yaml", "manifest.json")
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     """The newest checkpoint a run can resume from: complete (Trainer's state and ours, written after every
-    rank finished), holding the training state, not cut to its weights (docs/gpu.md, "Resume")."""
+    rank finished), holding the training state, not cut to its weights (docs/gpu/resume.md)."""
     resumable = [
         path
         for path in Path(output_dir).glob("checkpoint-*")
@@ -122,7 +122,7 @@ def verified_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
 
 def cut_logs(output_dir: Path, metrics_log: str, last_step: int) -> None:
     """Cut the run's logs back to the checkpoint's step: the lines after it will be written again. (The logs
-    are not workflow outputs, so Snakemake never deletes them before a re-run: docs/workflow.md.)"""
+    are not workflow outputs, so Snakemake never deletes them before a re-run: docs/workflow/resume.md.)"""
     for name in (metrics_log, "anatomy.jsonl"):
         log = output_dir / name
         if log.is_file():

@@ -1,6 +1,6 @@
 """Deferred log-prob passes (``D3SConfig.defer_logprob_passes``): a dropped rollout costs only its generation
 and reward. While TRL scores, its log-prob passes get zero placeholders; after selection TRL's passes run on
-the kept rows and replace them (docs/fidelity.md, "Compute savings")."""
+the kept rows and replace them (docs/fidelity/trainer.md, "Compute savings")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The kept-token head (``D3SConfig.kept_token_logprobs``): with K < 1 the gradient pass projects through the
 LM head only at the kept tokens; unselected positions carry their no-gradient log-probability, so losses,
-metrics and gradients equal the masked computation (docs/fidelity.md, "Compute savings"). The selection loss
-calls ``kept_token_logps`` in place of TRL's log-prob pass (d3s/trainer.py)."""
+metrics and gradients equal the masked computation (docs/fidelity/trainer.md, "Compute savings"). The
+selection loss calls ``kept_token_logps`` in place of TRL's log-prob pass (d3s/trainer.py)."""
 
 from __future__ import annotations
 

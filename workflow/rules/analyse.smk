@@ -1,5 +1,5 @@
 # Stage 4: the provenance check, once, then the analysis notebooks (notebooks/*.ipynb), one rule each, run
-# with papermill on the logged files and provenance.json (docs/workflow.md, "Stages").
+# with papermill on the logged files and provenance.json (docs/workflow/stages.md).
 
 # papermill of the Python running Snakemake (works without an activated virtual environment)
 PAPERMILL = f"{sys.executable} -m papermill"
@@ -12,7 +12,7 @@ NB_PARAMS = (
     f"-p reference {ANALYSIS['reference']} -p target_fraction {ANALYSIS['target_fraction']} "
     f"-y '{json.dumps(NB_YAML)}'"
 )
-# a run's train_summary.json stands for its logs (docs/workflow.md, "The run logs are not declared outputs")
+# a run's train_summary.json stands for its logs (docs/workflow/resume.md, "The run logs are not declared outputs")
 RUN = "{method}/seed{seed}"
 RUNS = {"method": METHODS, "seed": SEEDS}
 TRAIN_SUMMARIES = expand(f"{RESULTS}/runs/{RUN}/train_summary.json", **RUNS)

@@ -1,7 +1,7 @@
 # Stage 3: `d3s eval` of every intermediate checkpoint and the final model of each run. eval.jobs picks the
 # jobs: `run` evaluates a run's models in one process (one start-up of torch and TRL per run: the CPU
 # testbed's cost), `model` one job per model (side by side on free GPUs; the paper configs). Only summary.json
-# files are declared, so a killed job resumes its samples (docs/workflow.md, "Evaluation resumes").
+# files are declared, so a killed job resumes its samples (docs/workflow/resume.md).
 EV = config["eval"]
 # the evaluation settings every job reads; eval.jobs only shapes the jobs (a change of it re-runs none)
 EV_PARAMS = {key: value for key, value in EV.items() if key != "jobs"}

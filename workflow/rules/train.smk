@@ -1,4 +1,4 @@
-# Stage 2: one RL run per (method, seed) with `d3s train`, on the CPU or on GPUs of its own (docs/gpu.md).
+# Stage 2: one RL run per (method, seed) with `d3s train`, on the CPU or on GPUs of its own (docs/gpu/launch.md).
 
 
 rule train:
@@ -8,7 +8,7 @@ rule train:
         config=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train.yaml",
         summary=f"{RESULTS}/runs/{{method}}/seed{{seed}}/train_summary.json",
         final=directory(f"{RESULTS}/runs/{{method}}/seed{{seed}}/final"),
-    # Checkpoints and logs are not outputs: a killed job resumes (docs/workflow.md, "The run logs ...").
+    # Checkpoints and logs are not outputs: a killed job resumes (docs/workflow/resume.md, "The run logs ...").
     params:
         model=model_param,
         variant=lambda wildcards: variant_of(wildcards.method).as_param(),  # the registry method, overrides
