@@ -551,6 +551,7 @@ def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
 
     model_path = save_tiny(tmp_path / "tiny")
     settings = dict(per_device_train_batch_size=4, num_generations=4, max_steps=1, bf16=False, use_cpu=True)
+    settings |= dict(logging_steps=1)  # the step's record is read below
     with pytest.raises(ValueError, match="answer_policy must be one of math_verify, last_boxed"):
         D3SConfig(output_dir=str(tmp_path / "bad"), answer_policy="first_box", **settings)
     assert D3SConfig(output_dir=str(tmp_path / "default"), **settings).answer_policy == "math_verify"
