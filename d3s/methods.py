@@ -38,7 +38,8 @@ class Method:
     # The adaptive method (D3S's first open question): cross-group selection until the gradient norm's spike
     # ratio exceeds this, then intra-group (d3s.selection.ScopeSwitch); 0: the scope never changes.
     scope_switch_threshold: float = 0.0
-    # TRL GRPOConfig fields the method needs (GSPO's sequence-level ratio and tiny clip range).
+    # TRL GRPOConfig fields the method needs (GSPO's sequence-level ratio and tiny clip range; the adaptive
+    # switch's record of every step). D3SConfig.for_method sets them; D3SConfig(method=...) refuses others.
     trl_settings: dict[str, Any] = field(default_factory=dict)
 
     def keep_per_prompt(self, num_generations: int) -> tuple[int, int]:
@@ -142,6 +143,7 @@ METHODS: dict[str, Method] = {
         **_CROSS_GROUP,
         **_D3S_SCHEDULE,
         scope_switch_threshold=ADAPTIVE_SWITCH_THRESHOLD,
+        trl_settings={"logging_steps": 1},  # the switch reads every step's gradient norm from the log
     ),
     "entropy_8020": Method(
         "80/20 rule (Beyond the 80/20 Rule, arXiv 2506.01939): gradients on the top 20 % "

@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import re
@@ -41,13 +42,13 @@ class GradeResult:
     correct: bool
     extracted: str | None  # the completion's answer as math-verify matched it, None if nothing found
     gold_parsed: bool  # False: the gold could not be parsed and the answer was not scored
-    timed_out: bool  # True: grading overran the time limit (counted as wrong)
-    seconds: float  # wall-clock time spent grading this answer
+    timed_out: bool  # True: grading overran the time limit, and again when graded once more (wrong)
+    seconds: float  # wall-clock time spent grading this answer (both tries where it overran once)
     error: str | None = None  # unexpected exception inside the grader (counted as wrong)
     gold_as_text: bool = False  # gold parsed only as a string (no math): compared by exact string match
-    # math_verify only: math-verify overran the time limit on the whole completion, so the verdict is the
-    # bounded reading's (docs/evaluation/grading.md, "Answer policy"); ``timed_out`` says whether that overran
-    # too
+    # math_verify only: math-verify's reading of the whole completion needed more than its work budget
+    # (MAX_READING_CANDIDATES), so the verdict is the bounded reading's
+    # (docs/evaluation/grading.md, "Answer policy"); a count, never a clock, decides it
     bounded: bool = False
     # the answer is an unevaluated expression copied from the prompt (:func:`copied_from_prompt`); False
     # when no prompt was given
@@ -88,9 +89,9 @@ def check_answer_policy(policy: str) -> AnswerPolicy:
 
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*")
 
-# The bounded readings (last_boxed, answer_tag, and math_verify where math-verify overruns its limit) are
-# bounded by what a completion holds: each distinct answer is parsed once, and answers no benchmark has
-# (longer than this, or more distinct boxes than this) are wrong without being parsed.
+# The bounded readings (last_boxed, answer_tag, and math_verify where math-verify's reading is over its work
+# budget, below) are bounded by what a completion holds: each distinct answer is parsed once, and answers
+# no benchmark has (longer than this, or more distinct boxes than this) are wrong without being parsed.
 MAX_ANSWER_CHARS = 1000
 MAX_DISTINCT_BOXES = 32
 # math-verify's normaliser (latex2sympy2_extended's extract_boxed_content, "last" mode) reads the boxes
@@ -100,6 +101,12 @@ CHAIN_GAP_CHARS = 10
 CHAIN_SEPARATED_GAP_CHARS = 70
 _CHAIN_SEPARATOR = re.compile(r"\b(?:and|or)\b|,|;")
 FALLBACK_TAIL_CHARS = 1000  # without a box or an anchor, the last expression is looked for here
+# math-verify's reading of a whole completion (the math_verify policy) under a work budget that is a count,
+# not a clock, so that a verdict is the same on every machine: at most this many distinct candidates parsed
+# (the same match read again is remembered, not parsed again); past it, the bounded reading grades the
+# completion. The real completions of ../shared/data/completions need at most 3 (docs/evaluation/grading.md,
+# "Answer policy").
+MAX_READING_CANDIDATES = 16
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ANCHOR = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*", re.IGNORECASE)
@@ -205,8 +212,10 @@ def _last_answer_tag(completion: str) -> str | None:
 def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True) -> str | None:
     """What math-verify parses as the completion's answer under ``policy`` (None: no answer, wrong): the
     bounded reading, one linear pass, each distinct answer parsed once; the rules, one example each:
-    docs/evaluation/grading.md. ``math_verify`` grades with it only where math-verify on the whole completion
-    overran the time limit. ``fallback=False``: ``answer_extraction="boxed_only"``."""
+    docs/evaluation/grading.md. ``math_verify`` grades with it only where math-verify's reading of the whole
+    completion is over its work budget (:data:`MAX_READING_CANDIDATES`); it then reads the boxes up to the
+    completion's last closing brace, as math-verify's box pattern does. ``fallback=False``:
+    ``answer_extraction="boxed_only"``."""
     if policy == "answer_tag":
         tag = _last_answer_tag(completion)
         if tag is not None:  # an empty or cut-off tag is no answer
@@ -218,7 +227,10 @@ def extract_answer(completion: str, policy: AnswerPolicy, fallback: bool = True)
 
 
 def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str | None:
-    contents = _box_contents(text)
+    # math-verify's box pattern (\boxed{.+}) ends at the text's last closing brace: a box opened after it
+    # (a loop cut off inside its last box) is not read, and the boxes before it are
+    boxed_text = text[: text.rfind("}") + 1] if policy == "math_verify" else text
+    contents = _box_contents(boxed_text)
     if contents:
         last = contents[-1]
         if last is None or not normalize_answer(last):
@@ -226,7 +238,7 @@ def _read_boxes_or_text(text: str, policy: AnswerPolicy, fallback: bool) -> str 
         if policy == "math_verify":
             # the boxes math-verify would read together; raw duplicates dropped first (a loop repeats the
             # same box), then normalised duplicates
-            unique = (normalize_answer(c) for c in dict.fromkeys(_box_chain(text)) if c is not None)
+            unique = (normalize_answer(c) for c in dict.fromkeys(_box_chain(boxed_text)) if c is not None)
             distinct = [answer for answer in dict.fromkeys(unique) if answer]
         else:
             distinct = [normalize_answer(last)]
@@ -318,23 +330,35 @@ def count_boxes(completion: str) -> int:
 _BOX_OPENING = "\\boxed{"
 
 
+def _find_delimiter(text: str, delimiter: str, start: int, escapable: bool) -> int:
+    """Index of the first ``delimiter`` in ``text`` at or after ``start``, -1 if none; with ``escapable``,
+    one right after a backslash is skipped (math-verify's patterns put ``(?<!\\\\)`` before it)."""
+    index = text.find(delimiter, start)
+    while escapable and index > 0 and text[index - 1] == "\\":
+        index = text.find(delimiter, index + 1)
+    return index
+
+
 def boxed_environment_possible(text: str) -> bool:
     """False only where math-verify's pattern for a box inside a math environment cannot match ``text``.
     Each of its five environments needs an opening delimiter, a ``\\boxed{`` after it and a closing
     delimiter after that: ``$$``/``\\[`` anywhere, ``$``, ``\\(`` and ``[`` on one line (their content
-    excludes newlines). Taking the first opening and the first box after it finds every such triple."""
+    excludes newlines); a ``$``, ``$$``, ``\\[``, ``\\]``, ``\\(`` or ``\\)`` right after a backslash
+    delimits nothing (``\\$`` is a dollar sign). Taking the first opening and the first box after it
+    finds every such triple."""
     for opening, closing in (("$$", "$$"), ("\\[", "\\]")):
-        start = text.find(opening)
+        start = _find_delimiter(text, opening, 0, escapable=True)
         box = text.find(_BOX_OPENING, start + len(opening)) if start >= 0 else -1
-        if box >= 0 and text.find(closing, box + len(_BOX_OPENING)) >= 0:
+        if box >= 0 and _find_delimiter(text, closing, box + len(_BOX_OPENING), escapable=True) >= 0:
             return True
     for line in text.split("\n"):
         if _BOX_OPENING not in line:
             continue
         for opening, closing in (("$", "$"), ("\\(", "\\)"), ("[", "]")):
-            start = line.find(opening)
+            escapable = opening != "["  # math-verify's " [...] " environment takes any "[" after a space
+            start = _find_delimiter(line, opening, 0, escapable)
             box = line.find(_BOX_OPENING, start + len(opening)) if start >= 0 else -1
-            if box >= 0 and line.find(closing, box + len(_BOX_OPENING)) >= 0:
+            if box >= 0 and _find_delimiter(line, closing, box + len(_BOX_OPENING), escapable) >= 0:
                 return True
     return False
 
@@ -366,6 +390,10 @@ def _with_boxed_environment_shortcut(regexes: list[tuple[list[Any], Any]]) -> li
     return wrapped
 
 
+class _OverBudget(Exception):
+    """math-verify's reading of a completion needs more than its work budget (MAX_READING_CANDIDATES)."""
+
+
 class _MathVerifyGrader:
     """Parses and verifies with math-verify; caches parsed gold. Not time-limited by itself."""
 
@@ -373,7 +401,7 @@ class _MathVerifyGrader:
         import logging
 
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-        from math_verify.parser import extract_target_from_pred, get_extraction_regexes
+        from math_verify.parser import extract_match, get_extraction_regexes
 
         # Our own wall-clock limit replaces math-verify's signal-based one; silence its warning.
         logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -385,7 +413,7 @@ class _MathVerifyGrader:
             else [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
         )
         self._fallback = answer_extraction == "boxed_first"
-        self._extract = extract_target_from_pred
+        self._extract_match = extract_match
         # TRL 1.16's trl.rewards.accuracy_reward, bit for bit: LaTeX only, an anchor required, units
         # normalised, the first match; the gold parsed by parse(sol) with math-verify's defaults
         from latex2sympy2_extended import NormalizationConfig
@@ -418,24 +446,74 @@ class _MathVerifyGrader:
                         break
         return parsed_golds
 
-    def _parse_whole(self, completion: str) -> list[Any]:
+    def _parse_whole(self, completion: str) -> list[Any] | None:
         """``parse(completion, pred_config)`` as math-verify 0.9.0 runs it (its defaults: "any_match",
         fallback "first_match", [] on any error), with the boxed-environment pattern searched only where
-        it can match (:func:`boxed_environment_possible`): the same result, without the backtracking."""
+        it can match (:func:`boxed_environment_possible`), each distinct candidate read once, and a work
+        budget: None where the reading needs more than :data:`MAX_READING_CANDIDATES` distinct candidates
+        (then the bounded reading grades it). Within the budget, the same result as ``parse``."""
         try:
-            return self._extract(
-                completion, self._pred_regexes, fallback_mode="first_match", extraction_mode="any_match"
-            )
+            return self._extract_within_budget(completion)
+        except _OverBudget:
+            return None
         except Exception:
             return []
 
-    def grade(
-        self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy, bounded: bool = False
-    ) -> dict[str, Any]:
+    def _extract_within_budget(self, pred: str) -> list[Any]:
+        """math-verify 0.9.0's ``extract_target_from_pred(pred, regexes, fallback_mode="first_match",
+        extraction_mode="any_match")``, line for line, but that a candidate whose match groups were read
+        before (a loop repeats the same text) is not parsed again (``extract_match`` is a function of the
+        groups that matched, so the result is the same), and that past the budget it raises _OverBudget.
+        Its order: priority groups from the lowest; in a group, matches by end position (rightmost first),
+        then start (leftmost first); the first that parses wins; the first non-empty string read is
+        appended as the fallback."""
+        all_patterns = [
+            (pattern, target_type, priority)
+            for target_patterns, target_type in self._pred_regexes
+            for pattern, priority in target_patterns
+        ]
+        extracted: list[Any] = []
+        fallbacks: list[str] = []
+        read: dict[tuple[int, tuple[tuple[str, str], ...]], tuple[Any, str]] = {}
+        for _, group in itertools.groupby(sorted(all_patterns, key=lambda x: x[2]), key=lambda x: x[2]):
+            matches = sorted(
+                (
+                    (match, match.start(), match.end(), target_type)
+                    for pattern, target_type, _ in group
+                    for match in pattern.finditer(pred)
+                ),
+                key=lambda x: (x[2], -x[1]),
+                reverse=True,
+            )
+            for match, _, _, target_type in matches:
+                key = (id(target_type), tuple((k, v) for k, v in match.groupdict().items() if v))
+                if key not in read:
+                    if len(read) >= MAX_READING_CANDIDATES:
+                        raise _OverBudget
+                    read[key] = self._extract_match(match, target_type)
+                extracted_match, str_fallback = read[key]
+                if str_fallback:
+                    fallbacks.append(str_fallback)
+                if extracted_match is not None:
+                    extracted.append(extracted_match)
+                    break
+            if extracted:
+                break
+        return extracted + fallbacks[:1]
+
+    def grade(self, completion: str, golds: tuple[str, ...], policy: AnswerPolicy) -> dict[str, Any]:
         """The fields of a GradeResult but ``timed_out`` and ``seconds``: a plain dict, so it pickles
-        across modules. ``math_verify`` is math-verify's own reading of the whole completion, or with
-        ``bounded`` (after it overran the time limit) the bounded reading (:func:`extract_answer`)."""
-        out = {"correct": False, "extracted": None, "gold_parsed": True, "error": None, "gold_as_text": False}
+        across modules. ``math_verify`` is math-verify's own reading of the whole completion, or where that
+        is over its work budget (``bounded``) the bounded reading (:func:`extract_answer`). Nothing here
+        depends on time: the same completion gets the same result on every machine."""
+        out = {
+            "correct": False,
+            "extracted": None,
+            "gold_parsed": True,
+            "error": None,
+            "gold_as_text": False,
+            "bounded": False,
+        }
         try:
             if policy == "trl":
                 return self._grade_trl(completion, golds, out)
@@ -443,9 +521,10 @@ class _MathVerifyGrader:
             if not parsed_golds:
                 return out | {"gold_parsed": False}
             out["gold_as_text"] = all(isinstance(item, str) for parsed in parsed_golds for item in parsed)
-            if policy == "math_verify" and not bounded:
-                pred = self._parse_whole(completion)  # verify(gold, parse(completion)): the field's call
-            else:
+            # verify(gold, parse(completion)): the field's call
+            pred = self._parse_whole(completion) if policy == "math_verify" else None
+            if pred is None:
+                out["bounded"] = policy == "math_verify"
                 answer_text = extract_answer(completion, policy, self._fallback)
                 if answer_text is None:  # an empty or cut-off last box (or answer tag): no answer
                     return out
@@ -481,7 +560,7 @@ class _MathVerifyGrader:
 
 
 def _worker_main(fd: int, answer_extraction: AnswerExtraction) -> None:
-    """Loop of the grading subprocess: receive (completion, golds, policy, bounded), send the grade."""
+    """Loop of the grading subprocess: receive (completion, golds, policy), send the grade."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))  # deeply nested LaTeX
     grader = _MathVerifyGrader(answer_extraction)
     conn = Connection(fd)
@@ -511,7 +590,7 @@ class _WorkerProcess:
         child.close()
         self.started_at = time.perf_counter()
         self.ready = False
-        self.job: tuple[int, float] | None = None  # (job index, start time) of the answer being graded
+        self.job: tuple[int, float, float] | None = None  # (job index, start time, limit) being graded
 
     def kill(self) -> None:
         self.conn.close()
@@ -519,36 +598,43 @@ class _WorkerProcess:
         self.process.wait()
 
 
-# One grading job: (completion, golds, policy, bounded: math_verify's bounded reading after an overrun).
-_Job = tuple[str, tuple[str, ...], AnswerPolicy, bool]
+# One grading job: (completion, golds, policy).
+_Job = tuple[str, tuple[str, ...], AnswerPolicy]
 
 
 class Grader(contextlib.AbstractContextManager):
     """Grades answers in ``num_workers`` persistent subprocesses, each under ``time_limit`` s (None: in
-    process, unlimited, for debugging). Thread-safe; one per process (:func:`default_grader` after a fork)."""
+    process, unlimited, for debugging). An answer that overruns it is graded once more, the same way, in a
+    fresh worker under ``retry_time_limit`` s (None: ``time_limit``); overrunning that too, it is wrong
+    (``timed_out``). The grading itself never looks at a clock, so a verdict does not depend on the limit
+    it ran under unless both tries overran. Thread-safe; one per process (:func:`default_grader` after a
+    fork)."""
 
     def __init__(
         self,
         num_workers: int = 1,
         time_limit: float | None = DEFAULT_TIME_LIMIT_S,
         answer_extraction: AnswerExtraction = "boxed_first",
+        retry_time_limit: float | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if time_limit is not None and time_limit <= 0:
-            raise ValueError(f"time_limit must be positive seconds or None, got {time_limit}")
+        for name, limit in (("time_limit", time_limit), ("retry_time_limit", retry_time_limit)):
+            if limit is not None and limit <= 0:
+                raise ValueError(f"{name} must be positive seconds or None, got {limit}")
         if answer_extraction not in get_args(AnswerExtraction):
             raise ValueError(
                 f"answer_extraction must be 'boxed_first' or 'boxed_only', got {answer_extraction!r}"
             )
         self.num_workers = num_workers
         self.time_limit = time_limit
+        self.retry_time_limit = retry_time_limit or time_limit
         self.answer_extraction: AnswerExtraction = answer_extraction
         self._workers: list[_WorkerProcess] = []
         self._inline: _MathVerifyGrader | None = None
         self._lock = threading.Lock()
         self._owner_pid = os.getpid()
-        self.timeouts = 0  # answers that overran the limit since construction
+        self.timeouts = 0  # overruns of the limit since construction (an answer's retry counts again)
         self.restarts = 0  # workers killed and replaced
 
     def grade(self, completion: str, gold: Gold, policy: AnswerPolicy = DEFAULT_ANSWER_POLICY) -> GradeResult:
@@ -572,10 +658,10 @@ class Grader(contextlib.AbstractContextManager):
             raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
         policies = tuple(dict.fromkeys(check_answer_policy(p) for p in policies))
         pairs = [(str(c), normalize_gold(g)) for c, g in zip(completions, golds, strict=True)]
-        jobs = [(c, g, policy, False) for policy in policies for c, g in pairs]
+        jobs = [(c, g, policy) for policy in policies for c, g in pairs]
         # a box around a plain integer after a chain of sums (the synthetic task) needs no parser: the same
         # verdict, read here (d3s/integer_answers.py); every other answer goes to math-verify
-        read_here = [_graded_here(*job[:3]) for job in jobs]
+        read_here = [_graded_here(*job) for job in jobs]
         parsed_jobs = [job for job, result in zip(jobs, read_here, strict=True) if result is None]
         with self._lock:
             if os.getpid() != self._owner_pid:
@@ -613,10 +699,9 @@ class Grader(contextlib.AbstractContextManager):
         return results
 
     def _grade_in_workers(self, jobs: list[_Job]) -> list[GradeResult]:
-        assert self.time_limit is not None
+        assert self.time_limit is not None and self.retry_time_limit is not None
         results: list[GradeResult] = [None] * len(jobs)  # type: ignore[list-item]
-        jobs = list(jobs)  # a math_verify job that overruns comes back as its bounded reading
-        overrun_s = [0.0] * len(jobs)  # seconds math-verify spent before it was cut off
+        overrun_s: list[float | None] = [None] * len(jobs)  # seconds of the first try, where it overran
         pending = list(range(len(jobs)))[::-1]  # popped from the end
         while len(self._workers) < self.num_workers:
             self._workers.append(_WorkerProcess(self.answer_extraction))
@@ -630,12 +715,12 @@ class Grader(contextlib.AbstractContextManager):
                         pending.append(index)
                         self._replace(slot)
                         continue
-                    worker.job = (index, time.perf_counter())
+                    limit = self.time_limit if overrun_s[index] is None else self.retry_time_limit
+                    worker.job = (index, time.perf_counter(), limit)
             # Wait for an answer, a deadline, or a (re)starting worker; start-up is charged to no answer.
             watched = [w for w in self._workers if w.job or not w.ready]
             deadlines = [
-                w.job[1] + self.time_limit if w.job else w.started_at + WORKER_START_TIMEOUT_S
-                for w in watched
+                w.job[1] + w.job[2] if w.job else w.started_at + WORKER_START_TIMEOUT_S for w in watched
             ]
             readable = wait([w.conn for w in watched], max(0.0, min(deadlines) - time.perf_counter()))
             now = time.perf_counter()
@@ -650,26 +735,22 @@ class Grader(contextlib.AbstractContextManager):
                     worker.kill()
                     raise RuntimeError(f"grading worker did not start within {WORKER_START_TIMEOUT_S:.0f} s")
                 elif worker.job and worker.conn in readable:
-                    (index, start), worker.job = worker.job, None
-                    seconds, bounded = overrun_s[index] + now - start, jobs[index][3]
+                    (index, start, _), worker.job = worker.job, None
+                    seconds = (overrun_s[index] or 0.0) + now - start
                     try:
-                        outcome = worker.conn.recv()
-                        result = GradeResult(**outcome, timed_out=False, seconds=seconds, bounded=bounded)
+                        results[index] = GradeResult(**worker.conn.recv(), timed_out=False, seconds=seconds)
                     except (EOFError, OSError):  # died (out of memory, killed): counted wrong, replaced
-                        result = GradeResult(False, None, True, False, seconds, "grading worker died")
+                        results[index] = GradeResult(False, None, True, False, seconds, "grading worker died")
                         self._replace(slot)
-                    results[index] = result
-                elif worker.job and now - worker.job[1] >= self.time_limit:
-                    (index, start), worker.job = worker.job, None
+                elif worker.job and now - worker.job[1] >= worker.job[2]:
+                    (index, start, _), worker.job = worker.job, None
                     self.timeouts += 1
-                    completion, golds, policy, bounded = jobs[index]
-                    if policy == "math_verify" and not bounded:  # graded again by the bounded reading
-                        jobs[index] = (completion, golds, policy, True)
+                    if overrun_s[index] is None:  # graded once more, the same way, in a fresh worker
                         overrun_s[index] = now - start
                         pending.append(index)
                     else:
-                        seconds = overrun_s[index] + now - start
-                        results[index] = GradeResult(False, None, True, True, seconds, bounded=bounded)
+                        seconds = (overrun_s[index] or 0.0) + now - start
+                        results[index] = GradeResult(False, None, True, True, seconds)
                     self._replace(slot)
         return results
 

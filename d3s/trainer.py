@@ -20,6 +20,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import get_config_model_id
 
 from d3s import trl_contract
 from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
@@ -63,6 +64,13 @@ def scoring_mismatch(expected: list[str], ran: list[str]) -> str:
         f"SCORING_PASSES (TRL {trl_contract.TRL_VERSION}) expects {expected}: install "
         f"trl=={trl_contract.TRL_VERSION}, or port SCORING_PASSES and D3STrainer._trl_runs_pass"
     )
+
+
+def default_config(model: Any) -> D3SConfig:
+    """The config D3STrainer builds when given none: GRPOTrainer's (trl 1.16, ``GRPOTrainer.__init__``),
+    ``GRPOConfig(f"{model_name}-GRPO")``, as a D3SConfig of method grpo, so every TRL default holds."""
+    name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return D3SConfig(f"{name.split('/')[-1]}-GRPO")
 
 
 @dataclass
@@ -314,6 +322,8 @@ class D3STrainer(
         # GRPOTrainer's arguments by name: accuracy_reward is graded under args.answer_policy.
         call = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = call.arguments.get("args")
+        if config is None:  # as GRPOTrainer: its default config (method grpo: TRL's defaults, all of them)
+            config = call.arguments["args"] = default_config(call.arguments["model"])
         if not isinstance(config, D3SConfig):
             raise TypeError(f"D3STrainer needs a D3SConfig, got {type(config).__name__}")
         reward_funcs = call.arguments.get("reward_funcs")

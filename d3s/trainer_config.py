@@ -54,7 +54,8 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "scope_switch_threshold": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
     "num_generations": (lambda v: v >= 2, ">= 2 (GRPO needs two rollouts per prompt for an advantage)"),
-    "num_generations_eval": (lambda v: v >= 2, ">= 2"),
+    # TRL samples num_generations_eval completions per prompt in evaluation, 1 included (no selection there)
+    "num_generations_eval": (lambda v: v >= 1, ">= 1"),
     "max_steps": (lambda v: v >= 1 or v == -1, ">= 1, or -1 to train for num_train_epochs"),
     "temperature": (lambda v: v > 0, "> 0 (rollouts must be sampled)"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -156,7 +157,6 @@ class D3SConfig(GRPOConfig):
         "False: an answer copied unevaluated from the prompt (\\boxed{12+7-3} for 16) gets reward 0 "
         "(d3s.rewards.copied_from_prompt); True: math-verify's verdict.",
     )
-    logging_steps: float = _option(1, "Log every step (TRL: 10); the analysis reads per-step metrics.")
     full_state_checkpoints: str = _option(
         "all", "Checkpoints keeping the training state: all, or the newest.", FULL_STATE_CHECKPOINTS
     )

@@ -56,8 +56,8 @@ def main() -> None:
             "answers": len(completions),
             "workers": WORKERS,
             "timeouts": sum(result.timed_out for result in results),
-            # math_verify: an overrun of math-verify is graded again by the bounded reading, which may
-            # overrun too; every overrun restarts its worker
+            # an answer that overruns is graded once more in a fresh worker and is timed out when that
+            # overruns too; every overrun restarts its worker
             "overruns": overruns,
             "restarts": restarts,
             "seconds": batch_seconds,

@@ -87,6 +87,7 @@ def main(model_path: str, method: str, out_dir: str) -> None:
         gradient_checkpointing=False,
         learning_rate=1e-3,
         seed=0,
+        logging_steps=1,  # every step's loss is compared
     )
     rows = [
         {"prompt": p.prompt, "answer": p.answer} for p in arithmetic_problems(100, max_ops=1, max_operand=9)

@@ -1,7 +1,7 @@
-"""The ``math_verify`` policy against math-verify itself as the oracle: ``verify(gold, parse(completion))``
-on real completions (../shared/data/completions) and on generated ones. Every difference fails; where the
-oracle overruns the time limit (the policy then applies its bounded reading), the completion is counted
-instead. Both sides get the same parsed gold: what is under test is the reading of the completion."""
+"""The ``math_verify`` policy against math-verify itself as the oracle: ``verify(gold, parse(completion))`` on
+real completions (../shared/data/completions) and on generated ones. Every difference fails; where the oracle
+overruns the time limit, the completion is counted instead. Both sides get the same parsed gold: what is under
+test is the reading of the completion."""
 
 from __future__ import annotations
 

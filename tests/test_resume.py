@@ -192,6 +192,7 @@ def test_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path, tiny_sf
         save_strategy="steps",
         save_steps=1,
         learning_rate=1e-3,
+        logging_steps=1,  # the NaN guard reads the NaN step's record
     )
     rows = [
         {"prompt": p.prompt, "answer": p.answer} for p in arithmetic_problems(50, max_ops=1, max_operand=9)

@@ -267,7 +267,7 @@ def test_time_limit_from_non_main_threads() -> None:
     assert not thread.is_alive()
     assert results["right"].correct  # type: ignore[attr-defined]
     assert results["hang"].timed_out and not results["hang"].correct  # type: ignore[attr-defined]
-    # math-verify's reading and the bounded one each overran: each cost the limit, not more
+    # the answer and its second try each overran: each cost the limit, not more
     assert 2 * LIMIT_S <= results["hang"].seconds < 2 * LIMIT_S + 1.0  # type: ignore[attr-defined]
 
 
@@ -337,7 +337,7 @@ def test_make_accuracy_reward_uses_its_grader() -> None:
         reward = rewards.make_accuracy_reward(pool)
         assert reward.__name__ == "accuracy_reward"
         assert reward(completions=[r"\boxed{1}", HANGING[0]], answer=["1", "1"], prompts=None) == [1.0, 0.0]
-        assert pool.timeouts == 2  # math-verify's reading, then the bounded one
+        assert pool.timeouts == 2  # the answer, then its second try in a fresh worker
 
 
 def test_accuracy_reward_on_a_batch_of_the_tiny_task() -> None:
@@ -439,7 +439,8 @@ def test_bounded_reading_follows_math_verify_box_chain() -> None:
 # A loop after an unclosed "$": math-verify's pattern for a box in a math environment backtracks for
 # seconds on it before finding nothing; the policy searches it only where it can match (the same result).
 UNCLOSED_LOOP = "So $x = 12$ and the answer is $ " + " ".join([r"\boxed{\frac{24}{2}}"] * 300)
-# The same loop closed by an escaped "\$": the pattern could match, so math-verify runs it and overruns.
+# The same loop followed by an escaped "\$", a dollar sign that closes no environment: the pattern cannot
+# match either (24 s of backtracking in math-verify before issue 57, past any time limit).
 ESCAPED_LOOP = "So the answer is $ " + " ".join([r"\boxed{\frac{24}{2}}"] * 300) + r" \$"
 
 
@@ -449,13 +450,23 @@ def test_loop_after_unclosed_dollar_is_read_by_math_verify_fast(grader: Grader) 
     assert result.correct and not result.bounded and not result.timed_out and result.seconds < LIMIT_S
 
 
-def test_math_verify_overrun_gets_the_bounded_reading(grader: Grader) -> None:
+def test_loop_before_an_escaped_dollar_is_read_by_math_verify_fast(grader: Grader) -> None:
+    assert not rewards.boxed_environment_possible(ESCAPED_LOOP)
+    assert rewards.boxed_environment_possible(ESCAPED_LOOP + " $")  # an unescaped "$" closes it
     before = grader.timeouts
     result = grader.grade(ESCAPED_LOOP, "12", "math_verify")
-    assert result.bounded and result.correct and not result.timed_out  # the boxes are one repeated answer
-    assert result.seconds >= LIMIT_S and grader.timeouts == before + 1
-    inline = Grader(time_limit=None).grade(r"$\boxed{3} or \boxed{4}$", "4")  # no limit: never bounded
-    assert not inline.bounded and not inline.correct
+    assert result.correct and not result.bounded and not result.timed_out and result.seconds < LIMIT_S
+    assert grader.timeouts == before
+
+
+def test_overrun_is_graded_again_then_wrong(grader: Grader) -> None:
+    # Under any policy: a second try in a fresh worker, the same reading; both overran, so it is wrong.
+    before = grader.timeouts
+    results = grader.grade_many_by_policy([HANGING[0]], ["1"], ("math_verify", "last_boxed"))
+    for policy, (result,) in results.items():
+        assert result.timed_out and not result.correct and not result.bounded, policy
+        assert result.seconds >= 2 * LIMIT_S, policy
+    assert grader.timeouts == before + 2 * len(results)
 
 
 def test_last_boxed_answer_extraction() -> None:
@@ -497,7 +508,7 @@ def test_module_grade_takes_a_policy() -> None:
 
 def test_both_policies_under_the_time_limit_and_inline(grader: Grader) -> None:
     completions = [HANGING[0], r"\boxed{9} no \boxed{5}"]  # a power tower hangs under both policies
-    results = grader.grade_many_by_policy(completions, ["5"] * 2)
+    results = grader.grade_many_by_policy(completions, ["5"] * 2, rewards.BOXED_POLICIES)
     assert [r.timed_out for r in results["math_verify"]] == [True, False]
     assert [r.timed_out for r in results["last_boxed"]] == [True, False]
     assert [r.correct for r in results["last_boxed"]] == [False, True]
@@ -541,6 +552,7 @@ def test_trainer_grades_with_its_answer_policy(tmp_path: Path) -> None:
 
     model_path = save_tiny(tmp_path / "tiny")
     settings = dict(per_device_train_batch_size=4, num_generations=4, max_steps=1, bf16=False, use_cpu=True)
+    settings |= dict(logging_steps=1)  # the step's record is read below
     with pytest.raises(ValueError, match="answer_policy must be one of math_verify, last_boxed"):
         D3SConfig(output_dir=str(tmp_path / "bad"), answer_policy="first_box", **settings)
     assert D3SConfig(output_dir=str(tmp_path / "default"), **settings).answer_policy == "math_verify"

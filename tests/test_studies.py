@@ -154,7 +154,7 @@ def test_the_adaptive_method_is_d3s_with_the_switch():
     ("overrides", "message"),
     [
         ({"sample_scope": "group"}, "needs a sample_rule and sample_scope batch"),
-        ({"logging_steps": 2}, "set logging_steps: 1"),
+        ({"logging_steps": 2}, "needs logging_steps=1"),
         ({"scope_switch_threshold": 0.5}, "scope_switch_threshold must be 0 .off. or > 1"),
     ],
 )

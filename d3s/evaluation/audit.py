@@ -132,8 +132,9 @@ def policy_disagreement_row(
         disagree_pct=f"{100.0 * counted['disagree'] / completions:.2f}" if completions else "",
         math_verify_only_correct=counted[f"{first}_only_correct"],
         last_boxed_only_correct=counted[f"{second}_only_correct"],
-        # every overrun: math-verify's on math_verify (then read bounded) and the final verdict's
-        timeouts=sum(r.timed_out or r.bounded for policy in BOXED_POLICIES for r in grades[policy]),
+        # answers whose grading overran the time limit twice (wrong); an answer read bounded (math-verify's
+        # reading past its work budget) is graded, not an overrun
+        timeouts=sum(r.timed_out for policy in BOXED_POLICIES for r in grades[policy]),
     )
     for (item_id, completion, gold), a, b in zip(items, grades[first], grades[second], strict=True):
         if a.correct != b.correct and len(row.examples) < examples:

@@ -13,6 +13,9 @@ from d3s.runs.config import TinyOptions, check_model_dir, coerce_run_config
 
 # The tiny model's head dim for vLLM on the CPU (d3s.tiny_model.HEADS_BY_HEAD_DIM).
 VLLM_CPU_HEAD_DIM = 32
+# Trainer defaults of every `d3s train` run (D3SConfig keeps TRL's): a record of every step in
+# metrics.jsonl, which the analysis, the resume's log cut and the NaN guard read.
+RUN_DEFAULTS: dict[str, Any] = {"logging_steps": 1}
 # Trainer defaults that differ from TRL's because they matter on CPU or for reproducibility.
 CPU_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
@@ -37,7 +40,7 @@ def resolve_config(config: dict[str, Any], *, check_hardware: bool = True, check
     config = coerce_run_config(config)  # once: a parsed RunConfig is returned as is
     method = config.get("method", "grpo")
     use_cpu = not torch.cuda.is_available()
-    settings = {**CPU_DEFAULTS, "use_cpu": use_cpu} if use_cpu else {"report_to": "none"}
+    settings = RUN_DEFAULTS | ({**CPU_DEFAULTS, "use_cpu": use_cpu} if use_cpu else {"report_to": "none"})
     output_dir = str(config.get("output_dir", f"runs/{method}"))
     settings |= {"seed": int(config.get("seed", 0)), "output_dir": output_dir} | (config.get("trainer") or {})
     if check_hardware:

@@ -14,6 +14,7 @@
                                   # never: start over (the old run's checkpoints and logs are moved aside to
                                   # output_dir/superseded-<UTC time>-resume-never/, never deleted)
     trainer: {max_steps: 20, per_device_train_batch_size: 16, num_generations: 8, ...}  # any D3SConfig field
+                                  # (TRL's defaults, but logging_steps: 1, a metrics.jsonl record every step)
 
 Everything is validated (method, trainer fields, batch geometry) before a model is loaded.
 """
