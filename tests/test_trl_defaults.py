@@ -95,7 +95,8 @@ ONE_STEP = dict(
     save_strategy="no",
     seed=0,
 )
-# Keys D3STrainer logs beyond GRPOTrainer's: its selection, schedule and grading metrics (docs/fidelity/options.md).
+# Keys D3STrainer logs beyond GRPOTrainer's: its selection, schedule and grading metrics
+# (docs/fidelity/options.md).
 D3S_KEY_PREFIXES = ("selection/", "schedule/", "reward/copied_fraction")
 
 
