@@ -27,7 +27,7 @@ def _parsed(completion: str, gold: str, policy: str) -> dict:
     }
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(completion=st.from_regex(COMPLETION, fullmatch=True), gold=golds, policy=st.sampled_from(POLICIES))
 def test_every_completion_read_here_gets_math_verifys_grade(completion, gold, policy):
     read = integer_grade(completion, (gold,), policy)

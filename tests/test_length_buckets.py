@@ -74,7 +74,7 @@ def tiny_model():
     return build_model(build_tokenizer(), seed=0)
 
 
-@settings(deadline=None, max_examples=20)
+@settings(deadline=None, max_examples=10)
 @given(lengths=lengths, bucket_rows=st.integers(1, 13))
 def test_bucketed_pass_equals_one_padded_pass(tiny_model, lengths, bucket_rows):
     prompts, completions = lengths
