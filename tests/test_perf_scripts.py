@@ -95,6 +95,14 @@ def test_quick_run_writes_results(name: str, tmp_path: Path, monkeypatch: pytest
     rows = [row for row in record["rows"] if "seconds" in row or "step_s" in row]
     main = [row for row in rows if SCRIPTS[name] <= set(row)]
     assert main, f"no row has {sorted(SCRIPTS[name])}: {rows[0]}"
+    if name == "step_breakdown":  # --quick: d3s's step, the evaluation job, the imports
+        parts = {row["part"] for row in main}
+        assert parts == {"d3s step", "evaluation job", "start-up"}
+        step = {row["phase"]: row for row in main if row["part"] == "d3s step"}
+        assert step["whole step"]["seconds"] > 0 and step["generation"]["seconds"] > 0
+        assert 0 < step["generation"]["floor_s"] < step["generation"]["seconds"]  # a floor is below the work
+        assert step["backward"]["floor_s"] == pytest.approx(2 * step["loss forward"]["floor_s"])
+        return
     if name == "end_to_end_step":
         assert {row["method"] for row in main} == {"grpo", "d3s"}
         for row in main:  # the phases split the step; the counters saw the passes

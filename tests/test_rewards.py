@@ -196,23 +196,25 @@ def test_adversarial_inputs_return_within_the_limit(grader: Grader) -> None:
     assert grader.grade(r"\boxed{5}", "5").correct
 
 
+# Answers that go to the workers: words before the box (a bare integer box is read without them,
+# d3s/integer_answers.py)
 def test_worker_killed_while_idle_is_replaced() -> None:
     with Grader(time_limit=LIMIT_S) as fresh:
-        assert fresh.grade(r"\boxed{1}", "1").correct
+        assert fresh.grade(r"so \boxed{1}", "1").correct
         fresh._workers[0].process.kill()
         fresh._workers[0].process.wait()
-        assert fresh.grade(r"\boxed{2}", "2").correct
+        assert fresh.grade(r"so \boxed{2}", "2").correct
         assert fresh.restarts == 1
 
 
 def test_worker_dying_mid_answer_is_replaced_and_results_keep_their_order() -> None:
     # A worker killed while it grades (out of memory, a crash): that answer is wrong with an error, the
     # answers around it, which the other worker finishes first, come back in their places.
-    completions = [rf"\boxed{{{i}}}" for i in range(8)]
+    completions = [rf"so \boxed{{{i}}}" for i in range(8)]
     completions[3] = HANGING[0]
     golds = [str(i) for i in range(8)]
     with Grader(num_workers=2, time_limit=LIMIT_S) as fresh:
-        fresh.grade_many([r"\boxed{1}"] * 2, ["1"] * 2)  # start both workers
+        fresh.grade_many([r"so \boxed{1}"] * 2, ["1"] * 2)  # start both workers
         graded: list[list[rewards.GradeResult]] = []
         thread = threading.Thread(
             target=lambda: graded.append(fresh.grade_many(completions, golds, "last_boxed"))
