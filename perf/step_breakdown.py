@@ -7,9 +7,9 @@
 The trainer is the default's (config/config.yaml through the workflow's own run config and ``d3s train``'s
 resolution), instrumented from outside. A phase's floor is its arithmetic at this machine's matrix rate,
 measured here on the model's own layer shapes (2 x weights x real tokens, x 3 with the backward), or the same
-work in one batched call (the optimizer: one AdamW step over one flat tensor; start-up: importing torch
-alone). The evaluation job is the default's on the trained d3s model (``eval``: 200 problems x 8 samples), in
-this process.
+work in one batched call (the optimizer: one AdamW step over one flat tensor; start-up: importing torch and
+transformers alone). The evaluation job is the default's on the trained d3s model (``eval``: 200 problems x 8
+samples), in this process.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ PHASES = (
     "optimizer",
     "logging",
 )
-IMPORTS = {  # process start-up: what a job imports, and the floor (torch and the model's module)
-    "training job": "import d3s.runs.run, d3s.trainer",
-    "evaluation job": "import d3s.evaluation.cli, d3s.orchestration.evaluation_job",
-    "floor": "import torch",
+HIDE_VLLM = "from d3s.vllm_engine import keep_vllm_out_of_this_process; keep_vllm_out_of_this_process(); "
+IMPORTS = {  # process start-up: what a job imports as it runs (vLLM hidden, as CPU jobs do), and the floor
+    "training job": HIDE_VLLM + "import d3s.orchestration.training_job, d3s.runs.run, d3s.trainer",
+    "evaluation job": HIDE_VLLM + "import d3s.orchestration.evaluation_job, d3s.evaluation.cli, transformers",
+    "floor": "import torch, transformers",  # the model's library, which every job needs
 }
 
 
@@ -314,7 +315,7 @@ def main() -> None:
         rows.append(
             {
                 "part": "start-up",
-                "phase": f"imports of a {name}",
+                "phase": f"imports: {name}",
                 "seconds": imports[name],
                 "floor_s": imports["floor"],
                 "step_s": None,
