@@ -11,7 +11,8 @@ accumulated gradient, is always a real backward.
 Exactness: a micro-batch's loss divides its terms by a normaliser of its own rows (the rows or tokens it
 counts, docs/fidelity/trainer.md), so packing would change the weights of the rows. Each row carries the scale
 its unpacked micro-batch gave it (``LOSS_ROW_SCALE``, from d3s/objective.py ``loss_row_scale``), so the step's
-gradient is the unpacked sum in another order, for every loss type. Pure dict and tensor code, no TRL.
+gradient is the unpacked sum in another order, for every loss type. The functions are pure dict and tensor
+code; ``PackedMicroBatches`` is the trainer's side (a mixin of D3STrainer, before GRPOTrainer in its MRO).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers.utils import logging
+
+from d3s.objective import loss_row_scale
+
+logger = logging.get_logger(__name__)
 
 EMPTY = "packed_away"  # the key of an empty slot: its rows went to a later micro-batch of the step
 LOSS_ROW_SCALE = "loss_row_scale"  # per row: the loss's normaliser in the row's unpacked micro-batch
@@ -111,3 +117,67 @@ def pack_generation_batch(
     for start in range(0, len(slots), accumulation):
         packed += pack_step(slots[start : start + accumulation], rows_per_micro_batch, row_scale)
     return packed
+
+
+class PackedMicroBatches:
+    """D3STrainer's packing: each optimizer step's micro-batches packed, once TRL cut a generation batch."""
+
+    def _setup_packing(self) -> None:
+        """Whether this run packs: the selection loss, ``pack_micro_batches``, and nothing that blocks it."""
+        blocker = self._packing_blocker() if self.owns_loss and self.args.pack_micro_batches else None
+        if blocker:  # one line, and docs/fidelity/trainer.md says so
+            logger.warning("pack_micro_batches is off: %s", blocker)
+        self.packs_micro_batches = self.owns_loss and self.args.pack_micro_batches and blocker is None
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's micro-batch of this step; once TRL split a new generation batch, its micro-batches packed."""
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.packs_micro_batches and self.model.training and self._buffered_inputs is not before:
+            self._buffered_inputs = pack_generation_batch(
+                self._buffered_inputs,
+                self.args.gradient_accumulation_steps,
+                self.args.per_device_train_batch_size,
+                self._unpacked_row_scale,
+            )
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _unpacked_row_scale(self, micro_batch: dict) -> torch.Tensor:
+        """Each row's loss normaliser in TRL's (unpacked) micro-batch, which packing keeps: exact packing."""
+        valid, rows_counted, _ = self._loss_rows(micro_batch)
+        token_mask = micro_batch.get("token_mask")
+        kept = valid if token_mask is None else valid * token_mask
+        return loss_row_scale(
+            self.objective,
+            self.objective.loss_mask(valid, kept),
+            rows_counted,
+            self.args.gradient_accumulation_steps,
+            self._dapo_denominator(micro_batch),
+        )
+
+    def _empty_micro_batch_loss(self) -> torch.Tensor:
+        """The loss of a slot packing emptied: zero, no forward, a backward that reaches no weight. The last
+        micro-batch of a step is never empty (DDP all-reduces in its backward); if it were, rows were lost."""
+        if self.accelerator.sync_gradients:
+            raise RuntimeError(
+                "packing left the last micro-batch of an optimizer step empty: set pack_micro_batches: false "
+                "and report the geometry (steps_per_generation, gradient_accumulation_steps)"
+            )
+        return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+
+    def _packing_blocker(self) -> str | None:
+        """Why this run trains TRL's micro-batches although packing is on; None when it packs."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+            return (
+                f"{engine} counts the micro-steps of its accumulation boundary itself, and an empty "
+                "micro-step with no backward would shift it"
+            )
+        if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
+            return (
+                f"steps_per_generation ({self.args.steps_per_generation}) is not a multiple of "
+                f"gradient_accumulation_steps ({self.args.gradient_accumulation_steps}): an optimizer step "
+                "spans generation batches"
+            )
+        return None

@@ -11,9 +11,9 @@ importance-sampling.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -418,3 +418,8 @@ class ScopeSwitch:
 
     def scope(self, grad_norms: Sequence[float]) -> SampleScope:
         return "group" if self.switched(grad_norms) else "batch"
+
+    def scope_from_log(self, log_history: Sequence[Mapping[str, Any]]) -> SampleScope:
+        """The scope after the optimizer steps of a trainer's log (TrainerState.log_history, restored on
+        resume): its records with a gradient norm, oldest first."""
+        return self.scope([record["grad_norm"] for record in log_history if "grad_norm" in record])

@@ -17,18 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
 from d3s import trl_contract
 from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
 from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
 from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
-from d3s.length_buckets import bucketed_pass
-from d3s.objective import loss_row_scale, selection_loss
-from d3s.packing import LOSS_ROW_SCALE, is_empty, pack_generation_batch
+from d3s.logprob_passes import TrlLogprobPasses
+from d3s.objective import selection_loss
+from d3s.packing import LOSS_ROW_SCALE, PackedMicroBatches, is_empty
 from d3s.rewards import bind_answer_policy
 from d3s.rows import keep_rows, loss_mask, valid_tokens
 from d3s.savings import DeferredLogprobPasses
@@ -43,27 +41,9 @@ from d3s.selection import (
 )
 from d3s.trainer_config import D3SConfig
 from d3s.trainer_metrics import SelectionMetrics
-from d3s.vllm_engine import (
-    check_vllm_without_cuda,
-    engine_options,
-    use_a_free_rendezvous_port,
-    use_exact_cpu_weight_sync,
-)
+from d3s.vllm_engine import building_engine, use_exact_cpu_weight_sync
 
 __all__ = ["D3SConfig", "D3STrainer"]
-
-logger = logging.get_logger(__name__)
-
-
-def scoring_mismatch(expected: list[str], ran: list[str]) -> str:
-    """The error of a TRL whose scoring ran other log-prob passes than d3s/trl_contract.py expects."""
-    import trl
-
-    return (
-        f"TRL {trl.__version__} ran the log-prob passes {ran} while scoring where d3s/trl_contract.py "
-        f"SCORING_PASSES (TRL {trl_contract.TRL_VERSION}) expects {expected}: install "
-        f"trl=={trl_contract.TRL_VERSION}, or port SCORING_PASSES and D3STrainer._trl_runs_pass"
-    )
 
 
 def default_config(model: Any) -> D3SConfig:
@@ -94,12 +74,21 @@ class HookState:
 
 
 class D3STrainer(
-    SelectionMetrics, DeferredLogprobPasses, CheckpointSaveErrors, GRPOTrainer, CpuRanksOptimizerLoad
+    SelectionMetrics,
+    DeferredLogprobPasses,
+    TrlLogprobPasses,
+    PackedMicroBatches,
+    CheckpointSaveErrors,
+    GRPOTrainer,
+    CpuRanksOptimizerLoad,
 ):
     """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask.
 
-    CpuRanksOptimizerLoad, a transformers.Trainer subclass, comes after GRPOTrainer: in the MRO it sits
-    between GRPOTrainer and Trainer, so GRPOTrainer's own checkpoint load runs and calls it."""
+    The mixins before GRPOTrainer: the step's metrics (d3s/trainer_metrics.py), the deferred log-prob passes
+    (d3s/savings/deferred.py), TRL's log-prob passes and the scoring seam (d3s/logprob_passes.py), packing
+    (d3s/packing.py), a full disk at a checkpoint (d3s/callbacks/checkpoints.py). CpuRanksOptimizerLoad, a
+    transformers.Trainer subclass, comes after GRPOTrainer: in the MRO it sits between GRPOTrainer and
+    Trainer, so GRPOTrainer's own checkpoint load runs and calls it."""
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
 
@@ -261,61 +250,6 @@ class D3STrainer(
             / self.args.steps_per_generation
         )
 
-    # ---- packing: an optimizer step's kept rows in as few micro-batches as they fill (d3s/packing.py) ----
-
-    def _prepare_inputs(self, generation_batch):
-        """TRL's micro-batch of this step; once TRL split a new generation batch, its micro-batches packed."""
-        before = self._buffered_inputs
-        inputs = super()._prepare_inputs(generation_batch)
-        if self.packs_micro_batches and self.model.training and self._buffered_inputs is not before:
-            self._buffered_inputs = pack_generation_batch(
-                self._buffered_inputs,
-                self.args.gradient_accumulation_steps,
-                self.args.per_device_train_batch_size,
-                self._unpacked_row_scale,
-            )
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return inputs
-
-    def _unpacked_row_scale(self, micro_batch: dict) -> torch.Tensor:
-        """Each row's loss normaliser in TRL's (unpacked) micro-batch, which packing keeps: exact packing."""
-        valid, rows_counted, _ = self._loss_rows(micro_batch)
-        token_mask = micro_batch.get("token_mask")
-        kept = valid if token_mask is None else valid * token_mask
-        return loss_row_scale(
-            self.objective,
-            self.objective.loss_mask(valid, kept),
-            rows_counted,
-            self.args.gradient_accumulation_steps,
-            self._dapo_denominator(micro_batch),
-        )
-
-    def _empty_micro_batch_loss(self) -> torch.Tensor:
-        """The loss of a slot packing emptied: zero, no forward, a backward that reaches no weight. The last
-        micro-batch of a step is never empty (DDP all-reduces in its backward); if it were, rows were lost."""
-        if self.accelerator.sync_gradients:
-            raise RuntimeError(
-                "packing left the last micro-batch of an optimizer step empty: set pack_micro_batches: false "
-                "and report the geometry (steps_per_generation, gradient_accumulation_steps)"
-            )
-        return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-
-    def _packing_blocker(self) -> str | None:
-        """Why this run trains TRL's micro-batches although packing is on; None when it packs."""
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
-            return (
-                f"{engine} counts the micro-steps of its accumulation boundary itself, and an empty "
-                "micro-step with no backward would shift it"
-            )
-        if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
-            return (
-                f"steps_per_generation ({self.args.steps_per_generation}) is not a multiple of "
-                f"gradient_accumulation_steps ({self.args.gradient_accumulation_steps}): an optimizer step "
-                "spans generation batches"
-            )
-        return None
-
     # ---- set-up, schedule, and the plumbing of the two levels ----------------------------------------------
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -331,12 +265,7 @@ class D3STrainer(
             reward_funcs, config.answer_policy, reward_copied_answers=config.reward_copied_answers
         )
         self._hook_state = HookState()
-        on_cpu = config.use_vllm and not torch.cuda.is_available()
-        if on_cpu:
-            check_vllm_without_cuda(config, where="")  # before TRL loads the model and builds the engine
-        if config.use_vllm and config.vllm_mode == "colocate":
-            use_a_free_rendezvous_port()
-        with engine_options(config.vllm_dtype if config.use_vllm else "auto", on_cpu=on_cpu):
+        with building_engine(config):  # vLLM's checks before TRL loads the model, the engine's options
             super().__init__(*call.args[1:], **call.kwargs)
         trl_contract.check_trainer_attributes(self)
         if self.use_vllm:
@@ -354,10 +283,7 @@ class D3STrainer(
                 "loss: set router_aux_loss_coef 0, or train method grpo (TRL's own loss)"
             )
         self.objective = self.args.objective()
-        blocker = self._packing_blocker() if self.owns_loss and self.args.pack_micro_batches else None
-        if blocker:  # one line, and docs/fidelity/trainer.md says so
-            logger.warning("pack_micro_batches is off: %s", blocker)
-        self.packs_micro_batches = self.owns_loss and self.args.pack_micro_batches and blocker is None
+        self._setup_packing()
 
     def _sample_scope(self) -> str:
         """The sample scope of this generation batch: the method's, or the adaptive switch's verdict on the
@@ -365,9 +291,7 @@ class D3STrainer(
         switch = self.args.scope_switch()
         if switch is None:
             return self.args.sample_scope
-        scope = switch.scope(
-            [record["grad_norm"] for record in self.state.log_history if "grad_norm" in record]
-        )
+        scope = switch.scope_from_log(self.state.log_history)
         self._metrics["train"]["selection/cross_group"].append(float(scope == "batch"))
         return scope
 
@@ -380,17 +304,6 @@ class D3STrainer(
         """p = step / max_steps, where the schedule of N and K is read."""
         return self.state.global_step / self.state.max_steps if self.state.max_steps > 0 else 0.0
 
-    def _no_grad_pass(self, model, batch: dict, **kwargs) -> tuple:
-        """TRL's log-prob pass over the rows of a generation batch, without gradient (as TRL's own passes)."""
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        size, micro_batch = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
-        no_checkpointing = disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
-        with torch.no_grad(), no_checkpointing:
-            return self._get_per_token_logps_and_entropies(
-                model, ids, attention, size, batch_size=micro_batch, **kwargs
-            )
-
     def _summed_rewards(self, device: torch.device) -> torch.Tensor:
         rewards_per_func = self._hook_state.rewards_per_func.to(device)
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
@@ -399,90 +312,6 @@ class D3STrainer(
 
     def _keep_rows(self, output: dict, kept: torch.Tensor, kept_advantages: torch.Tensor) -> dict:
         return keep_rows(output, kept, kept_advantages, self.accelerator, self._tokenizer.pad_token_id)
-
-    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        """TRL's log-prob pass, the one place d3s changes it: placeholders for the passes deferred past
-        selection (savings), and the entropies of TRL's old-policy pass, which the token level ranks by.
-        Which of TRL's passes a call is comes from the scoring seam (_trl_scoring), never from the model."""
-        scoring_pass = self._next_scoring_pass()
-        placeholder = self.deferred_placeholder(scoring_pass, *args, **kwargs)
-        if placeholder is not None:
-            return placeholder
-        state = self._hook_state
-        takes_entropies = scoring_pass == "old_policy" and state.old_policy_entropies_wanted
-        if takes_entropies:
-            kwargs["compute_entropy"] = True
-        logps, entropies, aux = self._logprob_pass(model, *args, **kwargs)
-        if takes_entropies:
-            state.old_policy_entropies = entropies
-        return logps, entropies, aux
-
-    def _logprob_pass(self, model, input_ids, attention_mask, logits_to_keep, **kwargs) -> tuple:
-        """TRL's pass, or with ``length_bucket_rows`` the same pass over rows bucketed by length, each bucket
-        cut at its longest row (d3s/length_buckets.py; not where the model takes more than text)."""
-        trl_pass = super()._get_per_token_logps_and_entropies
-        bucket_rows = self.args.length_bucket_rows
-        if not bucket_rows or has_multimodal_inputs(kwargs):
-            return trl_pass(model, input_ids, attention_mask, logits_to_keep, **kwargs)
-        bucket_rows = min(bucket_rows, kwargs.get("batch_size") or bucket_rows)
-        return bucketed_pass(
-            lambda ids, mask, keep: trl_pass(model, ids, mask, keep, **kwargs),
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            bucket_rows,
-        )
-
-    # ---- the scoring seam: which of TRL's log-prob passes runs (d3s/trl_contract.py SCORING_PASSES) -------
-
-    def _trl_scoring(self, inputs) -> dict:
-        """TRL's _generate_and_score_completions, with each of its log-prob passes named in advance: the
-        passes SCORING_PASSES lists whose TRL condition holds, in TRL's order. Raises RuntimeError when TRL
-        ran other passes than these (another TRL), rather than take one pass's entropies for another's."""
-        passes = trl_contract.SCORING_PASSES
-        expected = [scoring.name for scoring in passes if self._trl_runs_pass(scoring.name)]
-        state = self._hook_state
-        state.scoring_passes = list(expected)
-        try:
-            output = super()._generate_and_score_completions(inputs)
-            unused = state.scoring_passes
-        finally:
-            state.scoring_passes = None
-        ran = [scoring.name for scoring in passes if scoring.output_key in output]
-        if unused or ran != expected:
-            raise RuntimeError(scoring_mismatch(expected, ran))
-        return output
-
-    def _next_scoring_pass(self) -> str | None:
-        """The name of the TRL log-prob pass now called: the next one due in TRL's scoring; None outside."""
-        due = self._hook_state.scoring_passes
-        if due is None:
-            return None
-        if not due:
-            raise RuntimeError(scoring_mismatch([], ["one more log-prob pass"]))
-        return due.pop(0)
-
-    def _trl_runs_pass(self, name: str) -> bool:
-        """TRL's condition for each pass of SCORING_PASSES, evaluated before TRL scores (the contract pins
-        the conditions against TRL's source: tests/test_trl_contract.py)."""
-        if name == "old_policy":
-            return self._runs_old_policy_pass()
-        if name == "reference":
-            return self.beta != 0.0
-        raise ValueError(f"no condition for the scoring pass {name!r} of d3s/trl_contract.py SCORING_PASSES")
-
-    def _runs_old_policy_pass(self) -> bool:
-        """TRL's condition for its old-policy log-prob pass (SCORING_PASSES' first condition)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
-    def _take_old_policy_entropies(self, batch: dict) -> None:
-        """Move the old-policy pass's entropies into the batch, as a per-rollout tensor selection indexes."""
-        if self._hook_state.old_policy_entropies is not None:
-            batch["old_policy_entropies"] = self._hook_state.old_policy_entropies
-            self._hook_state.old_policy_entropies = None
 
 
 # Model inputs of a generation batch beyond the text, passed to the log-prob pass by keyword (as TRL does).

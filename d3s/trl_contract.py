@@ -24,8 +24,8 @@ OVERRIDES = {
     "_calculate_rewards": "D3STrainer: keeps the gathered rewards, which TRL's scoring does not return",
     "_generate_and_score_completions": "D3STrainer: keeps the selected rollouts, chooses the token mask",
     "_compute_loss": "D3STrainer: TRL's loss for grpo; the selection loss replaces it (d3s/objective.py)",
-    "_get_per_token_logps_and_entropies": "D3STrainer: old-policy entropies; savings: deferred placeholders",
-    "_prepare_inputs": "D3STrainer: packs the micro-batches TRL cut a generation batch into (d3s/packing.py)",
+    "_get_per_token_logps_and_entropies": "TrlLogprobPasses: old-policy entropies; deferred placeholders",
+    "_prepare_inputs": "PackedMicroBatches: packs the micro-batches TRL cut a generation batch into",
     "training_step": "SelectionMetrics: after a step's last micro-batch, one entry per metric for the step",
     "log": "SelectionMetrics: adds selection/update_tokens_cumulative and the step total of update_tokens, "
     "then TRL's log",
@@ -116,7 +116,7 @@ class ScoringPass:
 # call of _get_per_token_logps_and_entropies by the next expected pass: no guess from the model's identity or
 # the grad mode, which cannot tell the old-policy pass from the reference pass of a PEFT model (the same
 # module, its adapter disabled). After scoring, each output_key must be present exactly when its pass was
-# expected, so a TRL that reorders, adds or skips a pass fails loudly (D3STrainer._end_scoring_passes), and
+# expected, so a TRL that reorders, adds or skips a pass fails loudly (TrlLogprobPasses._trl_scoring), and
 # tests/test_trl_contract.py checks the order and the conditions against TRL's source.
 SCORING_PASSES = (
     ScoringPass(

@@ -117,6 +117,21 @@ def engine_options(dtype: str, *, on_cpu: bool) -> Iterator[None]:
         vllm_generation.LLM = llm_class
 
 
+@contextmanager
+def building_engine(config: Any) -> Iterator[None]:
+    """Around GRPOTrainer.__init__ with ``config`` (a D3SConfig): the checks of vLLM without CUDA before TRL
+    loads the model, a free rendezvous port for a colocated engine, and the engine's options."""
+    import torch
+
+    on_cpu = config.use_vllm and not torch.cuda.is_available()
+    if on_cpu:
+        check_vllm_without_cuda(config, where="")
+    if config.use_vllm and config.vllm_mode == "colocate":
+        use_a_free_rendezvous_port()
+    with engine_options(config.vllm_dtype if config.use_vllm else "auto", on_cpu=on_cpu):
+        yield
+
+
 def use_exact_cpu_weight_sync(generation: Any) -> bool:
     """Give TRL's colocated ``VLLMGeneration`` an exact weight sync when its engine runs on the CPU backend;
     returns whether it did (on CUDA, and in server mode, TRL's own sync stays)."""

@@ -35,6 +35,8 @@ CLASS_MACHINERY = {
 TRAINER_SOURCES = [
     "d3s/trainer.py",
     "d3s/trainer_metrics.py",
+    "d3s/logprob_passes.py",
+    "d3s/packing.py",
     "d3s/savings",
     "d3s/callbacks",
     "d3s/vllm_engine.py",
@@ -65,6 +67,7 @@ def _overrides() -> dict[str, list[str]]:
 def test_the_d3s_classes_of_the_mro_are_the_trainer_and_its_mixins():
     names = {cls.__qualname__ for cls in _d3s_classes()}
     mixins = {"SelectionMetrics", "DeferredLogprobPasses", "CpuRanksOptimizerLoad", "CheckpointSaveErrors"}
+    mixins |= {"TrlLogprobPasses", "PackedMicroBatches"}
     assert names == {"D3STrainer"} | mixins
 
 
