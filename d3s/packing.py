@@ -174,6 +174,9 @@ class PackedMicroBatches:
                 f"{engine} counts the micro-steps of its accumulation boundary itself, and an empty "
                 "micro-step with no backward would shift it"
             )
+        if self.aux_loss_enabled or self._entropy_bonus_enabled:
+            term = "the router's aux loss" if self.aux_loss_enabled else "the entropy bonus"
+            return f"{term} is a statistic of each micro-batch's tokens, which packing regroups"
         if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
             return (
                 f"steps_per_generation ({self.args.steps_per_generation}) is not a multiple of "

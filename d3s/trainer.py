@@ -25,6 +25,7 @@ from d3s.callbacks.checkpoints import CheckpointSaveErrors, D3SCheckpointState
 from d3s.callbacks.logs import JsonlMetricsCallback, NanGuardCallback
 from d3s.callbacks.optimizer_load import CpuRanksOptimizerLoad
 from d3s.logprob_passes import TrlLogprobPasses
+from d3s.loss_terms import SelectionLossTerms
 from d3s.objective import selection_loss
 from d3s.packing import LOSS_ROW_SCALE, PackedMicroBatches, is_empty
 from d3s.rewards import bind_answer_policy
@@ -77,6 +78,7 @@ class D3STrainer(
     SelectionMetrics,
     DeferredLogprobPasses,
     TrlLogprobPasses,
+    SelectionLossTerms,
     PackedMicroBatches,
     CheckpointSaveErrors,
     GRPOTrainer,
@@ -85,9 +87,10 @@ class D3STrainer(
     """GRPOTrainer with D3S/PODS rollout selection and the |A| x H token mask.
 
     The mixins before GRPOTrainer: the step's metrics (d3s/trainer_metrics.py), the deferred log-prob passes
-    (d3s/savings/deferred.py), TRL's log-prob passes and the scoring seam (d3s/logprob_passes.py), packing
-    (d3s/packing.py), a full disk at a checkpoint (d3s/callbacks/checkpoints.py). CpuRanksOptimizerLoad, a
-    transformers.Trainer subclass, comes after GRPOTrainer: in the MRO it sits between GRPOTrainer and
+    (d3s/savings/deferred.py), TRL's log-prob passes and the scoring seam (d3s/logprob_passes.py), the entropy
+    bonus and the router's aux loss (d3s/loss_terms.py), packing (d3s/packing.py), a full disk at a
+    checkpoint (d3s/callbacks/checkpoints.py). CpuRanksOptimizerLoad, a transformers.Trainer subclass, comes
+    after GRPOTrainer: in the MRO it sits between GRPOTrainer and
     Trainer, so GRPOTrainer's own checkpoint load runs and calls it."""
 
     # ---- 1. sample level: keep N of G rollouts per prompt, after TRL scored them ---------------------------
@@ -205,8 +208,14 @@ class D3STrainer(
                     self.args.cast_lm_head_to_fp32,
                 )
         else:
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                model, ids, attention, size, compute_entropy=True, **extras
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model,
+                ids,
+                attention,
+                size,
+                compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled,
+                **extras,
             )
         if token_mask is None and self._token_keep_ratio() < 1.0:  # token_scope micro_batch: ranked here
             token_mask = self._rank_tokens(inputs, entropies.detach(), valid.bool())
@@ -225,9 +234,12 @@ class D3STrainer(
             accumulation=self.current_gradient_accumulation_steps,
             dapo_denominator=self._dapo_denominator(inputs),
             row_scale=inputs.get(LOSS_ROW_SCALE),  # packed rows: their unpacked micro-batch's normaliser
+            sampling_logps=inputs.get("sampling_per_token_logps"),  # vLLM's, for the off-policy mask
         )
         self._log_objective(terms, inputs["advantages"], entropies, valid, token_mask)
-        return terms.loss
+        return terms.loss + self._loss_terms(
+            terms.loss, entropies, kept, aux_loss if self.aux_loss_enabled else None
+        )
 
     def _loss_rows(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The loss's valid tokens m, the rows a mean over rows counts, and vLLM's importance weights."""
@@ -277,11 +289,6 @@ class D3STrainer(
         self.add_callback(D3SCheckpointState())
         self.owns_loss = self.args.uses_selection_loss()  # else TRL's loss (grpo)
         self.kept_token_head = self.args.kept_token_logprobs and kept_token_head_enabled(self)  # savings
-        if self.owns_loss and self.aux_loss_enabled:
-            raise ValueError(
-                f"method {self.args.method!r} trains with the selection loss, which adds no router aux "
-                "loss: set router_aux_loss_coef 0, or train method grpo (TRL's own loss)"
-            )
         self.objective = self.args.objective()
         self._setup_packing()
 

@@ -194,6 +194,9 @@ class D3SConfig(GRPOConfig):
             kept_tokens_normalise=self.token_rule != "none"
             and (sequence_level or self.token_norm == "selected"),
             max_completion_length=self.max_completion_length,
+            sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg,
+            off_policy_threshold=self.off_policy_mask_threshold,
         )
 
     def uses_selection_loss(self) -> bool:

@@ -11,7 +11,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from d3s.objective import CLIPPED_LOSSES
+from d3s.objective import SELECTION_LOSSES
+
+# the loss types whose rows weigh a sequence-level ratio once each: the rows' means (grpo: GSPO, sapo) or
+# LUSPO's length-unbiased sums
+SEQUENCE_LEVEL_LOSSES = ("grpo", "sapo", "luspo")
 
 if TYPE_CHECKING:
     from d3s.trainer_config import D3SConfig
@@ -174,20 +178,22 @@ def resolve_packing(config: D3SConfig) -> None:
 
 
 def check_selection_loss(config: D3SConfig) -> None:
-    """What TRL's loss offers beyond the selection loss's clipped-ratio family, refused up front."""
+    """What TRL's loss offers that the selection loss does not compute, refused up front with the reason
+    (docs/fidelity/objectives.md, "What composes")."""
     if not config.uses_selection_loss():
         return
     unsupported = {
-        "loss_type": (config.loss_type not in CLIPPED_LOSSES, f"one of {', '.join(CLIPPED_LOSSES)}"),
-        "off_policy_mask_threshold": (config.off_policy_mask_threshold is not None, "unset"),
-        "entropy_coef": (config.entropy_coef != 0.0, "0"),
-        "use_adaptive_entropy": (config.use_adaptive_entropy, "false"),
-        "use_liger_kernel": (config.use_liger_kernel, "false"),
+        "loss_type": (
+            config.loss_type not in SELECTION_LOSSES,
+            f"one of {', '.join(SELECTION_LOSSES)} (vespo's gamma weight is a function of every token ratio "
+            "of a rollout and of vLLM's weights, with no written form on the kept tokens T yet)",
+        ),
+        "use_liger_kernel": (config.use_liger_kernel, "false (Liger's fused loss is TRL's own loss)"),
         # TRL's entropy mask acts inside TRL's loss only, which the selection loss replaces
         "top_entropy_quantile": (
             config.top_entropy_quantile < 1.0,
-            "1.0 (TRL's entropy mask, inside TRL's loss: select tokens with token_rule entropy and "
-            "token_keep_ratio instead, as method entropy_8020 does)",
+            "1.0 (a second token ranking on top of the method's own token level: select tokens with "
+            "token_rule entropy and token_keep_ratio instead, as method entropy_8020 does)",
         ),
     }
     for name, (refused, wanted) in unsupported.items():
@@ -232,10 +238,11 @@ def check_token_loss(config: D3SConfig) -> None:
             "token_scope micro_batch chooses the token mask inside the loss, too late for sequence-level "
             "ratios or token_norm selected, which need it before: set token_scope: batch"
         )
-    if sequence_level and config.loss_type != "grpo":
+    if sequence_level and config.loss_type not in SEQUENCE_LEVEL_LOSSES:
         raise ValueError(
-            f"sequence-level ratios with token selection average the ratio over the kept tokens and need "
-            f"loss_type grpo (GSPO's sequence mean); got loss_type {config.loss_type!r}"
+            f"sequence-level ratios with token selection average the ratio over the kept tokens; loss_type "
+            f"{config.loss_type!r} then sums that one ratio over every kept token, weighting each rollout by "
+            f"its kept length: use loss_type {', '.join(SEQUENCE_LEVEL_LOSSES)}"
         )
     if config.kl_tokens == "all" and (sequence_level or config.token_norm == "selected"):
         raise ValueError(

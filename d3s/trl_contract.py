@@ -56,7 +56,13 @@ TRAINER_ATTRIBUTES = (
     "beta",  # kept-token head: a KL over every token needs every token's log-prob
     "epsilon_low",  # with the next one: the clip fractions logged from the selection loss's ratio
     "epsilon_high",
-    "aux_loss_enabled",  # refused with the selection loss, which adds no router aux loss
+    "aux_loss_enabled",  # with the next one: the router's aux loss, added to the selection loss as in TRL
+    "router_aux_loss_coef",
+    "_entropy_bonus_enabled",  # with the next four: the entropy bonus and its adaptive controller's state
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "_last_world_entropy",
+    "_entropy_window_stats",
     "ref_model",
     "num_iterations",  # with the next two: whether TRL runs its old-policy pass (the token entropies)
     "use_vllm",

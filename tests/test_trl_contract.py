@@ -36,6 +36,7 @@ TRAINER_SOURCES = [
     "d3s/trainer.py",
     "d3s/trainer_metrics.py",
     "d3s/logprob_passes.py",
+    "d3s/loss_terms.py",
     "d3s/packing.py",
     "d3s/savings",
     "d3s/callbacks",
@@ -67,7 +68,7 @@ def _overrides() -> dict[str, list[str]]:
 def test_the_d3s_classes_of_the_mro_are_the_trainer_and_its_mixins():
     names = {cls.__qualname__ for cls in _d3s_classes()}
     mixins = {"SelectionMetrics", "DeferredLogprobPasses", "CpuRanksOptimizerLoad", "CheckpointSaveErrors"}
-    mixins |= {"TrlLogprobPasses", "PackedMicroBatches"}
+    mixins |= {"TrlLogprobPasses", "SelectionLossTerms", "PackedMicroBatches"}
     assert names == {"D3STrainer"} | mixins
 
 

@@ -49,6 +49,10 @@ def kept_token_head_blocker(trainer) -> str | None:
         return "token_scope micro_batch chooses the token mask inside the loss, after the forward pass"
     if trainer.beta != 0.0 and args.kl_tokens == "all":
         return "beta != 0 with kl_tokens all: the KL term trains every token"
+    if trainer._entropy_bonus_enabled:
+        return (
+            "the entropy bonus trains the entropies, which the kept-position head computes without gradient"
+        )
     return kept_token_head_unsupported(head_model(trainer.model))
 
 
