@@ -296,8 +296,6 @@ def test_kept_token_head_steps_aside_when_other_tokens_need_gradients(
     "overrides, named",
     [
         ({"loss_type": "vespo"}, "loss_type"),
-        ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
-        ({"entropy_coef": 0.01}, "entropy_coef"),
         ({"top_entropy_quantile": 0.2}, "top_entropy_quantile 1.0 .* token_rule entropy"),
     ],
 )
