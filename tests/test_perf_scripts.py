@@ -17,7 +17,7 @@ import torch
 from helpers import REPO_ROOT, SHARED_DATA
 from transformers.utils import logging as hf_logging
 
-from d3s.rewards import ANSWER_POLICIES
+from d3s.grading.policies import ANSWER_POLICIES
 
 PODS = SHARED_DATA / "completions" / "pods"
 COMMON_KEYS = {"name", "created", "machine", "versions", "git", "settings", "rows", "notes"}
