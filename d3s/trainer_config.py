@@ -10,9 +10,9 @@ from trl import GRPOConfig
 
 from d3s import trainer_config_checks as checks
 from d3s.callbacks.checkpoints import FULL_STATE_CHECKPOINTS
+from d3s.grading.policies import ANSWER_POLICIES
 from d3s.methods import get_method
 from d3s.objective import Objective
-from d3s.rewards import ANSWER_POLICIES
 from d3s.selection import (
     SAMPLE_RULES,
     SAMPLE_SCOPES,
@@ -121,7 +121,7 @@ class D3SConfig(GRPOConfig):
     reward_copied_answers: bool = _option(
         True,
         "False: an answer copied unevaluated from the prompt (\\boxed{12+7-3} for 16) gets reward 0 "
-        "(d3s.rewards.copied_from_prompt); True: math-verify's verdict.",
+        "(d3s.grading.copied.copied_from_prompt); True: math-verify's verdict.",
     )
     full_state_checkpoints: str = _option(
         "all", "Checkpoints keeping the training state: all, or the newest.", FULL_STATE_CHECKPOINTS

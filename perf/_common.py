@@ -191,7 +191,8 @@ def build_tiny_trainer(
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from d3s.data.synthetic import arithmetic_problems
-    from d3s.rewards import accuracy_reward, default_grader
+    from d3s.grading.pool import default_grader
+    from d3s.rewards import accuracy_reward
     from d3s.runs.resolve import resolve_config
     from d3s.tiny_model import build_tokenizer
     from d3s.trainer import D3STrainer

@@ -27,7 +27,7 @@ from _common import (
     write_results,
 )
 
-from d3s.rewards import Grader
+from d3s.grading.pool import Grader
 
 NAME = "eval_throughput"
 

@@ -18,7 +18,9 @@ from typing import Any
 
 from _common import REPO_ROOT, base_parser, fmt_seconds, markdown_table, parse_args, timed_once, write_results
 
-from d3s.rewards import ANSWER_POLICIES, Grader, make_accuracy_reward
+from d3s.grading.policies import ANSWER_POLICIES
+from d3s.grading.pool import Grader
+from d3s.rewards import make_accuracy_reward
 
 NAME = "grading_throughput"
 PODS_COMPLETIONS = REPO_ROOT / ".." / "shared" / "data" / "completions" / "pods"

@@ -12,7 +12,7 @@ from typing import Any
 
 from _common import base_parser, fmt_seconds, markdown_table, parse_args, timed_once, write_results
 
-from d3s.rewards import Grader
+from d3s.grading.pool import Grader
 
 NAME = "grading_time_limit"
 WORKERS = 2

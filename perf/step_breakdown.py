@@ -190,7 +190,7 @@ def evaluation_job(model_dir: Path, out: Path, quick: bool) -> dict[str, float]:
     """The default's final-model evaluation of ``model_dir`` (``d3s eval`` as the workflow calls it)."""
     from d3s.evaluation import backends
     from d3s.evaluation.cli import EvalOptions, run_eval
-    from d3s.rewards import Grader
+    from d3s.grading.pool import Grader
 
     ev = default_config()["eval"]
     timer = Timer()

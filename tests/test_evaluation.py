@@ -36,7 +36,8 @@ from d3s.evaluation.runner import (
     load_completed_samples,
     write_overall_summary,
 )
-from d3s.rewards import ANSWER_POLICIES, Grader
+from d3s.grading.policies import ANSWER_POLICIES
+from d3s.grading.pool import Grader
 
 TINY_SETTINGS = GenerationSettings(samples=4, temperature=0.6, top_p=0.95, max_new_tokens=16, seed=0)
 

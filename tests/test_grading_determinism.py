@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import pytest
 from helpers import SHARED_DATA
 
-from d3s import rewards
 from d3s.evaluation import reader_comparison
-from d3s.rewards import DEFAULT_TIME_LIMIT_S, Grader, GradeResult
+from d3s.grading.policies import count_boxes, extract_answer, last_boxed_answer, normalize_gold
+from d3s.grading.pool import DEFAULT_TIME_LIMIT_S, Grader, GradeResult
+from d3s.grading.reading import _MathVerifyGrader
 
 SHORT_LIMIT_S = 0.001  # every answer's first try overruns it (a worker answers in a millisecond at best)
 
@@ -30,7 +31,7 @@ MINERVA_SOLUTION = (
     "\\begin{equation}\n\\boxed{\\frac{dM}{dt}=\\frac{10^{5} L_{\\odot}}{0.007 c^{2} M_{\\odot}^{6}} M^{6}}\n"
     "\\end{equation}"
 )
-MINERVA_GOLD = rewards.last_boxed_answer(MINERVA_SOLUTION) or ""
+MINERVA_GOLD = last_boxed_answer(MINERVA_SOLUTION) or ""
 _CUT = MINERVA_SOLUTION[: MINERVA_SOLUTION.index("\\boxed{") + len("\\boxed{\\frac")]
 # The solution 224 times, then once more cut off inside its box (a completion that ran out of tokens).
 # math-verify tries all 224 identical display blocks (each parse failing), then reads the last closed box:
@@ -63,7 +64,7 @@ def short() -> Iterator[Grader]:
 
 def test_minerva_loop_graded_the_same_under_any_limit(normal: Grader, short: Grader) -> None:
     completions, golds = list(MINERVA_CASES.values()), [MINERVA_GOLD] * len(MINERVA_CASES)
-    assert rewards.count_boxes(MINERVA_LOOP) == 225 and rewards.last_boxed_answer(MINERVA_LOOP) is None
+    assert count_boxes(MINERVA_LOOP) == 225 and last_boxed_answer(MINERVA_LOOP) is None
     start = time.perf_counter()
     unlimited = Grader(time_limit=None).grade_many(completions, golds)  # in process, no clock at all
     in_process_s = time.perf_counter() - start
@@ -83,10 +84,10 @@ def test_minerva_loop_graded_the_same_under_any_limit(normal: Grader, short: Gra
 
 def test_bounded_reading_skips_a_box_opened_after_the_last_closing_brace() -> None:
     # math-verify's box pattern ends at the last "}": a box cut off after it is not read, the one before is
-    assert rewards.extract_answer(r"\boxed{3} wait, it is \boxed{12", "math_verify") == r"\boxed{3}"
-    assert rewards.extract_answer(r"\boxed{3} wait, it is \boxed{12", "last_boxed") is None  # its own rule
+    assert extract_answer(r"\boxed{3} wait, it is \boxed{12", "math_verify") == r"\boxed{3}"
+    assert extract_answer(r"\boxed{3} wait, it is \boxed{12", "last_boxed") is None  # its own rule
     # a box cut off after a closing brace inside it is inside the pattern: no answer, as before
-    assert rewards.extract_answer(r"\boxed{3} wait, it is \boxed{\frac{1}{2", "math_verify") is None
+    assert extract_answer(r"\boxed{3} wait, it is \boxed{\frac{1}{2", "math_verify") is None
 
 
 def _real_sample() -> list[reader_comparison.LabelledCompletion]:
@@ -125,10 +126,8 @@ def test_work_budget_never_binds_on_real_completions() -> None:
         pytest.skip(f"real completions not found at {completions}")
     items = reader_comparison.pods_completions(completions) + reader_comparison.gsm8k_solutions(completions)
     sample = [c for i, c in enumerate(items) if i % 64 == 0 or ("\\boxed" in c.completion and i % 4 == 0)]
-    inline = rewards._MathVerifyGrader("boxed_first")
+    inline = _MathVerifyGrader("boxed_first")
     bounded = [
-        c.key
-        for c in sample
-        if inline.grade(c.completion, rewards.normalize_gold(c.gold), "math_verify")["bounded"]
+        c.key for c in sample if inline.grade(c.completion, normalize_gold(c.gold), "math_verify")["bounded"]
     ]
     assert len(sample) > 500 and not bounded, bounded

@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from d3s.evaluation import reader_comparison
-from d3s.rewards import Grader, _MathVerifyGrader, boxed_environment_possible, normalize_gold
+from d3s.grading.policies import normalize_gold
+from d3s.grading.pool import Grader
+from d3s.grading.reading import _MathVerifyGrader, boxed_environment_possible
 
 COMPLETIONS = SHARED_DATA / "completions"
 ORACLE_LIMIT_S = 5.0  # math-verify's own default parsing and verification limits (here CPU seconds)

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from d3s.data.synthetic import arithmetic_problems, make_problem
+from d3s.grading.pool import Grader
+from d3s.grading.reading import _MathVerifyGrader
 from d3s.integer_answers import COMPLETION, POLICIES, integer_grade
-from d3s.rewards import Grader, _MathVerifyGrader
 
 MATH_VERIFY = _MathVerifyGrader("boxed_first")  # the parser's reading, which the grader used for every answer
 FIELDS = ("correct", "extracted", "gold_parsed", "error", "gold_as_text")

@@ -17,7 +17,7 @@ import torch
 from helpers import REPO_ROOT, SHARED_DATA
 from transformers.utils import logging as hf_logging
 
-from d3s.rewards import ANSWER_POLICIES
+from d3s.grading.policies import ANSWER_POLICIES
 
 PODS = SHARED_DATA / "completions" / "pods"
 COMMON_KEYS = {"name", "created", "machine", "versions", "git", "settings", "rows", "notes"}
@@ -158,6 +158,7 @@ def test_common_harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.fixture()
 def update_cost(monkeypatch: pytest.MonkeyPatch):
+    """perf/update_cost.py, perf/ first on the path as its script has it (its modules import), one thread."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
     import update_cost
 
@@ -183,15 +184,17 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     """GRPO: the micro-batched, checkpointed step has the gradient of the whole batch in one pass. D3S
     (kept-token head, checkpointed) has the gradient of the masked head without checkpointing on the same
     micro-batches, and D3S packed the same gradient in one forward pass."""
+    import update_cost_geometry
+    import update_cost_variants
     from helpers import save_tiny
     from trl.trainer.utils import split_tensor_dict
 
     model_dir = save_tiny(tmp_path / "model", seed=3)
-    batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
+    batch = update_cost_geometry.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
     layer_calls = []
 
     def trainer(variant: str, checkpointing: bool):
-        made = update_cost.make_trainer(
+        made = update_cost_variants.make_trainer(
             variant,
             model_dir,
             tmp_path,
@@ -214,24 +217,24 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     assert grpo.model.is_gradient_checkpointing and grpo.args.steps_per_generation == 4
     parts = split_tensor_dict(batch, grpo.args.steps_per_generation)  # as accumulate_gradient splits it
     assert [len(part["advantages"]) for part in parts] == [8, 8, 8, 8]
-    update_cost.accumulate_gradient(grpo, batch)
+    update_cost_variants.accumulate_gradient(grpo, batch)
     assert len(layer_calls) == 8  # 4 micro-batches, each forward once more in the backward (recompute)
     micro = _gradients(grpo)
     assert grpo.trained_tokens == int(batch["completion_mask"].sum())
     whole = trainer("grpo", checkpointing=False)
-    update_cost.accumulate_gradient(whole, batch, split=False)
+    update_cost_variants.accumulate_gradient(whole, batch, split=False)
     _assert_same_gradients(micro, _gradients(whole))
 
-    kept = update_cost.kept_rows(batch)
+    kept = update_cost_variants.kept_rows(batch)
     d3s = trainer("d3s", checkpointing=True)
     assert d3s.kept_token_head and d3s.model.is_gradient_checkpointing
     parts = split_tensor_dict(kept, d3s.args.steps_per_generation)
     assert [len(part["advantages"]) for part in parts] == [2, 2, 2, 2]
-    update_cost.accumulate_gradient(d3s, kept)
+    update_cost_variants.accumulate_gradient(d3s, kept)
     assert 0 < d3s.trained_tokens < int(kept["completion_mask"].sum())  # the token level kept a subset
     masked = trainer("d3s (masked head)", checkpointing=False)
     assert not masked.kept_token_head
-    update_cost.accumulate_gradient(masked, kept)
+    update_cost_variants.accumulate_gradient(masked, kept)
     assert masked.trained_tokens == d3s.trained_tokens
     _assert_same_gradients(_gradients(d3s), _gradients(masked))
 
@@ -241,7 +244,7 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
     layer_calls.clear()
     packed = trainer("d3s (packed)", checkpointing=True)
     assert packed.packs_micro_batches and packed.kept_token_head
-    update_cost.accumulate_gradient(packed, kept)
+    update_cost_variants.accumulate_gradient(packed, kept)
     assert packed.micro_batch_rows == [8] and layer_calls == ["d3s (packed)"] * 2  # forward + recompute
     assert packed.trained_tokens == d3s.trained_tokens
     _assert_same_gradients(_gradients(d3s), _gradients(packed))
@@ -259,9 +262,11 @@ def test_update_cost_micro_batches_with_checkpointing_match_one_batch(update_cos
 )
 def test_tail_after_last_selected_by_hand(update_cost, device) -> None:
     """Two rows of 4 completion tokens after 2 prompt tokens; K = 25 % keeps (0, 0) and (1, 2)."""
+    import update_cost_truncation
+
     entropies = torch.tensor([[0.9, 0.1, 0.1, 0.1], [0.1, 0.1, 0.8, 0.1]], device=device)
     mask = torch.ones(2, 4, dtype=torch.long, device=device)
-    fractions = update_cost.tail_after_last_selected(
+    fractions = update_cost_truncation.tail_after_last_selected(
         entropies,
         mask,
         torch.tensor([1.0, 1.0], device=device),
@@ -316,23 +321,28 @@ def test_update_cost_profile_of_one_micro_batch(update_cost, tmp_path: Path) -> 
     import argparse
     import gzip
 
+    import update_cost_geometry
+    import update_cost_profile
+    import update_cost_report
+    from _common import markdown_table
     from helpers import save_tiny
 
     model_dir = save_tiny(tmp_path / "model", seed=3)
-    batch = update_cost.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
+    batch = update_cost_geometry.random_batch(1, 12, vocab=100, device="cpu", prompt_len=6, seed=1)
     args = argparse.Namespace(out=tmp_path / "out", weights="fp32")
-    rows = update_cost.profile_geometry("tiny", model_dir, tmp_path, batch, args, "cpu", micro_batch=8)
+    profile = update_cost_profile.profile_geometry
+    rows = profile("tiny", model_dir, tmp_path, batch, args, "cpu", micro_batch=8)
     summaries = {row["variant"]: row for row in rows if row["kind"] == "summary"}
-    assert set(summaries) == set(update_cost.PROFILED) == {"d3s", "d3s (packed)"}
+    assert set(summaries) == set(update_cost_profile.PROFILED) == {"d3s", "d3s (packed)"}
     assert summaries["d3s"]["rows"] == 2 and summaries["d3s (packed)"]["rows"] == 8
     for name, summary in summaries.items():
         assert summary["tokens"] == 6 + 12 and summary["wall_s"] > 0 and summary["cpu_op_s"] > 0
         assert summary["kernels"] == summary["kernel_launches"] == 0 and summary["gpu_busy_fraction"] is None
         ops = [row for row in rows if row["kind"] == "op" and row["variant"] == name]
-        assert len(ops) == update_cost.TOP_OPS and all(op["calls"] > 0 for op in ops)
+        assert len(ops) == update_cost_profile.TOP_OPS and all(op["calls"] > 0 for op in ops)
         trace = json.loads(gzip.decompress((args.out / summary["trace"]).read_bytes()))
         assert trace["traceEvents"]
-    table = update_cost.markdown_table(list(summaries.values()), update_cost.PROFILE_COLUMNS)
+    table = markdown_table(list(summaries.values()), update_cost_report.PROFILE_COLUMNS)
     assert "| d3s (packed) | 8 x 18 |" in table
 
 

@@ -18,14 +18,8 @@ import yaml
 from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, copy_workflow
 
 from d3s.analysis.claims import min_detectable_effect
-from d3s.analysis.regime import (
-    PAPER,
-    gap_slope,
-    token_fraction,
-    trend_claims,
-    value_at,
-    wall_clock_gaps,
-)
+from d3s.analysis.paper_regime import PAPER, token_fraction
+from d3s.analysis.regime_gaps import gap_slope, trend_claims, value_at, wall_clock_gaps
 from d3s.cli import main
 from d3s.methods import METHODS
 from d3s.orchestration.regime import plan_sweep, point_config, snakemake_command

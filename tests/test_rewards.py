@@ -17,7 +17,22 @@ from hypothesis import strategies as st
 
 from d3s import rewards
 from d3s.data.benchmarks import load_benchmark
-from d3s.rewards import Grader, accuracy_reward, grade, grade_detailed, normalize_gold
+from d3s.grading.copied import copied_from_prompt
+from d3s.grading.policies import (
+    ANSWER_POLICIES,
+    BOXED_POLICIES,
+    MAX_DISTINCT_BOXES,
+    _box_chain,
+    count_boxes,
+    extract_answer,
+    gold_candidates,
+    last_boxed_answer,
+    normalize_answer,
+    normalize_gold,
+)
+from d3s.grading.pool import Grader, GradeResult, default_grader
+from d3s.grading.reading import boxed_environment_possible
+from d3s.rewards import accuracy_reward, grade, grade_detailed
 
 LIMIT_S = 1.5  # per-answer limit used by the adversarial tests
 
@@ -48,10 +63,10 @@ def test_normalize_gold(gold: object, expected: tuple[str, ...]) -> None:
 
 
 def test_gold_candidates_wrap_bare_latex() -> None:
-    assert rewards.gold_candidates(r"\dfrac{9}{7}")[0] == r"\boxed{\dfrac{9}{7}}"
-    assert rewards.gold_candidates(r"$\frac{1}{2}$")[0] == r"\boxed{\frac{1}{2}}"  # $ stripped first
-    assert rewards.gold_candidates(r"\$18")[0] == r"\boxed{\$18}"  # escaped dollar kept
-    assert rewards.gold_candidates(r"\boxed{3}") == [r"\boxed{3}"]
+    assert gold_candidates(r"\dfrac{9}{7}")[0] == r"\boxed{\dfrac{9}{7}}"
+    assert gold_candidates(r"$\frac{1}{2}$")[0] == r"\boxed{\frac{1}{2}}"  # $ stripped first
+    assert gold_candidates(r"\$18")[0] == r"\boxed{\$18}"  # escaped dollar kept
+    assert gold_candidates(r"\boxed{3}") == [r"\boxed{3}"]
 
 
 # ---------------------------------------------------------------------------------- real benchmarks
@@ -215,7 +230,7 @@ def test_worker_dying_mid_answer_is_replaced_and_results_keep_their_order() -> N
     golds = [str(i) for i in range(8)]
     with Grader(num_workers=2, time_limit=LIMIT_S) as fresh:
         fresh.grade_many([r"so \boxed{1}"] * 2, ["1"] * 2)  # start both workers
-        graded: list[list[rewards.GradeResult]] = []
+        graded: list[list[GradeResult]] = []
         thread = threading.Thread(
             target=lambda: graded.append(fresh.grade_many(completions, golds, "last_boxed"))
         )
@@ -402,7 +417,7 @@ def test_answer_policies(
     results = grader.grade_many_by_policy([completion], [gold])
     assert results["math_verify"][0].correct is by_math_verify
     assert results["last_boxed"][0].correct is by_last_boxed
-    for policy in rewards.ANSWER_POLICIES:
+    for policy in ANSWER_POLICIES:
         assert results[policy][0].gold_parsed and not results[policy][0].timed_out
         assert grader.grade(completion, gold, policy).correct is results[policy][0].correct
 
@@ -428,14 +443,14 @@ def test_math_verify_policy_reads_as_math_verify(
 
 
 def test_bounded_reading_follows_math_verify_box_chain() -> None:
-    chain = rewards._box_chain
+    chain = _box_chain
     assert chain(ISSUE_EXAMPLE) == ["18", "20"]  # under 10 characters apart
     assert chain(r"\boxed{3} or perhaps, on reflection, \boxed{4}") == ["3", "4"]  # a separator, under 70
     assert chain(r"\boxed{11}. We check this again carefully step by step. \boxed{7}") == ["7"]
     assert chain(r"\boxed{5} \boxed{5} \boxed{6}") == ["5", "6"]  # consecutive repeats once
     assert chain(r"\boxed{5} \boxed{6} \boxed{5}") == ["5", "6", "5"]
     assert chain("no box") == []
-    assert rewards.extract_answer(ISSUE_EXAMPLE, "math_verify") == r"\boxed{18} \boxed{20}"
+    assert extract_answer(ISSUE_EXAMPLE, "math_verify") == r"\boxed{18} \boxed{20}"
 
 
 # A loop after an unclosed "$": math-verify's pattern for a box in a math environment backtracks for
@@ -447,14 +462,14 @@ ESCAPED_LOOP = "So the answer is $ " + " ".join([r"\boxed{\frac{24}{2}}"] * 300)
 
 
 def test_loop_after_unclosed_dollar_is_read_by_math_verify_fast(grader: Grader) -> None:
-    assert not rewards.boxed_environment_possible(UNCLOSED_LOOP)
+    assert not boxed_environment_possible(UNCLOSED_LOOP)
     result = grader.grade(UNCLOSED_LOOP, "12", "math_verify")
     assert result.correct and not result.bounded and not result.timed_out and result.seconds < LIMIT_S
 
 
 def test_loop_before_an_escaped_dollar_is_read_by_math_verify_fast(grader: Grader) -> None:
-    assert not rewards.boxed_environment_possible(ESCAPED_LOOP)
-    assert rewards.boxed_environment_possible(ESCAPED_LOOP + " $")  # an unescaped "$" closes it
+    assert not boxed_environment_possible(ESCAPED_LOOP)
+    assert boxed_environment_possible(ESCAPED_LOOP + " $")  # an unescaped "$" closes it
     before = grader.timeouts
     result = grader.grade(ESCAPED_LOOP, "12", "math_verify")
     assert result.correct and not result.bounded and not result.timed_out and result.seconds < LIMIT_S
@@ -472,12 +487,12 @@ def test_overrun_is_graded_again_then_wrong(grader: Grader) -> None:
 
 
 def test_last_boxed_answer_extraction() -> None:
-    assert rewards.last_boxed_answer(ISSUE_EXAMPLE) == "20"
-    assert rewards.last_boxed_answer(r"\boxed{\frac{a}{b^{2}}} text") == r"\frac{a}{b^{2}}"
-    assert rewards.last_boxed_answer(r"\boxed  42 is it") == "42"
-    assert rewards.last_boxed_answer(r"\boxedx{3}") is None  # another command, not a box
-    assert rewards.last_boxed_answer("no box") is None
-    assert rewards.count_boxes(r"\boxed{1} \fbox{2} \boxed 3 \boxedfoo") == 3
+    assert last_boxed_answer(ISSUE_EXAMPLE) == "20"
+    assert last_boxed_answer(r"\boxed{\frac{a}{b^{2}}} text") == r"\frac{a}{b^{2}}"
+    assert last_boxed_answer(r"\boxed  42 is it") == "42"
+    assert last_boxed_answer(r"\boxedx{3}") is None  # another command, not a box
+    assert last_boxed_answer("no box") is None
+    assert count_boxes(r"\boxed{1} \fbox{2} \boxed 3 \boxedfoo") == 3
 
 
 @pytest.mark.parametrize(
@@ -494,7 +509,7 @@ def test_last_boxed_answer_extraction() -> None:
 )
 def test_last_boxed_answer_of_reference_solutions(text: str, expected: str | None) -> None:
     """Minerva's gold and the audit's reference answers are the last box of a solution."""
-    assert rewards.last_boxed_answer(text) == expected
+    assert last_boxed_answer(text) == expected
 
 
 def test_module_grade_takes_a_policy() -> None:
@@ -502,7 +517,7 @@ def test_module_grade_takes_a_policy() -> None:
     assert grade(ISSUE_EXAMPLE, "20", "last_boxed")
     assert grade(ISSUE_EXAMPLE, "20", policy="last_boxed")
     assert grade_detailed(ISSUE_EXAMPLE, "20", "last_boxed").extracted == "20"
-    results = rewards.default_grader().grade_many([ISSUE_EXAMPLE] * 2, ["20", "18"], "last_boxed")
+    results = default_grader().grade_many([ISSUE_EXAMPLE] * 2, ["20", "18"], "last_boxed")
     assert [r.correct for r in results] == [True, False]
     with pytest.raises(ValueError, match="math_verify, last_boxed"):
         grade(ISSUE_EXAMPLE, "20", "first_boxed")  # type: ignore[arg-type]
@@ -510,7 +525,7 @@ def test_module_grade_takes_a_policy() -> None:
 
 def test_both_policies_under_the_time_limit_and_inline(grader: Grader) -> None:
     completions = [HANGING[0], r"\boxed{9} no \boxed{5}"]  # a power tower hangs under both policies
-    results = grader.grade_many_by_policy(completions, ["5"] * 2, rewards.BOXED_POLICIES)
+    results = grader.grade_many_by_policy(completions, ["5"] * 2, BOXED_POLICIES)
     assert [r.timed_out for r in results["math_verify"]] == [True, False]
     assert [r.timed_out for r in results["last_boxed"]] == [True, False]
     assert [r.correct for r in results["last_boxed"]] == [False, True]
@@ -637,10 +652,10 @@ def test_looping_completions_graded_fast_without_timeouts() -> None:
 
 
 def test_many_distinct_boxes_are_wrong_without_parsing() -> None:
-    distinct = " ".join(f"\\boxed{{{i}}}" for i in range(rewards.MAX_DISTINCT_BOXES + 1))
-    assert rewards.extract_answer(distinct, "math_verify") is None
-    assert rewards.extract_answer(distinct, "last_boxed") == rf"\boxed{{{rewards.MAX_DISTINCT_BOXES}}}"
-    assert rewards.extract_answer(r"\boxed{" + "1+" * 1000 + "1}", "last_boxed") is None  # too long
+    distinct = " ".join(f"\\boxed{{{i}}}" for i in range(MAX_DISTINCT_BOXES + 1))
+    assert extract_answer(distinct, "math_verify") is None
+    assert extract_answer(distinct, "last_boxed") == rf"\boxed{{{MAX_DISTINCT_BOXES}}}"
+    assert extract_answer(r"\boxed{" + "1+" * 1000 + "1}", "last_boxed") is None  # too long
 
 
 RESTATED_QUESTION = (
@@ -716,7 +731,7 @@ def test_gold_normalised_like_predictions(completion: str, gold: str, correct: b
     ],
 )
 def test_normalize_answer(text: str, expected: str) -> None:
-    assert rewards.normalize_answer(text) == expected
+    assert normalize_answer(text) == expected
 
 
 SENTENCE = "Each chicken eats half a cup. The answer is 10 cups (enough for all 20 chickens)."
@@ -889,7 +904,7 @@ COPIED = [
 
 @pytest.mark.parametrize(("answer", "prompt", "copied"), COPIED)
 def test_copied_from_prompt(answer: str | None, prompt: str, copied: bool) -> None:
-    assert rewards.copied_from_prompt(answer, prompt) is copied
+    assert copied_from_prompt(answer, prompt) is copied
 
 
 def test_copied_flag_on_graded_completions() -> None:
@@ -897,7 +912,7 @@ def test_copied_flag_on_graded_completions() -> None:
     prompt = "Evaluate 12+7-3."
     for policy in ("math_verify", "last_boxed"):
         copied = grade_detailed(r"So \boxed{12+7-3}", "16", policy, prompt=prompt)
-        assert copied.correct and copied.copied_from_prompt  # credited by math-verify, flagged
+        assert copied.correct and copied_from_prompt  # credited by math-verify, flagged
         computed = grade_detailed(r"12+7-3 = 16, so \boxed{16}", "16", policy, prompt=prompt)
         assert computed.correct and not computed.copied_from_prompt
         bare = grade_detailed(" 12+7-3", "16", policy, prompt=prompt)  # no box: math-verify's fallback
@@ -921,9 +936,9 @@ def test_copied_expression_flagged_and_its_value_never(
     expression = str(numbers[0]) + "".join(joiner.format(o) + str(n) for o, n in pairs)
     value = eval(expression)  # noqa: S307 (integers and + - * only)
     prompt = f"Compute ${expression}$. (Hint: the answer is not {value + 1}; {value} apples are red.)"
-    assert rewards.copied_from_prompt(expression.replace(" ", ""), prompt)
-    assert rewards.copied_from_prompt(f"{{{expression}}}", prompt)
-    assert not rewards.copied_from_prompt(str(value), prompt)
+    assert copied_from_prompt(expression.replace(" ", ""), prompt)
+    assert copied_from_prompt(f"{{{expression}}}", prompt)
+    assert not copied_from_prompt(str(value), prompt)
 
 
 def test_accuracy_reward_logs_copied_fraction_and_guard_zeroes_copies() -> None:

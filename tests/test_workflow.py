@@ -102,9 +102,10 @@ def test_schema_enums_are_the_registries():
 
     from d3s.data.benchmarks import BENCHMARKS
     from d3s.data.templates import TEMPLATES
+    from d3s.grading.policies import ANSWER_POLICIES
     from d3s.methods import METHODS
     from d3s.orchestration.commands import ACCELERATE_CONFIGS
-    from d3s.rewards import ANSWER_POLICIES, REWARD_SETS
+    from d3s.rewards import REWARD_SETS
 
     schema = yaml.safe_load((REPO_ROOT / "config" / "schema.yaml").read_text())
     names = {name: definition.get("enum") for name, definition in schema["$defs"].items()}

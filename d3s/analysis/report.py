@@ -16,12 +16,12 @@ import pandas as pd
 from d3s.analysis.claims import claims_table
 from d3s.analysis.io import load_curve_evals, load_evals, load_metrics
 from d3s.analysis.tables import cell, learning_curves, mean_ci, write_table
+from d3s.grading.policies import ANSWER_POLICIES
 from d3s.markdown import markdown_table
 from d3s.methods import method_trainer
 from d3s.provenance import layout
 from d3s.provenance.manifest import git_state
 from d3s.provenance.settings_check import load_provenance
-from d3s.rewards import ANSWER_POLICIES
 
 FIGURES = [
     ("training_dynamics", "Training dynamics (gradient norm, entropy, reward, Var(A), kept fractions)"),
@@ -215,8 +215,8 @@ def _base_note(results: Path, ks: list) -> str:
 
 def _copied_table(results: Path) -> str:
     """The share of each final model's samples whose answer is an expression copied unevaluated from the
-    question (d3s.rewards.copied_from_prompt), per benchmark and answer policy; "n/a" for a summary written
-    before the flag existed."""
+    question (d3s.grading.copied.copied_from_prompt), per benchmark and answer policy; "n/a" for a summary
+    written before the flag existed."""
     rows = []
     for point in layout.eval_points(results):
         if point.name != "final":

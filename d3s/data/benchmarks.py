@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from d3s.rewards import last_boxed_answer, normalize_gold
+from d3s.grading.policies import last_boxed_answer, normalize_gold
 
 DATA_DIR_ENV = "D3S_DATA_DIR"
 

@@ -21,9 +21,10 @@ from d3s.data.benchmarks import (
     solution_final_answer,
 )
 from d3s.evaluation.metrics import policy_disagreement
+from d3s.grading.policies import BOXED_POLICIES, count_boxes, last_boxed_answer
+from d3s.grading.pool import Grader
 from d3s.markdown import markdown_table
 from d3s.provenance.manifest import atomic_write_text
-from d3s.rewards import BOXED_POLICIES, Grader, count_boxes, last_boxed_answer
 
 
 @dataclass

@@ -28,8 +28,9 @@ from d3s.data.templates import TEMPLATES, build_prompt
 from d3s.evaluation import audit, backends, runner
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
 from d3s.evaluation.run_task import synthetic_task
+from d3s.grading.policies import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, AnswerExtraction
+from d3s.grading.pool import DEFAULT_TIME_LIMIT_S, Grader
 from d3s.provenance.integrity import IntegrityError, model_weights_problem
-from d3s.rewards import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, DEFAULT_TIME_LIMIT_S, AnswerExtraction, Grader
 from d3s.runs.config import check_model_dir, one_line
 
 DEFAULT_BENCHMARKS = ",".join(EVAL_BENCHMARKS)

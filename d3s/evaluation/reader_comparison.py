@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from d3s.grading.copied import copied_from_prompt
+from d3s.grading.pool import DEFAULT_TIME_LIMIT_S, Grader
 from d3s.markdown import markdown_table
-from d3s.rewards import DEFAULT_TIME_LIMIT_S, Grader, copied_from_prompt
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,18 @@ from d3s.data.benchmarks import Problem, get_benchmark
 from d3s.data.templates import build_prompt, resolve_template
 from d3s.evaluation.backends import GenerationBackend, GenerationSettings, problem_seed
 from d3s.evaluation.metrics import average_over_benchmarks, pass_at_k_table, policy_disagreement
-from d3s.provenance import manifest as provenance
-from d3s.provenance.config_change import config_changes, describe
-from d3s.rewards import (
+from d3s.grading.copied import copied_from_prompt
+from d3s.grading.policies import (
     ANSWER_POLICIES,
     BOXED_POLICIES,
     DEFAULT_ANSWER_POLICY,
     AnswerPolicy,
-    Grader,
     check_answer_policy,
-    copied_from_prompt,
     count_boxes,
 )
+from d3s.grading.pool import Grader
+from d3s.provenance import manifest as provenance
+from d3s.provenance.config_change import config_changes, describe
 
 SAMPLES_FILE, SUMMARY_FILE, RUN_FILE = "samples.jsonl", "summary.json", "run.json"
 MANIFEST_FILE = "manifest.json"
@@ -381,7 +381,8 @@ def summarize_benchmark(
         | {
             "timeouts": count(policy, "timed_out", every),
             "grading_errors": sum(r["by_policy"][policy]["grading_error"] is not None for r in every),
-            # answers copied unevaluated from the question (d3s.rewards.copied_from_prompt), of all samples
+            # answers copied unevaluated from the question (d3s.grading.copied.copied_from_prompt), of all
+            # samples
             "copied_fraction": count(policy, "copied", every) / len(every) if every else None,
         }
         for policy in ANSWER_POLICIES
