@@ -464,6 +464,11 @@ def control_summary(row: Any) -> str:
             f"{row['run']}{span}; supported when {row['threshold']}"
         )
     unit = str(row["unit"])
+    if pd.isna(row["estimate"]):
+        return (
+            f"'{row['statement']}': {row['run']} against {row['against']} has no data (the run is missing "
+            f"or has fewer than 2 seeds); supported when {row['threshold']}"
+        )
     small = not unit.startswith("points")
     interval = f"{_fmt(row['estimate'], significant=small)} [{_fmt(row['ci_low'], significant=small)}, "
     interval += f"{_fmt(row['ci_high'], significant=small)}] {unit}"
@@ -480,7 +485,7 @@ def status_markdown(controls: pd.DataFrame) -> str:
         return ""
     failed = failed_controls(controls)
     if failed.empty:
-        return f"**Controls: all {len(controls)} supported**, so the verdicts below count."
+        return f"**Controls: {len(controls)} of {len(controls)} supported**, so the verdicts below count."
     reasons = "; ".join(control_summary(row) for _, row in failed.iterrows())
     return (
         f"**UNINFORMATIVE.** {len(failed)} of {len(controls)} control comparisons not supported: {reasons}. "
@@ -740,7 +745,7 @@ def index_markdown(root: str | Path, times: Mapping[str, str] | None = None) -> 
         if result.controls.empty:
             controls = "none declared"
         elif failed.empty:
-            controls = f"all {len(result.controls)} supported"
+            controls = f"{len(result.controls)} of {len(result.controls)} supported"
         else:
             controls = "**uninformative**: " + "; ".join(control_summary(r) for _, r in failed.iterrows())
             verdicts = f"not counted ({verdicts})"
