@@ -12,7 +12,7 @@ from pathlib import Path
 from d3s.analysis.studies import index_markdown, study_folders
 from d3s.provenance.manifest import atomic_write_text
 
-FILES = ("report.md", "claims.csv", "measures.csv", "calibration.csv", "config.yaml")
+FILES = ("report.md", "claims.csv", "controls.csv", "measures.csv", "calibration.csv", "config.yaml")
 FILES += ("figure.png", "figure.pdf")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import runpy
 import statistics
 import subprocess
 import time
@@ -26,7 +27,10 @@ from d3s.analysis.studies import (
     calibration_table,
     chosen_threshold,
     claim_rows,
+    control_rows,
+    index_markdown,
     read_study,
+    render_study,
     slope_per_seed,
     study_folders,
 )
@@ -407,6 +411,283 @@ def test_the_calibration_rule_picks_the_smallest_threshold_above_the_aligned_mod
     assert chosen_threshold(table, study.calibration.thresholds) == 3.0
     weak = table[table["run"] == "weak_d3s"].iloc[0]
     assert weak["switches_above_3"] and not table[table["run"] == "d3s"]["switches_above_3"].any()
+
+
+# ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
+
+
+_GRPO_CONTROL = {
+    "kind": "versus",
+    "measure": "ood_pass_at_1",
+    "runs": ["grpo"],
+    "reference": "base",
+    "at_least": 2.0,
+    "statement": "s",
+}
+
+
+@pytest.mark.parametrize(
+    ("control", "message"),
+    [
+        (
+            _GRPO_CONTROL | {"kind": "ratio"},
+            r"study.controls\[0\].kind: 'ratio' is not one of \['versus', 'slope', 'interaction', 'fires'\]",
+        ),
+        (_GRPO_CONTROL | {"runs": ["nope"]}, r"study.controls\[0\].runs: unknown run\(s\) \['nope'\]"),
+        (
+            _GRPO_CONTROL | {"measure": "pass_at_2"},
+            r"study.controls\[0\].measure: unknown measure 'pass_at_2'",
+        ),
+        (_GRPO_CONTROL | {"measure": "kl"}, r"study.controls\[0\].measure: a base model has only pass_at_1"),
+        (_GRPO_CONTROL | {"reference": "pods", "at_most": 1}, r"study.controls\[0\].at_most: only a fires"),
+        (
+            _GRPO_CONTROL | {"at_least": -1.0},
+            r"study.controls\[0\].at_least: -1.0 is less than the minimum of 0",
+        ),
+        ({k: v for k, v in _GRPO_CONTROL.items() if k != "reference"}, "a versus control needs a reference"),
+        (
+            {"kind": "fires", "runs": ["grpo"], "at_least": 1, "statement": "s"},
+            r"study.controls\[0\].runs: \['grpo'\] run no adaptive switch",
+        ),
+        (
+            {"kind": "fires", "runs": ["grpo"], "statement": "s"},
+            r"study.controls\[0\]: a fires control needs exactly one of at_least",
+        ),
+    ],
+)
+def test_a_bad_control_ends_in_one_line_naming_the_key(control, message):
+    """The schema refuses a wrong type, parse_study the rest; one line either way."""
+    from snakemake.utils import update_config
+
+    config = _study_config("generalization")
+    update_config(config, {"study": {"controls": [control]}})
+    with pytest.raises(ValueError, match=message) as error:
+        check_workflow_config(config, ACCELERATE_DIR, SCHEMA)
+        parse_study(config, run_variants(config))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("control", "message"),
+    [
+        (
+            {
+                "kind": "versus",
+                "measure": "pass_at_1",
+                "runs": ["other"],
+                "reference": "base",
+                "statement": "s",
+            },
+            r"study.controls\[0\].runs: \['other'\] not among study.runs; add them there",
+        ),
+        (
+            {
+                "kind": "versus",
+                "measure": "ood_pass_at_1",
+                "runs": ["a"],
+                "reference": "base",
+                "statement": "s",
+            },
+            "measure ood_pass_at_1 needs a study.ood evaluation",
+        ),
+        (
+            {"kind": "fires", "runs": ["adaptive"], "at_least": 1, "at_most": 0, "statement": "s"},
+            "needs exactly one of at_least",
+        ),
+        (
+            {"kind": "fires", "runs": ["adaptive"], "at_least": 0.5, "statement": "s"},
+            r"study.controls\[0\].at_least: a count of runs x seeds, 1 or more",
+        ),
+        (
+            {"kind": "fires", "runs": ["adaptive"], "at_most": 0, "direction": -1, "statement": "s"},
+            r"study.controls\[0\].direction: a fires control reads cross_group_fraction",
+        ),
+        (
+            {
+                "kind": "slope",
+                "measure": "pass_at_1",
+                "runs": ["a", "adaptive"],
+                "reference": "a",
+                "statement": "s",
+            },
+            r"study.controls\[0\].reference: only a versus control has a reference",
+        ),
+    ],
+)
+def test_parse_study_refuses_a_control_it_cannot_honour(control, message):
+    variants = {name: Variant(name, "grpo") for name in ("a", "other")}
+    variants["adaptive"] = Variant("adaptive", "d3s_adaptive")
+    claim = {
+        "kind": "versus",
+        "measure": "pass_at_1",
+        "runs": ["a"],
+        "reference": "adaptive",
+        "statement": "s",
+    }
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["a", "adaptive"], "claims": [claim]}
+    config = {"seeds": [0, 1], "study": study | {"controls": [control]}}
+    with pytest.raises(ValueError, match=message):
+        parse_study(config, variants)
+
+
+def test_every_shipped_study_declares_controls_on_its_own_runs():
+    for name in STUDIES:
+        config = _study_config(name)
+        study = parse_study(config, run_variants(config))
+        assert study.controls, name
+        assert all(set(control.runs) <= set(study.runs) for control in study.controls), name
+    adaptive = parse_study(_study_config("adaptive"), run_variants(_study_config("adaptive")))
+    assert {(c.kind, c.runs, c.at_least, c.at_most) for c in adaptive.controls} == {
+        ("fires", ("weak_d3s_adaptive",), 1, None),
+        ("fires", ("d3s_adaptive",), None, 0),
+    }
+
+
+def _control_study(tmp_path: Path, weak_gain: float, fired_weak: list[float], fired_default: list[float]):
+    """A synthetic study folder as render_study writes it: a claim that is supported, a GRPO run on the weak
+    base that gains ``weak_gain`` over its base model (12 points), and the adaptive runs' cross-group
+    fractions."""
+    rng = np.random.default_rng(11)
+    variants = {
+        "a": {"method": "d3s"},
+        "b": {"method": "d3s_i"},
+        "weak_grpo": {"method": "grpo", "base": "weak"},
+        "weak_adaptive": {"method": "d3s_adaptive", "base": "weak"},
+        "adaptive": {"method": "d3s_adaptive"},
+    }
+    study = {
+        "name": "synthetic",
+        "title": "A synthetic study",
+        "question": "q",
+        "runs": list(variants),
+        "claims": [
+            {
+                "kind": "versus",
+                "measure": "pass_at_1",
+                "runs": ["a"],
+                "reference": "b",
+                "statement": "a beats b",
+            }
+        ],
+        "controls": [
+            {
+                "kind": "versus",
+                "measure": "pass_at_1",
+                "runs": ["weak_grpo"],
+                "reference": "base",
+                "at_least": 5.0,
+                "statement": "the weak base learns",
+            },  # fmt: skip
+            {
+                "kind": "fires",
+                "runs": ["weak_adaptive"],
+                "at_least": 1,
+                "statement": "fires on the weak base",
+            },
+            {"kind": "fires", "runs": ["adaptive"], "at_most": 0, "statement": "never on the default base"},
+        ],
+    }
+    config = _study_config("alignment") | {"methods": [], "variants": variants, "study": study}
+    config["analysis"] = {"reference": "a"}
+    seeds = [int(s) for s in config["seeds"]]
+    table = {
+        ("a", "pass_at_1"): 60 + rng.normal(0, 0.3, 5),
+        ("b", "pass_at_1"): 50 + rng.normal(0, 0.3, 5),
+        ("weak_grpo", "pass_at_1"): 12 + weak_gain + rng.normal(0, 0.3, 5),
+        ("weak_adaptive", "cross_group_fraction"): fired_weak,
+        ("adaptive", "cross_group_fraction"): fired_default,
+        ("base", "pass_at_1"): [50.0] * 5,
+        ("base:weak", "pass_at_1"): [12.0] * 5,
+    }
+    rows = [
+        {"run": run, "seed": seed, "measure": measure, "value": float(value)}
+        for (run, measure), values in table.items()
+        for seed, value in zip(seeds, values, strict=True)
+    ]
+    out = tmp_path / "studies" / "synthetic"
+    render_study(out, config, pd.DataFrame(rows))
+    return out
+
+
+def test_a_failed_control_makes_the_study_uninformative_naming_it(tmp_path):
+    folder = _control_study(tmp_path, weak_gain=1.0, fired_weak=[1.0] * 5, fired_default=[1.0] * 5)
+    result = read_study(folder)
+    assert not result.informative
+    assert result.verdicts()["supported"] == 1  # the claim is still computed, and shown
+    failed = result.controls[~result.controls["supported"]]
+    assert list(failed["statement"]) == ["the weak base learns", "fires on the weak base"]
+    weak = failed.iloc[0]
+    assert weak["against"] == "base:weak" and weak["estimate"] == pytest.approx(1.0, abs=0.5)
+    report = (folder / "report.md").read_text()
+    head = report.split("**The question")[0]
+    assert "**UNINFORMATIVE.**" in head and "'the weak base learns': weak_grpo against base:weak" in head
+    assert f"{weak['estimate']:.2f} [{weak['ci_low']:.2f}, {weak['ci_high']:.2f}] points" in head
+    assert "the switch fired on 0 runs x seeds (of 5) of weak_adaptive" in head
+    assert "**Verdicts, NOT COUNTING" in report and "After Holm, not counting: 1 supported" in report
+    assert "**Verdicts** (" not in report
+    index = index_markdown(folder.parent)
+    assert "**uninformative**: 'the weak base learns'" in index
+    assert "not counted (1 supported, 0 refuted, 0 inconclusive)" in index
+
+
+def test_when_every_control_is_supported_they_come_first_and_the_verdicts_count(tmp_path):
+    folder = _control_study(
+        tmp_path, weak_gain=10.0, fired_weak=[1.0, 0.4, 1.0, 1.0, 0.7], fired_default=[1.0] * 5
+    )
+    result = read_study(folder)
+    assert result.informative and result.controls["supported"].all()
+    report = (folder / "report.md").read_text()
+    assert "UNINFORMATIVE" not in report and "NOT COUNTING" not in report
+    assert (
+        report.index("**Controls**") < report.index("**Verdicts** (") < report.index("| pass_at_1_versus |")
+    )
+    assert "**Controls: 4 of 4 supported**" not in report  # three controls, one row each
+    assert "**Controls: 3 of 3 supported**, so the verdicts below count." in report
+    fires = result.controls[result.controls["kind"] == "fires"].set_index("run")
+    assert fires.loc["weak_adaptive", "estimate"] == 2 and fires.loc["adaptive", "estimate"] == 0
+    index = index_markdown(folder.parent)
+    assert "3 of 3 supported" in index and "| 1 supported, 0 refuted, 0 inconclusive |" in index
+
+
+def test_a_control_at_its_threshold_or_without_data_is_not_supported(tmp_path):
+    """The interval must clear at_least, not the estimate; a run that never ran supports nothing; a switch
+    that fired on the default base fails the at_most control."""
+    folder = _control_study(
+        tmp_path, weak_gain=5.0, fired_weak=[0.5] * 5, fired_default=[1.0, 1.0, 0.9, 1.0, 1.0]
+    )
+    controls = read_study(folder).controls.set_index("statement")
+    assert (
+        controls.loc["the weak base learns", "ci_low"] < 5.0 < controls.loc["the weak base learns", "ci_high"]
+    )
+    assert not controls.loc["the weak base learns", "supported"]
+    assert controls.loc["fires on the weak base", "supported"]
+    assert not controls.loc["never on the default base", "supported"]
+    variants = {name: Variant(name, "d3s_adaptive") for name in ("x", "y")}
+    claim = {"kind": "versus", "measure": "pass_at_1", "runs": ["x"], "reference": "y", "statement": "s"}
+    control = {"kind": "fires", "runs": ["y"], "at_most": 0, "statement": "s"}
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["x", "y"], "claims": [claim]}
+    study = parse_study({"seeds": [0, 1, 2, 3, 4], "study": study | {"controls": [control]}}, variants)
+    values = _values({"y": [1.0, 1.0, np.nan, 1.0, 1.0]}, "cross_group_fraction")
+    row = control_rows(values, study, variants).iloc[0]  # seed 2 has no data: it may have fired
+    assert (row["estimate"], row["ci_low"], row["ci_high"]) == (0, 0, 1) and not row["supported"]
+
+
+def test_the_shipped_controls_fail_where_the_committed_studies_were_uninformative(tmp_path):
+    """scripts/rerender_studies.py on the 2026-11-28 studies: the claims agree to the last digit; the
+    generalization control (GRPO does not beat the base on the longer problems), the adaptive one (the switch
+    never fired) and the alignment one (weak_grpo never ran) fail; the others pass."""
+    rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
+
+    rerender(REPO_ROOT / "results" / "studies" / "2026-11-28", tmp_path)
+    informative = {folder.name: read_study(folder).informative for folder in study_folders(tmp_path)}
+    assert informative == {
+        "token_level": True,
+        "sample_level": True,
+        "schedule": True,
+        "alignment": False,
+        "adaptive": False,
+        "generalization": False,
+    }
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A study's analysis (docs/studies.md): one value per (run, seed) and measure, read from the run's logs and
 evaluations; the study's claims with paired 95 % intervals, Holm over the study's comparisons and the
-smallest detectable effect; its figure; and its report section, written to
-``results/<experiment>/studies/<name>/`` (report.md, claims.csv, measures.csv, figure.png|pdf and, for a
-calibration, calibration.csv).
+smallest detectable effect; its controls, which must be supported for the claims' verdicts to count (else the
+study is uninformative); its figure; and its report section, written to
+``results/<experiment>/studies/<name>/`` (report.md, claims.csv, controls.csv, measures.csv, figure.png|pdf
+and, for a calibration, calibration.csv).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from d3s.analysis.io import read_jsonl
 from d3s.markdown import markdown_table
 from d3s.provenance.manifest import atomic_write_text
 from d3s.selection import spike_ratios
-from d3s.studies import MEASURES, Study, StudyClaim, parse_study
+from d3s.studies import BASE, BASE_MEASURES, MEASURES, Study, StudyClaim, StudyControl, base_run, parse_study
 from d3s.variants import Variant, run_variants
 
 KL_FILE = "kl.json"
@@ -105,8 +106,24 @@ def run_values(results: Path, name: str, seed: int, ood: str | None = None) -> d
     return values
 
 
-def study_values(results: str | Path, study: Study, seeds: Sequence[int]) -> pd.DataFrame:
-    """Long table: run, seed, measure, value, for the study's runs and seeds."""
+def base_values(results: Path, base: str | None, ood: str | None = None) -> dict[str, float]:
+    """The measures a base model has (d3s.studies.BASE_MEASURES): Pass@1 and Pass@k of its evaluation and,
+    for the config's own base model, Pass@1 on the study's ``ood`` problems; NaN where missing."""
+    folder = results / "eval" / ("base" if base is None else f"bases/{base}")
+    values = dict.fromkeys(BASE_MEASURES, math.nan)
+    values["pass_at_1"] = pass_at(folder / "summary.json", 1)
+    values["pass_at_k"] = pass_at(folder / "summary.json")
+    if ood is not None and base is None:
+        values["ood_pass_at_1"] = pass_at(results / "eval_ood" / ood / "base" / "summary.json", 1)
+    return values
+
+
+def study_values(
+    results: str | Path, study: Study, seeds: Sequence[int], variants: Mapping[str, Variant] | None = None
+) -> pd.DataFrame:
+    """Long table: run, seed, measure, value, for the study's runs and seeds; with ``variants``, also the
+    base models the runs start from (runs ``base`` and ``base:<name>``, d3s.studies.base_run; one evaluation,
+    the same value at every seed, so a control against the base pairs like any other)."""
     results = Path(results)
     ood = study.ood.name if study.ood else None
     rows = [
@@ -115,6 +132,15 @@ def study_values(results: str | Path, study: Study, seeds: Sequence[int]) -> pd.
         for seed in seeds
         for measure, value in run_values(results, name, int(seed), ood).items()
         if measure in study.measures
+    ]
+    bases = sorted({variants[name].base for name in study.runs}, key=lambda b: b or "") if variants else []
+    wanted = {"pass_at_1", *study.measures}
+    rows += [
+        {"run": base_run(base), "seed": int(seed), "measure": measure, "value": value}
+        for base in bases
+        for measure, value in base_values(results, base, ood).items()
+        if measure in wanted
+        for seed in seeds
     ]
     return pd.DataFrame(rows, columns=["run", "seed", "measure", "value"])
 
@@ -154,36 +180,121 @@ def slope_per_seed(table: pd.DataFrame, runs: Sequence[str], xs: Sequence[float]
     return pd.Series(slopes, dtype=float)
 
 
+def _spec_rows(spec: StudyClaim, values: pd.DataFrame, variants: Mapping[str, Variant]) -> list[dict]:
+    """The rows of one claim (or a control's claim): one per run of a versus, one for a slope or an
+    interaction. A versus against ``base`` pairs each run with its own base model."""
+    table = _wide(values, spec.measure)
+    claim = _claim(spec, f"{spec.measure}_{spec.kind}")
+    rows = []
+    if spec.kind == "versus":
+        for run in spec.runs:
+            reference = base_run(variants[run].base) if spec.reference == BASE else spec.reference
+            if run == reference:
+                continue
+            both = table.reindex(columns=[run, reference])
+            rows.append(_paired_row(claim, both[run] - both[reference], run, reference, ""))
+    elif spec.kind == "slope":
+        xs = [variants[run].x for run in spec.runs]
+        slopes = slope_per_seed(table, spec.runs, xs)
+        note = "least-squares slope per seed against log10 x: " + ", ".join(
+            f"{run} {x:g}" for run, x in zip(spec.runs, xs, strict=True)
+        )
+        rows.append(_paired_row(claim, slopes, "slope", "log10 x", note))
+    else:  # interaction: (a - b) - (c - d), per seed
+        a, b, c, d = spec.runs
+        both = table.reindex(columns=[a, b, c, d])
+        contrast = (both[a] - both[b]) - (both[c] - both[d])
+        rows.append(_paired_row(claim, contrast, f"({a} - {b})", f"({c} - {d})", "interaction per seed"))
+    return rows
+
+
 def claim_rows(values: pd.DataFrame, study: Study, variants: Mapping[str, Variant]) -> pd.DataFrame:
     """Every claim of the study: a row per comparison (columns of d3s.analysis.claims.COLUMNS), Holm over all
     of them."""
-    rows = []
-    for spec in study.claims:
-        table = _wide(values, spec.measure)
-        name = f"{spec.measure}_{spec.kind}"
-        claim = _claim(spec, name)
-        if spec.kind == "versus":
-            for run in spec.runs:
-                if run == spec.reference:
-                    continue
-                both = table.reindex(columns=[run, spec.reference])
-                rows.append(_paired_row(claim, both[run] - both[spec.reference], run, spec.reference, ""))
-        elif spec.kind == "slope":
-            xs = [variants[run].x for run in spec.runs]
-            slopes = slope_per_seed(table, spec.runs, xs)
-            note = "least-squares slope per seed against log10 x: " + ", ".join(
-                f"{run} {x:g}" for run, x in zip(spec.runs, xs, strict=True)
-            )
-            rows.append(_paired_row(claim, slopes, "slope", "log10 x", note))
-        else:  # interaction: (a - b) - (c - d), per seed
-            a, b, c, d = spec.runs
-            both = table.reindex(columns=[a, b, c, d])
-            contrast = (both[a] - both[b]) - (both[c] - both[d])
-            rows.append(_paired_row(claim, contrast, f"({a} - {b})", f"({c} - {d})", "interaction per seed"))
+    rows = [row for spec in study.claims for row in _spec_rows(spec, values, variants)]
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
     verdicts = zip(table["verdict"], holm(table["p_value"]), strict=True)
     table["verdict_holm"] = [v if rejected else "inconclusive" for v, rejected in verdicts]
     return table
+
+
+# ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
+
+CONTROL_COLUMNS = ["control", "kind", "run", "against", "estimate", "ci_low", "ci_high", "seeds", "unit"]
+CONTROL_COLUMNS += ["threshold", "supported", "statement", "note"]
+FIRED_BELOW = 1 - 1e-9  # a run whose cross-group fraction is below 1 switched to intra-group at some step
+
+
+def _fires_row(spec: StudyControl, values: pd.DataFrame) -> dict:
+    """How many of the control's runs x seeds the switch fired on: the estimate is the count among those
+    with data, the interval the counts the data allow (every run without data fired, or none did)."""
+    table = _wide(values, "cross_group_fraction").reindex(columns=list(spec.runs))
+    cells = table.to_numpy(dtype=float).ravel()
+    missing = int(np.isnan(cells).sum())
+    fired = int((cells[~np.isnan(cells)] < FIRED_BELOW).sum())
+    if spec.at_least is not None:
+        supported = fired >= spec.at_least
+    else:
+        supported = fired + missing <= int(spec.at_most or 0)
+    per_run = "; ".join(
+        f"{run}: " + ", ".join(_fmt(v) for v in table[run].to_numpy(dtype=float)) for run in spec.runs
+    )
+    return {
+        "estimate": float(fired),
+        "ci_low": float(fired),
+        "ci_high": float(fired + missing),
+        "seeds": int(len(cells) - missing),
+        "unit": f"runs x seeds (of {len(cells)})",
+        "run": ", ".join(spec.runs),
+        "against": "-",
+        "supported": bool(supported),
+        "note": f"cross-group fraction per seed: {per_run}"
+        + (f"; {missing} without data" if missing else ""),
+    }
+
+
+def control_supported(spec: StudyControl, low: float, high: float) -> bool:
+    """A control of an interval kind: the 95 % interval lies beyond ``at_least`` in its direction (a missing
+    interval is not support)."""
+    if math.isnan(low) or math.isnan(high):
+        return False
+    size = spec.at_least or 0.0
+    return low > size if spec.direction > 0 else high < -size
+
+
+def control_rows(values: pd.DataFrame, study: Study, variants: Mapping[str, Variant]) -> pd.DataFrame:
+    """Every control of the study, a row per comparison (CONTROL_COLUMNS), each ``supported`` or not. No Holm:
+    the verdicts count only when every control is supported, so each is tested at the 5 % level."""
+    rows = []
+    for index, spec in enumerate(study.controls, 1):
+        common = {"control": f"control {index}", "kind": spec.kind, "threshold": spec.threshold()}
+        common["statement"] = spec.statement
+        if spec.kind == "fires":
+            rows.append(common | _fires_row(spec, values))
+            continue
+        for row in _spec_rows(spec.claim, values, variants):
+            rows.append(
+                common
+                | {
+                    "run": row["method"],
+                    "against": row["reference"],
+                    "estimate": row["estimate"],
+                    "ci_low": row["ci_low"],
+                    "ci_high": row["ci_high"],
+                    "seeds": row["seeds"],
+                    "unit": row["unit"],
+                    "supported": control_supported(spec, row["ci_low"], row["ci_high"]),
+                    "note": row["note"],
+                }
+            )
+    return pd.DataFrame(rows, columns=CONTROL_COLUMNS)
+
+
+def failed_controls(controls: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``controls`` that are not supported (any: the study is uninformative)."""
+    if controls.empty:
+        return controls
+    return controls[~controls["supported"].astype(bool)]
 
 
 # ---- calibration (the adaptive switch's threshold) ---------------------------------------------------------
@@ -312,23 +423,99 @@ def claims_markdown(claims: pd.DataFrame) -> str:
     return markdown_table((row for _, row in claims.iterrows()), columns)
 
 
-def base_pass_at_1(results: Path, base: str | None) -> float:
-    folder = results / "eval" / ("base" if base is None else f"bases/{base}")
-    return pass_at(folder / "summary.json", 1)
+def controls_markdown(controls: pd.DataFrame) -> str:
+    """The controls table: each comparison, its estimate and interval, what supports it, and whether it is."""
+
+    def value(row: Any, key: str) -> str:
+        return _fmt(row[key], significant=not str(row["unit"]).startswith(("points", "runs")))
+
+    def estimate(row: Any) -> str:
+        if row["kind"] == "fires":  # a count: the interval is what the runs without data allow
+            low, high = int(row["ci_low"]), int(row["ci_high"])
+            return f"{int(row['estimate'])}" + (f" [{low}, {high}]" if high != low else "")
+        return f"{value(row, 'estimate')} [{value(row, 'ci_low')}, {value(row, 'ci_high')}]"
+
+    columns = {
+        "control": lambda r: r["control"],
+        "run": lambda r: r["run"],
+        "against": lambda r: r["against"],
+        "estimate [95 % CI]": estimate,
+        "unit": lambda r: r["unit"],
+        "seeds": lambda r: r["seeds"],
+        "supported when": lambda r: r["threshold"],
+        "status": lambda r: "supported" if _truthy(r["supported"]) else "**NOT SUPPORTED**",
+        "statement": lambda r: r["statement"],
+    }
+    return markdown_table((row for _, row in controls.iterrows()), columns)
+
+
+def _truthy(value: Any) -> bool:
+    """A ``supported`` cell, from the frame (bool) or read back from controls.csv (bool or 'True')."""
+    return str(value).strip().lower() in ("true", "1", "1.0")
+
+
+def control_summary(row: Any) -> str:
+    """One failed (or any) control in words: its statement, run, estimate and interval, and the threshold."""
+    if row["kind"] == "fires":
+        low, high = int(row["ci_low"]), int(row["ci_high"])
+        span = f" ({low} to {high} with the runs without data)" if high != low else ""
+        return (
+            f"'{row['statement']}': the switch fired on {int(row['estimate'])} {row['unit']} of "
+            f"{row['run']}{span}; supported when {row['threshold']}"
+        )
+    unit = str(row["unit"])
+    if pd.isna(row["estimate"]):
+        return (
+            f"'{row['statement']}': {row['run']} against {row['against']} has no data (the run is missing "
+            f"or has fewer than 2 seeds); supported when {row['threshold']}"
+        )
+    small = not unit.startswith("points")
+    interval = f"{_fmt(row['estimate'], significant=small)} [{_fmt(row['ci_low'], significant=small)}, "
+    interval += f"{_fmt(row['ci_high'], significant=small)}] {unit}"
+    return (
+        f"'{row['statement']}': {row['run']} against {row['against']}, {interval}; supported when "
+        f"{row['threshold']}"
+    )
+
+
+def status_markdown(controls: pd.DataFrame) -> str:
+    """The study's standing in one paragraph: uninformative (naming each failed control), or every control
+    supported; empty without controls."""
+    if controls.empty:
+        return ""
+    failed = failed_controls(controls)
+    if failed.empty:
+        return f"**Controls: {len(controls)} of {len(controls)} supported**, so the verdicts below count."
+    reasons = "; ".join(control_summary(row) for _, row in failed.iterrows())
+    return (
+        f"**UNINFORMATIVE.** {len(failed)} of {len(controls)} control comparisons not supported: {reasons}. "
+        "The study's verdicts below are shown for the record and do **not** count as evidence."
+    )
+
+
+def _base_value(values: pd.DataFrame, base: str | None, measure: str = "pass_at_1") -> float:
+    rows = values[(values["run"] == base_run(base)) & (values["measure"] == measure)]["value"].dropna()
+    return float(rows.iloc[0]) if len(rows) else math.nan
 
 
 def study_report(
-    results: Path,
     study: Study,
     config: Mapping[str, Any],
     variants: Mapping[str, Variant],
     values: pd.DataFrame,
     claims: pd.DataFrame,
     calibration: pd.DataFrame | None,
+    controls: pd.DataFrame | None = None,
 ) -> str:
-    """The study's report section (Markdown)."""
+    """The study's report section (Markdown): uninformative first when a control failed; the controls
+    before the verdicts."""
+    controls = pd.DataFrame(columns=CONTROL_COLUMNS) if controls is None else controls
+    informative = failed_controls(controls).empty
     seeds = [int(s) for s in config["seeds"]]
-    lines = [f"## {study.title}", "", f"**The question, as the papers leave it.** {study.question}", ""]
+    lines = [f"## {study.title}", ""]
+    if not informative:
+        lines += [status_markdown(controls), ""]
+    lines += [f"**The question, as the papers leave it.** {study.question}", ""]
     if study.setup:
         lines += [f"**Setup.** {study.setup}", ""]
     trainer = config["train"]["trainer"]
@@ -352,7 +539,7 @@ def study_report(
                 "method": variant.method,
                 "overrides": overrides,
                 "base": variant.base or "default",
-                "base_pass": _fmt(base_pass_at_1(results, variant.base), 1),
+                "base_pass": _fmt(_base_value(values, variant.base), 1),
                 "pass": _fmt(result["estimate"], 1),
             }
         )
@@ -367,16 +554,28 @@ def study_report(
     lines += [markdown_table(run_rows, columns), ""]
     if study.ood is not None:
         task = ", ".join(f"{k} {v}" for k, v in study.ood.task.items())
-        ood_base = pass_at(results / "eval_ood" / study.ood.name / "base" / "summary.json", 1)
+        ood_base = _base_value(values, None, "ood_pass_at_1")
         lines += [
             f"Held-out problems unlike the training ones ({study.ood.name}): the task with {task}; the base "
             f"model's Pass@1 on them {_fmt(ood_base, 1)}.",
             "",
         ]
+    if not controls.empty:
+        lines += [
+            "**Controls** (claims that must be supported for the verdicts to count; 95 % intervals over the "
+            "paired seeds, each at the 5 % level and without Holm, since every one must pass; 'base': each "
+            "run's own base model; docs/studies.md, Controls):",
+            "",
+            controls_markdown(controls),
+            "",
+        ]
+        if informative:
+            lines += [status_markdown(controls), ""]
+    heading = "**Verdicts**" if informative else "**Verdicts, NOT COUNTING: the study is uninformative**"
     lines += [
         f"![{study.title}](figure.png)",
         "",
-        "**Verdicts** (95 % intervals over the paired seeds; Holm "
+        f"{heading} (95 % intervals over the paired seeds; Holm "
         "over the study's comparisons; 'detectable': the smallest true effect the seeds detect with 80 % "
         "power):",
         "",
@@ -385,7 +584,8 @@ def study_report(
     ]
     counts = claims["verdict_holm"].value_counts().to_dict()
     lines += [
-        "After Holm: "
+        ("After Holm" if informative else "After Holm, not counting")
+        + ": "
         + ", ".join(f"{counts.get(v, 0)} {v}" for v in ("supported", "refuted", "inconclusive"))
         + f" of {len(claims)} comparisons.",
         "",
@@ -435,23 +635,39 @@ def write_study(results: str | Path, config: Mapping[str, Any]) -> dict[str, Pat
     study = parse_study(config, variants)
     if study is None:
         raise ValueError("the config has no study section (config/studies/<name>.yaml)")
-    out = results / "studies" / study.name
+    values = study_values(results, study, config["seeds"], variants)
+    calibration = calibration_table(results, study, variants) if study.calibration else None
+    return render_study(results / "studies" / study.name, config, values, calibration)
+
+
+def render_study(
+    out: str | Path, config: Mapping[str, Any], values: pd.DataFrame, calibration: pd.DataFrame | None = None
+) -> dict[str, Path]:
+    """The study's claims, controls, figure and report from its ``values`` (study_values: its runs and their
+    base models, per seed), written to ``out``; returns the files written. Needs no run folder, so a
+    committed study's measures.csv renders again under a newer analysis."""
+    out = Path(out)
+    variants = run_variants(config)
+    study = parse_study(config, variants)
+    if study is None:
+        raise ValueError("the config has no study section (config/studies/<name>.yaml)")
     out.mkdir(parents=True, exist_ok=True)
     written_config = out / "config.yaml"  # what the study ran, resolved (read_study rebuilds it from here)
     atomic_write_text(written_config, yaml.safe_dump(dict(config), sort_keys=False))
-    values = study_values(results, study, config["seeds"])
     claims = claim_rows(values, study, variants)
-    calibration = calibration_table(results, study, variants) if study.calibration else None
+    controls = control_rows(values, study, variants)
     written = {"config": written_config, "measures": out / "measures.csv", "claims": out / "claims.csv"}
+    written["controls"] = out / "controls.csv"
     written["report"] = out / "report.md"
     atomic_write_text(written["measures"], values.to_csv(index=False))
     atomic_write_text(written["claims"], claims.to_csv(index=False))
+    atomic_write_text(written["controls"], controls.to_csv(index=False))
     if calibration is not None:
         written["calibration"] = out / "calibration.csv"
         atomic_write_text(written["calibration"], calibration.to_csv(index=False))
     figure = study_figure(values, study, variants)
     written["figure"], written["pdf"] = save(figure, out / "figure")
-    report = study_report(results, study, config, variants, values, claims, calibration)
+    report = study_report(study, config, variants, values, claims, calibration, controls)
     atomic_write_text(written["report"], report)
     return written
 
@@ -469,13 +685,24 @@ class StudyResults:
     variants: dict[str, Variant]
     values: pd.DataFrame
     claims: pd.DataFrame
+    controls: pd.DataFrame
 
     def figure(self):
         return study_figure(self.values, self.study, self.variants)
 
     def verdicts(self) -> dict[str, int]:
+        """The claims' verdict counts after Holm (whether they count: ``informative``)."""
         counts = self.claims["verdict_holm"].value_counts().to_dict()
         return {verdict: int(counts.get(verdict, 0)) for verdict in ("supported", "refuted", "inconclusive")}
+
+    @property
+    def informative(self) -> bool:
+        """Every control supported (or none declared): the verdicts count."""
+        return failed_controls(self.controls).empty
+
+    def status(self) -> str:
+        """The report's paragraph on the controls (status_markdown)."""
+        return status_markdown(self.controls)
 
 
 def read_study(folder: str | Path) -> StudyResults:
@@ -487,7 +714,12 @@ def read_study(folder: str | Path) -> StudyResults:
     assert study is not None, f"{folder}/config.yaml has no study section"
     values = pd.read_csv(folder / "measures.csv")
     claims = pd.read_csv(folder / "claims.csv")
-    return StudyResults(folder, config, study, variants, values, claims)
+    if (folder / "controls.csv").is_file():
+        controls = pd.read_csv(folder / "controls.csv")
+        controls["supported"] = controls["supported"].map(_truthy).astype(bool)
+    else:  # a folder from before controls: recomputed from its measures (none declared: empty)
+        controls = control_rows(values, study, variants)
+    return StudyResults(folder, config, study, variants, values, claims, controls)
 
 
 def study_folders(root: str | Path) -> list[Path]:
@@ -501,21 +733,35 @@ STUDY_ORDER = ("token_level", "sample_level", "schedule", "alignment", "adaptive
 
 
 def index_markdown(root: str | Path, times: Mapping[str, str] | None = None) -> str:
-    """A table of the studies under ``root``: each study's verdict counts after Holm and, per claim row, its
-    estimate and verdict (and the wall time, where ``times`` gives one)."""
+    """A table of the studies under ``root``: each study's controls (an uninformative study names the control
+    that failed, with its estimate and interval) and its verdict counts after Holm, which count only when
+    every control is supported (and the wall time, where ``times`` gives one)."""
     rows = []
     for folder in study_folders(root):
         result = read_study(folder)
         counts = result.verdicts()
+        verdicts = ", ".join(f"{counts[v]} {v}" for v in ("supported", "refuted", "inconclusive"))
+        failed = failed_controls(result.controls)
+        if result.controls.empty:
+            controls = "none declared"
+        elif failed.empty:
+            controls = f"{len(result.controls)} of {len(result.controls)} supported"
+        else:
+            controls = "**uninformative**: " + "; ".join(control_summary(r) for _, r in failed.iterrows())
+            verdicts = f"not counted ({verdicts})"
         rows.append(
             {
                 "study": f"[{result.study.name}]({folder.name}/report.md)",
                 "title": result.study.title,
-                "verdicts": f"{counts['supported']} supported, {counts['refuted']} refuted, "
-                f"{counts['inconclusive']} inconclusive",
+                "controls": controls,
+                "verdicts": verdicts,
                 "time": (times or {}).get(result.study.name, "-"),
             }
         )
-    return markdown_table(
-        rows, {"study": "{study}", "question": "{title}", "after Holm": "{verdicts}", "wall time": "{time}"}
-    )
+    columns = {
+        "study": "{study}",
+        "question": "{title}",
+        "controls": "{controls}",
+        "after Holm": "{verdicts}",
+    }
+    return markdown_table(rows, columns | {"wall time": "{time}"})

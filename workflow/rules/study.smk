@@ -1,7 +1,8 @@
 # A study (docs/studies.md): a config with a `study` section targets results/<experiment>/studies/<name>/
-# (report.md, claims.csv, measures.csv, figure.png|pdf) instead of the default's report. Its runs are the
-# ordinary train and evaluate jobs of runs/<name>/seed<seed>, so studies of one experiment share every run
-# they have in common; base-model variants, held-out longer problems and calibration runs are the rules here.
+# (report.md, claims.csv, controls.csv, measures.csv, figure.png|pdf) instead of the default's report. Its
+# runs are the ordinary train and evaluate jobs of runs/<name>/seed<seed>, so studies of one experiment share
+# every run they have in common; base-model variants, held-out longer problems and calibration runs are the
+# rules here.
 STUDY_REPORT = []
 if STUDY is not None:
     STUDY_DIR = f"{RESULTS}/studies/{STUDY.name}"
@@ -132,6 +133,7 @@ if STUDY is not None:
         output:
             report=STUDY_REPORT,
             claims=f"{STUDY_DIR}/claims.csv",
+            controls=f"{STUDY_DIR}/controls.csv",
             measures=f"{STUDY_DIR}/measures.csv",
             figure=f"{STUDY_DIR}/figure.png",
             pdf=f"{STUDY_DIR}/figure.pdf",
