@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from d3s.objective import SELECTION_LOSSES
 
@@ -17,8 +17,8 @@ from d3s.objective import SELECTION_LOSSES
 # LUSPO's length-unbiased sums
 SEQUENCE_LEVEL_LOSSES = ("grpo", "sapo", "luspo")
 
-if TYPE_CHECKING:
-    from d3s.trainer_config import D3SConfig
+# a d3s.trainer_config.D3SConfig, which imports this module: its type is not imported here (no import circle)
+D3SConfig = Any
 
 # Value ranges of the trainer options that matter here; None always passes (the field's "unset"). Checked
 # once, in D3SConfig.__post_init__, before TRL's own __post_init__, which divides by some of these. The
