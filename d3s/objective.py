@@ -100,7 +100,8 @@ def selection_loss(
     if o.loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=o.epsilon_high).detach() * advantage * logps
     elif o.loss_type == "sapo":
-        tau = torch.where(advantage > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+        pos, neg = advantage.new_tensor(o.sapo_temperature_pos), advantage.new_tensor(o.sapo_temperature_neg)
+        tau = torch.where(advantage > 0, pos, neg)  # in the advantages' dtype (TRL's scalars: float32)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantage
     else:
         clipped = torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high)

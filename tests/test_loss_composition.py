@@ -273,7 +273,8 @@ def test_the_selection_loss_is_the_written_objective(problem, accumulation, dapo
         dapo_denominator=dapo_d, sampling_logps=sampling,
     )  # fmt: skip
     expected = written_objective(objective, logps, old, adv, valid, kept, accumulation, dapo_d, sampling)
-    assert terms.loss.item() == pytest.approx(expected, rel=1e-6, abs=1e-9)  # the row scale is float32
+    # the row scale is float32 (as in training): an error of ~1e-7 of each row's term, which may cancel
+    assert terms.loss.item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
 def test_the_entropy_bonus_is_the_mean_entropy_of_the_kept_tokens():
