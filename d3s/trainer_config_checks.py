@@ -138,7 +138,8 @@ def check_switches(config: D3SConfig) -> None:
 
 
 def check_state_and_rewards(config: D3SConfig) -> None:
-    """A run that can resume from its newest checkpoint; PODS's re-normalisation of the summed reward."""
+    """A run that can resume from its newest checkpoint; PODS's re-normalisation of the summed reward, by each
+    group's kept rollouts (their std, or none)."""
     if config.full_state_checkpoints == "latest" and config.save_only_model:
         raise ValueError(
             "full_state_checkpoints: latest keeps the training state in the newest checkpoint, but "
@@ -148,6 +149,13 @@ def check_state_and_rewards(config: D3SConfig) -> None:
         raise ValueError(
             "renormalize=True re-normalises the summed reward per group; it needs "
             "multi_objective_aggregation='sum_then_normalize'"
+        )
+    if config.renormalize and config.scale_rewards == "batch":
+        # d3s.selection.renormalize_advantages scales by the std of each group's kept rollouts, or not at all
+        raise ValueError(
+            "renormalize=True re-normalises the advantages within each group's kept rollouts, scaled by "
+            "their std (scale_rewards group) or not (none); scale_rewards batch is not computed: set "
+            "scale_rewards group or none"
         )
 
 
@@ -240,9 +248,9 @@ def check_token_loss(config: D3SConfig) -> None:
         )
     if sequence_level and config.loss_type not in SEQUENCE_LEVEL_LOSSES:
         raise ValueError(
-            f"sequence-level ratios with token selection average the ratio over the kept tokens; loss_type "
-            f"{config.loss_type!r} then sums that one ratio over every kept token, weighting each rollout by "
-            f"its kept length: use loss_type {', '.join(SEQUENCE_LEVEL_LOSSES)}"
+            "importance_sampling_level sequence with token selection averages the ratio over the kept "
+            f"tokens; loss_type {config.loss_type!r} then sums that one ratio over every kept token, "
+            f"weighting each rollout by its kept length: use loss_type {', '.join(SEQUENCE_LEVEL_LOSSES)}"
         )
     if config.kl_tokens == "all" and (sequence_level or config.token_norm == "selected"):
         raise ValueError(
