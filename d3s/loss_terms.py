@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from d3s.objective import entropy_bonus
+from d3s.objective import TOKEN_COUNT_LOSSES, entropy_bonus
 
 
 def adapted_entropy_coef(
@@ -35,7 +35,7 @@ class SelectionLossTerms:
                 apply = 0.0  # the coefficient of the step before, as TRL applies it to the whole window
             extra = extra - apply * entropy_bonus(entropies, kept, accumulation)
             unscaled = policy_loss.detach() * (
-                1.0 if self.args.loss_type in ("dapo", "cispo") else accumulation
+                1.0 if self.args.loss_type in TOKEN_COUNT_LOSSES else accumulation
             )
             metrics["policy_loss"].append(self.accelerator.gather(unscaled).nanmean().item())
             if self.use_adaptive_entropy:

@@ -31,6 +31,8 @@ CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 SELECTION_LOSSES = (*CLIPPED_LOSSES, "cispo", "sapo")
 # loss types whose rows each contribute their token mean (as TRL's grpo and sapo)
 ROW_MEAN_LOSSES = ("grpo", "sapo")
+# loss types divided by D, the loss tokens of the generation batch (no division by the accumulation)
+TOKEN_COUNT_LOSSES = ("dapo", "cispo")
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def loss_row_scale(
         denominator = loss_mask.sum().clamp(min=1.0) * accumulation
     elif o.loss_type == "dr_grpo":
         denominator = rows_counted.sum().clamp(min=1) * o.max_completion_length * accumulation
-    elif o.loss_type in ("dapo", "cispo"):
+    elif o.loss_type in TOKEN_COUNT_LOSSES:
         denominator = torch.as_tensor(dapo_denominator, device=loss_mask.device)
     else:
         raise ValueError(
