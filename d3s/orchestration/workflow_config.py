@@ -13,6 +13,7 @@ import yaml
 
 from d3s.memory_plan import check_fit
 from d3s.orchestration.run_config import run_trainer, train_launch
+from d3s.startup import skip_iri_format_checks
 from d3s.studies import parse_study
 from d3s.variants import run_variants
 
@@ -50,6 +51,7 @@ def validate_config(config: dict[str, Any], schema: str | os.PathLike[str]) -> N
     """``config`` against the workflow's ``schema`` (its config/schema.yaml), the one structural check (it
     fills the defaults in); a violation raises ValueError with one line naming the key and the fix, not
     jsonschema's dump of the schema."""
+    skip_iri_format_checks()  # the schema has no "iri" format: 3.2 s of every snakemake start (d3s.startup)
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 

@@ -1,0 +1,83 @@
+"""d3s.startup: what workflow processes skip at start-up, and why no result can depend on it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import REPO_ROOT
+
+
+def _formats(schema) -> set[str]:
+    """Every value of a JSON-schema "format" keyword in ``schema`` (a property *named* format is not one)."""
+    found: set[str] = set()
+    if isinstance(schema, dict):
+        if isinstance(schema.get("format"), str):
+            found.add(schema["format"])
+        for key, value in schema.items():
+            if key == "properties" and isinstance(value, dict):
+                for sub in value.values():
+                    found |= _formats(sub)
+            elif key != "format":
+                found |= _formats(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            found |= _formats(item)
+    return found
+
+
+def test_no_schema_a_workflow_process_validates_against_uses_an_iri_format():
+    import nbformat
+
+    workflow = yaml.safe_load((REPO_ROOT / "config" / "schema.yaml").read_text())
+    notebook_schemas = sorted((Path(nbformat.__file__).parent / "v4").glob("*.schema.json"))
+    assert notebook_schemas
+    used = _formats(workflow).union(*(_formats(json.loads(p.read_text())) for p in notebook_schemas))
+    assert not {name for name in used if name.startswith("iri")}, used
+
+
+def _fresh(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_validating_the_workflow_config_leaves_the_iri_checker_out_and_still_refuses_a_bad_config():
+    out = _fresh(
+        "import sys, yaml\n"
+        "from d3s.orchestration.workflow_config import validate_config\n"
+        "config = yaml.safe_load(open('config/smoke.yaml'))\n"
+        "validate_config(config, 'config/schema.yaml')\n"
+        "config['seeds'] = 'zero'\n"
+        "try:\n"
+        "    validate_config(config, 'config/schema.yaml')\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print(sys.modules['rfc3987_syntax'])\n"
+    )
+    assert "refused: config seeds:" in out and out.strip().endswith("None")
+
+
+def test_the_checker_is_the_only_format_check_given_up():
+    """With the module hidden, jsonschema checks every format it checked before but the two "iri" ones."""
+    code = "import sys\n{skip}import jsonschema\nprint(sorted(jsonschema.FormatChecker().checkers))\n"
+    skip = "from d3s.startup import skip_iri_format_checks\nskip_iri_format_checks()\n"
+    with_it = set(eval(_fresh(code.format(skip=""))))
+    without = set(eval(_fresh(code.format(skip=skip))))
+    assert with_it - without == {"iri", "iri-reference"} and without <= with_it
+
+
+def test_the_notebook_runner_is_papermills_command_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "d3s.analysis.run_notebook", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "Usage:" in done.stdout and "--kernel" in done.stdout
