@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from d3s.keep_counts import round_half_up  # torch-free: the workflow's parse-time checks import the registry
+
 
 @dataclass(frozen=True)
 class Method:
@@ -45,9 +47,6 @@ class Method:
     def keep_per_prompt(self, num_generations: int) -> tuple[int, int]:
         """(N_init, N_final) for G = ``num_generations``: fraction x G rounded as the schedule rounds (halves
         up, so G = 10 at 25 % keeps 3), at least 1."""
-        from d3s.selection import round_half_up  # here, not at the top: the registry stays torch-free, so
-        # the workflow's parse-time check (every `snakemake -n`, every cluster job) does not import torch
-
         return tuple(
             max(1, round_half_up(f * num_generations))
             for f in (self.keep_per_prompt_fraction_init, self.keep_per_prompt_fraction_final)

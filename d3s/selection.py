@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from d3s.keep_counts import round_half_up  # the one rounding rule of N (torch-free for the registry)
+
 SampleRule = Literal["max_variance", "random", "max_reward", "none"]
 SampleScope = Literal["group", "batch"]
 TokenRule = Literal["adv_entropy", "entropy", "none"]
@@ -304,14 +306,6 @@ def token_keep_mask(
 
 
 # ---- schedule ----------------------------------------------------------------------------------------------
-
-
-def round_half_up(value: float) -> int:
-    """The nearest integer, halves rounded up (2.5 -> 3): the rule for every keep count N.
-
-    The papers say "round" without a rule; the 1e-9 absorbs binary error (0.58 x 25 = 14.499999999999998).
-    """
-    return math.floor(value + 0.5 + 1e-9)
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,18 @@ def test_the_notebook_runner_is_papermills_command_line():
         timeout=120,
     )
     assert done.returncode == 0 and "Usage:" in done.stdout and "--kernel" in done.stdout
+
+
+def test_the_parse_time_check_of_a_paper_config_imports_no_torch():
+    """Every `snakemake` start (and, on a cluster, every job's) runs check_workflow_config; a GPU config's
+    memory plan asks the registry for keep counts, which must not pull torch in (3 s a start here)."""
+    out = _fresh(
+        "import sys, yaml\n"
+        "from d3s.orchestration.workflow_config import check_workflow_config\n"
+        "config = yaml.safe_load(open('config/paper/qwen2.5-math-7b.yaml'))\n"
+        "check_workflow_config(config, 'workflow/accelerate', 'config/schema.yaml')\n"
+        "from d3s.methods import METHODS\n"
+        "print(METHODS['d3s'].keep_per_prompt(8), sorted({'torch', 'rfc3987_syntax'} & set(sys.modules)))\n"
+        "print(sys.modules['rfc3987_syntax'])\n"
+    )
+    assert out.split("\n")[:2] == ["(2, 8) ['rfc3987_syntax']", "None"], out
