@@ -245,13 +245,16 @@ def test_vllm_backend_on_the_cpu_with_fake_module(monkeypatch: pytest.MonkeyPatc
 
 
 def test_imports_are_lazy() -> None:
-    """Importing the evaluation code never imports vLLM; math-verify loads only when grading in-process."""
+    """Importing the evaluation code never imports vLLM; math-verify loads only when grading in-process;
+    pandas only for the grader audit (about 1 s of every evaluation job's start otherwise)."""
     import subprocess
 
     code = (
         "import sys, d3s.rewards, d3s.evaluation\n"
         "assert 'math_verify' not in sys.modules, 'math_verify imported'\n"
-        "import d3s.evaluation.cli, d3s.evaluation.runner, d3s.evaluation.backends, d3s.evaluation.audit\n"
+        "import d3s.evaluation.cli, d3s.evaluation.runner, d3s.evaluation.backends\n"
+        "assert 'pandas' not in sys.modules, 'pandas imported'\n"
+        "import d3s.evaluation.audit\n"
         "assert 'vllm' not in sys.modules, 'vllm imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

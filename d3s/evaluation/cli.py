@@ -25,7 +25,7 @@ from d3s.data.benchmarks import (
     parse_benchmark_list,
 )
 from d3s.data.templates import TEMPLATES, build_prompt
-from d3s.evaluation import audit, backends, runner
+from d3s.evaluation import backends, runner
 from d3s.evaluation.backends import BACKENDS, GenerationSettings, choose_backend
 from d3s.evaluation.run_task import synthetic_task
 from d3s.grading.policies import ANSWER_POLICIES, DEFAULT_ANSWER_POLICY, AnswerExtraction
@@ -233,6 +233,8 @@ def validate_eval_args(args: EvalOptions) -> tuple[list[str], GenerationSettings
     if args.audit_samples and not args.audit:
         raise ValueError("--audit-samples is read by the grader audit only: add --audit, or drop it")
     for path in args.audit_samples:
+        from d3s.evaluation import audit  # here: pandas (about 1 s) only for the grader audit, not every eval
+
         for file in audit.samples_files(path):
             if not file.read_text(encoding="utf-8").strip():
                 raise ValueError(
@@ -291,6 +293,8 @@ def run_eval(args: EvalOptions | argparse.Namespace) -> int:
         names, settings, backend_name = validate_eval_args(args)
         grading = {"num_workers": args.grading_workers, "time_limit": args.grading_time_limit}
         if args.audit:
+            from d3s.evaluation import audit
+
             chosen = names if args.benchmarks != DEFAULT_BENCHMARKS else None
             with Grader(**grading) as grader:
                 print(audit.audit_report(args.data_dir, chosen, args.audit_samples, grader, args.out))
