@@ -1,16 +1,19 @@
 """Render committed studies again under the current analysis and study files, from their stored measures.
 
 `python scripts/rerender_studies.py results/studies/2026-11-28 results/studies/2026-11-28-controls`
-(docs/studies.md, "Controls"). For each study folder of SOURCE: the study file config/studies/<name>.yaml as
-it is now (its controls), checked to have the folder's testbed, applied to the folder's measures.csv; no run
-is trained or evaluated. A folder written before the measures held the base models (runs ``base`` and
-``base:<name>``) gets their Pass@1 from its report.md, which states them to 0.1 point. A run the study file
-names that the folder lacks has no data (a control on it is not supported). Never writes into SOURCE."""
+(docs/studies.md, "Controls"); `--fresh NAME=FOLDER` takes study NAME as a new run wrote it (FOLDER: its
+results/<experiment>/studies/NAME) instead, for a study whose runs or evaluations changed. For each other
+study folder of SOURCE: the study file config/studies/<name>.yaml as it is now (its controls), checked to have
+the folder's testbed, applied to the folder's measures.csv; no run is trained or evaluated. A folder written
+before the measures held the base models (runs ``base`` and ``base:<name>``) gets their Pass@1 from its
+report.md, which states them to 0.1 point. A run the study file names that the folder lacks has no data (a
+control on it is not supported). Never writes into SOURCE."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -46,16 +49,34 @@ def bases_from_report(report: str) -> dict[tuple[str, str], float]:
     return found
 
 
-def rerender(source: Path, dest: Path) -> list[str]:
-    """Every study of ``source`` rendered into ``dest``; returns notes on what came from where."""
+def rerender(source: Path, dest: Path, fresh: dict[str, Path] | None = None) -> list[str]:
+    """Every study of ``source`` rendered into ``dest``, but those in ``fresh`` (name: a new run's study
+    folder), copied as they were written; returns notes on what came from where."""
     notes = []
+    fresh = fresh or {}
     for folder in study_folders(source):
+        if folder.name in fresh:
+            run = read_study(
+                fresh[folder.name]
+            )  # a complete study folder, or an error naming what is missing
+            if run.config != current_config(folder.name) | {"study": run.config["study"]}:
+                raise SystemExit(
+                    f"{folder.name}: {fresh[folder.name]} was not written by the current study file"
+                )
+            shutil.copytree(fresh[folder.name], dest / folder.name)
+            notes.append(f"{folder.name}: run again ({fresh[folder.name]}), not rendered from {source}")
+            continue
         old = read_study(folder)
         config = current_config(folder.name)
         changed = [key for key in TESTBED if config.get(key) != old.config.get(key)]
         if changed:
             raise SystemExit(
                 f"{folder.name}: the study file's testbed differs from the folder's in {changed}"
+            )
+        if config["study"].get("ood") != old.config["study"].get("ood"):  # other problems: new evaluations
+            raise SystemExit(
+                f"{folder.name}: the study file's held-out evaluation (study.ood) differs from the folder's; "
+                f"run the study again and pass --fresh {folder.name}=FOLDER"
             )
         values = old.values.copy()
         runs_with_data = set(values["run"])
@@ -92,22 +113,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path)
     parser.add_argument("dest", type=Path)
+    parser.add_argument("--fresh", action="append", default=[], metavar="NAME=FOLDER")
     args = parser.parse_args()
     if args.dest.resolve() == args.source.resolve():
         raise SystemExit("dest must be a new folder: a committed study folder is never overwritten")
-    notes = rerender(args.source, args.dest)
+    fresh = dict(item.split("=", 1) for item in args.fresh)
+    notes = rerender(args.source, args.dest, {name: Path(folder) for name, folder in fresh.items()})
     times = {}
     index = (
         (args.source / "index.md").read_text(encoding="utf-8") if (args.source / "index.md").is_file() else ""
     )
     for name, time in re.findall(r"^\| \[(\w+)\]\([^)]*\) \|.*\| ([^|]+) \|$", index, flags=re.MULTILINE):
-        times[name] = time.strip()
+        if name not in fresh:  # a study run again took its own time, stated in the closing note
+            times[name] = time.strip()
     text = "# Studies\n\n" + index_markdown(args.dest, times) + "\n\n"
+    command = " ".join(
+        [
+            "python scripts/rerender_studies.py",
+            str(args.source),
+            str(args.dest),
+            *(f"--fresh {item}" for item in args.fresh),
+        ]
+    )
+    again = ", ".join(fresh) or "none"
     text += (
-        f"Rendered again from {args.source}'s measures.csv (`python scripts/rerender_studies.py "
-        f"{args.source} {args.dest}`) with the controls of config/studies/*.yaml; no run was trained or "
-        "evaluated again, and the claims are the same to the last digit. The wall times are those of "
-        f"{args.source}.\n\n"
+        f"Rendered again from {args.source}'s measures.csv (`{command}`) with the controls of "
+        "config/studies/*.yaml; no run was trained or evaluated again but in the studies run again "
+        f"({again}), and the claims rendered again are the same to the last digit. The wall times are those "
+        f"of {args.source}, where there is one.\n\n"
     )
     text += "".join(f"- {note}\n" for note in notes)
     atomic_write_text(args.dest / "index.md", text)

@@ -673,21 +673,35 @@ def test_a_control_at_its_threshold_or_without_data_is_not_supported(tmp_path):
 
 
 def test_the_shipped_controls_fail_where_the_committed_studies_were_uninformative(tmp_path):
-    """scripts/rerender_studies.py on the 2026-11-28 studies: the claims agree to the last digit; the
-    generalization control (GRPO does not beat the base on the longer problems), the adaptive one (the switch
-    never fired) and the alignment one (weak_grpo never ran) fail; the others pass."""
+    """scripts/rerender_studies.py on the 2026-11-28 studies: the claims agree to the last digit; the adaptive
+    control (the switch never fired) and the alignment one (weak_grpo never ran) fail; the others pass, with
+    generalization taken as run again on its new axis (2026-11-29): its old folder holds other problems, so
+    rendering it alone is refused."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
+    studies = REPO_ROOT / "results" / "studies"
 
-    rerender(REPO_ROOT / "results" / "studies" / "2026-11-28", tmp_path)
-    informative = {folder.name: read_study(folder).informative for folder in study_folders(tmp_path)}
+    with pytest.raises(
+        SystemExit, match=r"generalization: the study file's held-out evaluation \(study.ood\)"
+    ):
+        rerender(studies / "2026-11-28", tmp_path / "refused")
+    fresh = studies / "2026-11-29" / "generalization"
+    notes = rerender(studies / "2026-11-28", tmp_path / "again", {"generalization": fresh})
+    assert f"generalization: run again ({fresh}), not rendered from {studies / '2026-11-28'}" in notes
+    informative = {
+        folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
+    }
     assert informative == {
         "token_level": True,
         "sample_level": True,
         "schedule": True,
         "alignment": False,
         "adaptive": False,
-        "generalization": False,
+        "generalization": True,
     }
+    for folder in study_folders(tmp_path / "again"):  # what is committed is what the script writes
+        committed = studies / "2026-11-29" / folder.name
+        assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder.name
+        assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder.name
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
