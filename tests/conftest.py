@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, SHARED_DATA, SMOKE_ARGS, SMOKE_SECONDS, SNAKEMAKE, copy_workflow
+from helpers import (
+    REPO_ROOT,
+    SHARED_DATA,
+    SMOKE_ARGS,
+    SMOKE_SECONDS,
+    SNAKEMAKE,
+    copy_workflow,
+    failed_job_logs,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -189,7 +197,8 @@ def smoke_workflow(tmp_path_factory, request) -> Path:
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:] + failed_job_logs(out, work)
     request.config.stash[SMOKE_SECONDS] = time.monotonic() - started
     return work
 

@@ -120,6 +120,20 @@ def run_snakemake(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.
     return subprocess.run(SNAKEMAKE + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+FAILED_JOB_LOG = re.compile(r"log: (\S+) \(check log file")
+
+
+def failed_job_logs(output: str, cwd: Path, tail: int = 3000) -> str:
+    """The ends of the log files of the jobs a Snakemake ``output`` reports as failed (read from ``cwd``), for
+    an assertion's message: the output's own end often holds only Snakemake's summary, not the cause."""
+    parts = []
+    for name in dict.fromkeys(FAILED_JOB_LOG.findall(output)):
+        log = cwd / name
+        text = log.read_text(errors="replace")[-tail:] if log.is_file() else "(no such file)"
+        parts.append(f"\n---- {name} ----\n{text}")
+    return "".join(parts)
+
+
 def dry_run_jobs(output: str) -> list[dict]:
     """Jobs in the output of `snakemake -n`: rule, wildcards and resources of each."""
     jobs: list[dict] = []

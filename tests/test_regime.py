@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, copy_workflow
+from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, copy_workflow, failed_job_logs
 
 from d3s.analysis.claims import min_detectable_effect
 from d3s.analysis.paper_regime import PAPER, token_fraction
@@ -293,7 +293,8 @@ def test_regime_sweep_smoke_end_to_end(tmp_path):
         text=True,
         timeout=900,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:] + failed_job_logs(out, work)
     print(f"sweep smoke: {time.perf_counter() - start:.0f} s")
     root = work / "results" / "regime-smoke"
     assert "[3/3] P = 4 (32 rollouts per step)" in done.stdout and "sweep finished" in done.stdout

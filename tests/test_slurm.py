@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow, dry_run_jobs
+from helpers import REPO_ROOT, SNAKEMAKE, copy_workflow, dry_run_jobs, failed_job_logs
 
 CLUSTER = REPO_ROOT / "scripts" / "slurm_cluster.sh"
 SMOKE = Path("results/smoke")
@@ -286,7 +286,7 @@ def test_smoke_workflow_through_slurm_survives_scancel_and_a_killed_snakemake(
     assert unlock.returncode == 0, unlock.stderr[-2000:]
     again = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     out = again.stdout + again.stderr
-    assert again.returncode == 0, out[-5000:]
+    assert again.returncode == 0, out[-5000:] + failed_job_logs(out, work)
     rerun_jobs = SUBMITTED_RULE.findall(out)
     assert rerun_jobs.count("train") == 1 and "base_model" not in rerun_jobs, rerun_jobs
     d3s_log = (work / SMOKE / "logs" / "train" / "d3s_seed0.log").read_text()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers import REPO_ROOT
@@ -81,6 +83,48 @@ def test_the_notebook_runner_is_papermills_command_line():
         timeout=120,
     )
     assert done.returncode == 0 and "Usage:" in done.stdout and "--kernel" in done.stdout
+
+
+def test_the_notebook_runners_kernel_uses_unix_sockets_in_a_folder_of_its_own(tmp_path):
+    """No TCP port to race for (d3s.analysis.run_notebook): the kernel reports the ipc transport, its
+    sockets under a fresh d3s-kernel- folder, which is gone after the run; papermill's parameters apply."""
+    import nbformat
+
+    probe = nbformat.v4.new_notebook()
+    probe.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    probe.cells = [
+        nbformat.v4.new_code_cell("answer = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            "from ipykernel.connect import get_connection_info\n"
+            "info = get_connection_info(unpack=True)\n"
+            "print(info['transport'], info['ip'], answer)"
+        ),
+    ]
+    nbformat.write(probe, tmp_path / "probe.ipynb")
+    done = subprocess.run(
+        [sys.executable, "-m", "d3s.analysis.run_notebook", "probe.ipynb", "out.ipynb"]
+        + ["-k", "python3", "--no-progress-bar", "-p", "answer", "42"],
+        cwd=tmp_path,
+        env=os.environ | {"TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    transport, prefix, answer = out.cells[-1].outputs[0]["text"].split()
+    assert transport == "ipc" and answer == "42"
+    assert Path(prefix).name == "kernel" and Path(prefix).parent.name.startswith("d3s-kernel-")
+    assert Path(prefix).parent.parent == tmp_path and not Path(prefix).parent.exists()
+    assert "without encryption" not in done.stderr  # ipykernel's warning for a TCP kernel
+
+
+def test_a_socket_folder_too_long_for_unix_sockets_is_refused_with_what_to_change():
+    from d3s.analysis.run_notebook import kernel_socket_prefix
+
+    assert kernel_socket_prefix("/tmp/d3s-kernel-x") == "/tmp/d3s-kernel-x/kernel"
+    with pytest.raises(ValueError, match="set TMPDIR to a shorter folder"):
+        kernel_socket_prefix("/" + "deep/" * 30)
 
 
 def test_the_parse_time_check_of_a_paper_config_imports_no_torch():

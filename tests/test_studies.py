@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, SNAKEMAKE, copy_workflow
+from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, SNAKEMAKE, copy_workflow, failed_job_logs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -726,7 +726,8 @@ def study_smokes(tmp_path_factory) -> tuple[Path, dict[str, float]]:
         if name == "adaptive":  # one calibration seed runs the calibration's code
             args += ["--config", "study={calibration: {seeds: [5]}}"]
         done = subprocess.run(SNAKEMAKE + args, cwd=work, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, (name, done.stdout[-3000:] + done.stderr[-3000:])
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, (name, out[-3000:] + failed_job_logs(out, work))
         times[name] = time.perf_counter() - start
     return work, times
 

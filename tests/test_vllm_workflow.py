@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 import yaml
-from helpers import REPO_ROOT, copy_workflow, run_snakemake
+from helpers import REPO_ROOT, copy_workflow, failed_job_logs, run_snakemake
 
 from d3s.vllm_engine import cpu_vllm_installed
 
@@ -25,7 +25,8 @@ SYNCED = 1e-4
 def test_vllm_workflow_end_to_end(tmp_path):
     work = copy_workflow(tmp_path)
     done = run_snakemake(["--cores", "2", "--configfile", "config/smoke-vllm.yaml"], work, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:] + failed_job_logs(out, work)
     config = yaml.safe_load((REPO_ROOT / "config" / "smoke-vllm.yaml").read_text())
     out = work / "results" / "smoke-vllm"
     for method in config["methods"]:

@@ -1,8 +1,8 @@
 # Stage 4: the provenance check, once, then the analysis notebooks (notebooks/*.ipynb), one rule each, run
 # with papermill on the logged files and provenance.json (docs/workflow/stages.md).
 
-# papermill of the Python running Snakemake (works without an activated virtual environment), less the
-# "iri" format checker's 3-4 s import (d3s.startup)
+# papermill of the Python running Snakemake (works without an activated virtual environment), its kernel on
+# Unix sockets (no TCP port to lose to a job beside it) and without the "iri" format checker's 3-4 s import
 PAPERMILL = f"{sys.executable} -m d3s.analysis.run_notebook"
 
 # analysis.allow_mixed_settings: combine results that differ in settings that must agree, stating the mix
