@@ -12,7 +12,9 @@ it (workflow/rules/analyse.smk), with two changes to how it starts:
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,17 +22,29 @@ from d3s.startup import skip_iri_format_checks
 
 # A Unix socket's path holds at most 107 bytes; the kernel adds "-<n>" to the prefix below.
 SOCKET_PATH_LIMIT = 100
+# Where the socket folder goes when TMPDIR is too deep for a socket's path (pytest's, some job folders)
+SHORT_TEMP_ROOTS = ("/tmp", "/dev/shm")
 
 
-def kernel_socket_prefix(folder: str | Path) -> str:
-    """The path prefix of the kernel's socket files in ``folder`` (ipc transport: ``<prefix>-<n>``)."""
+def kernel_socket_prefix(folder: str | Path) -> str | None:
+    """The path prefix of the kernel's socket files in ``folder`` (ipc transport: ``<prefix>-<n>``); None
+    when it is too long for a Unix socket's path."""
     prefix = str(Path(folder) / "kernel")
-    if len(prefix.encode()) + len("-99999") > SOCKET_PATH_LIMIT:
-        raise ValueError(
-            f"{prefix}: too long for a Unix socket's path ({SOCKET_PATH_LIMIT} bytes); set TMPDIR to a "
-            "shorter folder"
-        )
-    return prefix
+    return prefix if len(prefix.encode()) + len("-99999") <= SOCKET_PATH_LIMIT else None
+
+
+def socket_folder() -> str | None:
+    """A fresh folder for the kernel's sockets: under TMPDIR, or else under the first short root that takes
+    one; None when none does (the kernel then keeps papermill's TCP ports)."""
+    for root in (None, *SHORT_TEMP_ROOTS):
+        try:
+            folder = tempfile.mkdtemp(prefix="d3s-kernel-", dir=root)
+        except OSError:
+            continue
+        if kernel_socket_prefix(folder):
+            return folder
+        os.rmdir(folder)
+    return None
 
 
 def ipc_config(folder: str | Path):
@@ -45,7 +59,11 @@ def main() -> None:
     import papermill.cli
     from papermill.execute import execute_notebook
 
-    folder = tempfile.mkdtemp(prefix="d3s-kernel-")
+    folder = socket_folder()
+    if folder is None:
+        print("run_notebook: no folder short enough for the kernel's sockets; TCP ports", file=sys.stderr)
+        papermill.cli.papermill()
+        return
     try:
         # papermill passes unknown keywords of execute_notebook on to its notebook client, whose kernel
         # manager takes this configuration (nbclient's create_kernel_manager)
