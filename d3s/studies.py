@@ -54,6 +54,7 @@ class StudyClaim:
     statement: str
     reference: str | None = None
     direction: int = 1
+    primary: bool = False  # a claim the study is run to decide (its power: d3s.analysis.studies.power_table)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def parse_study(config: Mapping[str, Any], variants: Mapping[str, Any]) -> Study
             statement=spec["statement"],
             reference=spec.get("reference"),
             direction=int(spec.get("direction", 1)),
+            primary=bool(spec.get("primary", False)),
         )
         if claim.kind == "versus":
             if claim.reference is None:

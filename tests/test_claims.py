@@ -21,6 +21,7 @@ from d3s.analysis.claims import (
     min_detectable_effect,
     ordering_row,
     paired_t,
+    seeds_for_effect,
 )
 
 
@@ -67,6 +68,23 @@ def test_min_detectable_effect_has_80_percent_power(seeds):
     shift = effect / (sd / math.sqrt(seeds))
     power = stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift)
     assert power == pytest.approx(0.80, abs=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0.05, 6.0), st.floats(0.3, 5.0))
+def test_seeds_for_an_effect_are_the_fewest_that_detect_it(sd, effect):
+    """Brute force as the oracle: the first n from 2 whose detectable effect at ``sd`` is at most
+    ``effect``."""
+    needed = seeds_for_effect(sd, effect, limit=150)
+    brute = next((n for n in range(2, 151) if min_detectable_effect(sd, n) <= effect), None)
+    assert needed == brute
+
+
+def test_seeds_for_an_effect_at_the_edges():
+    assert seeds_for_effect(0.0, 1.5) == 2  # no spread: any two seeds decide
+    assert seeds_for_effect(math.nan, 1.5) is None  # unknown spread (one seed)
+    assert seeds_for_effect(50.0, 0.5, limit=100) is None  # beyond the limit
+    assert min_detectable_effect(2.51, seeds_for_effect(2.51, 1.5)) <= 1.5 < min_detectable_effect(2.51, 23)
 
 
 def _holm_brute_force(p, alpha=0.05):

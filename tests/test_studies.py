@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import runpy
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,12 +25,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from d3s.analysis.claims import min_detectable_effect
 from d3s.analysis.studies import (
     calibration_table,
     chosen_threshold,
     claim_rows,
     control_rows,
     index_markdown,
+    power_table,
     read_study,
     render_study,
     slope_per_seed,
@@ -209,6 +213,7 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     assert study is not None and study.name == name
     assert all(claim.measure in MEASURES for claim in study.claims)
     assert len(config["seeds"]) == 5
+    assert any(claim.primary for claim in study.claims), "name the claims the study decides (primary: true)"
 
 
 def test_studies_that_share_a_run_name_define_it_alike():
@@ -386,6 +391,46 @@ def test_an_interaction_is_the_per_seed_difference_of_differences():
     assert row["estimate"] == pytest.approx(contrast.mean())
     half = stats.t.ppf(0.975, 4) * contrast.std(ddof=1) / math.sqrt(5)
     assert (row["ci_low"], row["ci_high"]) == pytest.approx((contrast.mean() - half, contrast.mean() + half))
+
+
+def test_the_power_table_holds_the_primary_claims_and_the_seeds_they_need():
+    """Only the primary claim's rows; Holm over the whole study as its report; seeds_needed the fewest whose
+    detectable effect at the row's spread reaches 1.5 points; a decided row is enough whatever its spread."""
+    rng = np.random.default_rng(13)
+    ref = rng.normal(50, 3, 5)
+    table = {"ref": ref, "far": ref - 10 + rng.normal(0, 1, 5), "near": ref + rng.normal(0.3, 2.5, 5)}
+    table |= {"tight": ref + rng.normal(0.2, 0.3, 5), "other": rng.normal(50, 3, 5)}
+    variants = {name: Variant(name, "grpo") for name in table}
+    versus = {"kind": "versus", "measure": "pass_at_1", "reference": "ref", "statement": "s"}
+    claims = [versus | {"runs": ["far", "near", "tight"], "primary": True}, versus | {"runs": ["other"]}]
+    study = _study(claims, variants)
+    assert [claim.primary for claim in study.claims] == [True, False]
+    power = power_table(_values(table), study, variants).set_index("method")
+    assert list(power.index) == ["far", "near", "tight"]
+    whole = claim_rows(_values(table), study, variants).set_index("method")
+    assert (power["verdict_holm"] == whole.loc[power.index, "verdict_holm"]).all()
+    assert power.loc["far", "verdict_holm"] == "refuted" and power.loc["far", "enough"]
+    near = power.loc["near"]
+    assert near["verdict_holm"] == "inconclusive" and not near["enough"]
+    assert near["seed_sd"] == pytest.approx(np.std(table["near"] - ref, ddof=1))
+    assert min_detectable_effect(near["seed_sd"], near["seeds_needed"]) <= 1.5
+    assert min_detectable_effect(near["seed_sd"], near["seeds_needed"] - 1) > 1.5
+    assert power.loc["tight", "enough"] and power.loc["tight", "min_detectable_effect"] <= 1.5
+
+
+def test_the_power_section_of_docs_is_what_the_script_computes_from_the_committed_studies():
+    """docs/studies/power.md: the script's output on the committed folder it names, word for word."""
+    docs = (REPO_ROOT / "docs" / "studies" / "power.md").read_text()
+    folder = re.search(r"`python scripts/study_power.py (results/studies/[\w-]+)`", docs).group(1)
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "study_power.py"), folder],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() in docs
 
 
 def test_the_calibration_rule_picks_the_smallest_threshold_above_the_aligned_models_spikes(tmp_path):

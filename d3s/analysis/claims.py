@@ -85,6 +85,26 @@ def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float 
     return detectable_shift(n - 1, level, power) * sd / math.sqrt(n)
 
 
+def seeds_for_effect(sd: float, effect: float, level: float = LEVEL, power: float = POWER, limit: int = 1000):
+    """The fewest paired seeds whose :func:`min_detectable_effect` at ``sd`` is at most ``effect`` (None when
+    ``limit`` seeds are not enough or ``sd`` is unknown): the power calculation of a claim whose paired
+    differences vary by ``sd`` across seeds."""
+    if math.isnan(sd) or sd < 0 or effect <= 0:
+        return None
+    if sd == 0:
+        return 2
+    low, high = 2, limit  # min_detectable_effect falls with n: bisect for the first n that reaches effect
+    if min_detectable_effect(sd, high, level, power) > effect:
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if min_detectable_effect(sd, middle, level, power) <= effect:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def t_interval(values: Iterable[float], level: float = LEVEL) -> dict[str, float]:
     """Mean of ``values`` (NaN and None dropped), its t-interval and two-sided p-value against 0."""
     d = np.asarray([x for x in values if x is not None and not math.isnan(x)], dtype=float)

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from d3s.analysis.claims import COLUMNS, Claim, _row, holm, paired_t, t_interval
+from d3s.analysis.claims import COLUMNS, Claim, _row, holm, paired_t, seeds_for_effect, t_interval
 from d3s.analysis.figures import save
 from d3s.analysis.io import read_jsonl
 from d3s.markdown import markdown_table
@@ -216,6 +216,52 @@ def claim_rows(values: pd.DataFrame, study: Study, variants: Mapping[str, Varian
     verdicts = zip(table["verdict"], holm(table["p_value"]), strict=True)
     table["verdict_holm"] = [v if rejected else "inconclusive" for v, rejected in verdicts]
     return table
+
+
+# ---- power (docs/studies/power.md) ---------------------------------------------------------------------
+
+TARGET_EFFECT = 1.5  # points of Pass@1: the smallest detectable effect a primary claim should reach
+
+
+def power_table(
+    values: pd.DataFrame, study: Study, variants: Mapping[str, Variant], effect: float = TARGET_EFFECT
+) -> pd.DataFrame:
+    """The power calculation of the study's primary claims: each comparison's verdict (after Holm over the
+    whole study, as its report), the spread of its paired differences across seeds, the smallest effect its
+    seeds detect with 80 % power, and the fewest paired seeds that would detect ``effect`` at that spread
+    (``seeds_needed``; the spread includes the evaluation's sampling noise at the study's problems and
+    samples). ``enough``: decided already, or the detectable effect is at most ``effect``."""
+    claims = claim_rows(values, study, variants)
+    primary = [spec.primary for spec in study.claims for _ in _spec_rows(spec, values, variants)]
+    table = claims[primary].reset_index(drop=True)
+    table["seeds_needed"] = [seeds_for_effect(sd, effect) for sd in table["seed_sd"]]
+    decided = table["verdict_holm"] != "inconclusive"
+    table["enough"] = decided | (table["min_detectable_effect"] <= effect)
+    return table
+
+
+def power_markdown(power: pd.DataFrame, effect: float = TARGET_EFFECT) -> str:
+    """The power table as docs/studies.md shows it."""
+
+    def status(row: Any) -> str:
+        if row["verdict_holm"] != "inconclusive":
+            return f"decided ({row['verdict_holm']})"
+        if row["min_detectable_effect"] <= effect:
+            return f"detects {effect:g} now"
+        needed = row["seeds_needed"]
+        return f"{needed:.0f} seeds" if needed is not None and not pd.isna(needed) else "over 1,000 seeds"
+
+    columns = {
+        "claim": lambda r: r["claim"],
+        "run": lambda r: r["method"],
+        "against": lambda r: r["reference"],
+        "estimate [95 % CI]": lambda r: f"{_fmt(r['estimate'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]",
+        "seeds": lambda r: r["seeds"],
+        "seed SD": lambda r: _fmt(r["seed_sd"]),
+        "detectable now": lambda r: _fmt(r["min_detectable_effect"]),
+        f"to detect {effect:g}": status,
+    }
+    return markdown_table((row for _, row in power.iterrows()), columns)
 
 
 # ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
