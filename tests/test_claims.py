@@ -17,6 +17,7 @@ from d3s.analysis import claims
 from d3s.analysis.claims import (
     CLAIMS,
     claims_table,
+    eval_noise_split,
     holm,
     min_detectable_effect,
     ordering_row,
@@ -85,6 +86,31 @@ def test_seeds_for_an_effect_at_the_edges():
     assert seeds_for_effect(math.nan, 1.5) is None  # unknown spread (one seed)
     assert seeds_for_effect(50.0, 0.5, limit=100) is None  # beyond the limit
     assert min_detectable_effect(2.51, seeds_for_effect(2.51, 1.5)) <= 1.5 < min_detectable_effect(2.51, 23)
+
+
+def test_the_noise_split_recovers_both_parts_of_a_known_spread():
+    """Paired differences = a training effect per seed + an evaluation draw per (seed, draw): with many seeds
+    the split finds both standard deviations; the parts' variances add up to the total's."""
+    rng = np.random.default_rng(0)
+    seeds = 20000
+    train = rng.normal(0.5, 2.0, seeds)
+    first, second = train + rng.normal(0, 1.5, seeds), train + rng.normal(0, 1.5, seeds)
+    split = eval_noise_split(first, second)
+    assert split["train_sd"] == pytest.approx(2.0, rel=0.03)
+    assert split["eval_sd"] == pytest.approx(1.5, rel=0.03)
+    assert split["total_sd"] ** 2 == pytest.approx(split["train_sd"] ** 2 + split["eval_sd"] ** 2)
+
+
+def test_the_noise_split_by_hand():
+    first, second = [1.0, 3.0, 2.0], [2.0, 3.0, 0.0]
+    split = eval_noise_split(first, second)
+    assert split["eval_sd"] == pytest.approx(math.sqrt((1 + 0 + 4) / 3 / 2))
+    total = (np.var(first, ddof=1) + np.var(second, ddof=1)) / 2
+    assert split["total_sd"] == pytest.approx(math.sqrt(total))
+    assert split["train_sd"] == pytest.approx(math.sqrt(max(total - (5 / 6), 0)))
+    same = eval_noise_split([0.0, 1.0, 2.0], [2.0, 1.0, 0.0])  # more evaluation noise than spread: 0 left
+    assert same["train_sd"] == 0.0 and same["n"] == 3
+    assert math.isnan(eval_noise_split([1.0], [2.0])["eval_sd"])
 
 
 def _holm_brute_force(p, alpha=0.05):

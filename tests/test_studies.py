@@ -6,6 +6,7 @@ tiny testbed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import runpy
@@ -431,6 +432,47 @@ def test_the_power_section_of_docs_is_what_the_script_computes_from_the_committe
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() in docs
+
+
+def test_the_second_draw_is_the_workflows_evaluation_but_for_the_sampling_seed(tmp_path):
+    """scripts/eval_noise.py evaluates a final model again with `d3s eval`: every setting of the workflow
+    evaluation's manifest, parsed back by d3s's own parser, with only the seed changed; its table sizes the
+    seeds at each samples multiplier from the split."""
+    from d3s.cli import build_parser
+
+    script = runpy.run_path(str(REPO_ROOT / "scripts" / "eval_noise.py"))
+    generation = {"samples": 8, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 64, "seed": 0}
+    bench = {"template": "raw", "generation": generation, "backend": "transformers", "n_problems": 200}
+    bench |= {"scoring": {"ks": [1, 4, 8]}, "batch_size": 50}
+    manifest = {"config": {"benchmark_names": ["synthetic"], "benchmarks": {"synthetic": bench}}}
+    command = script["eval_command"](manifest, tmp_path / "final", tmp_path / "again", 1)
+    assert command[1:4] == ["-m", "d3s.cli", "eval"]
+    args = build_parser().parse_args(command[3:])
+    assert (args.samples, args.temperature, args.top_p, args.max_tokens) == (8, 0.6, 0.95, 64)
+    assert (args.template, args.backend, args.batch_size, args.seed) == ("raw", "transformers", 50, 1)
+    assert args.k == [1, 4, 8] and args.synthetic == {"count": 200} and args.benchmarks == "synthetic"
+    draws = pd.DataFrame(
+        [{"method": m, "seed": s, "first": 50 + s + (m == "a"), "second": 50 + s + 3 * (m == "a") * (s % 2)}
+         for m in ("ref", "a") for s in range(5)]
+    )  # fmt: skip
+    table = script["noise_table"](draws, "ref", 60.0, 10.0, 1.5).iloc[0]
+    assert table["method"] == "a" and table["seeds_x4"] <= table["seeds_x2"] <= table["seeds_x1"]
+    assert table["cpu_minutes_x1"] == pytest.approx(table["seeds_x1"] * 2 * (60 + 10) / 60)
+
+
+@pytest.mark.parametrize("part", ["default", "generalization-ood"])
+def test_the_committed_noise_split_is_what_its_draws_give_and_what_the_docs_show(part):
+    """results/studies/noise-2026-12-07/<part>: noise.csv recomputed from draws.csv and the measured times
+    (scripts/eval_noise.py's noise_table), and its table in docs/studies/power.md as the README states it."""
+    script = runpy.run_path(str(REPO_ROOT / "scripts" / "eval_noise.py"))
+    folder = REPO_ROOT / "results" / "studies" / "noise-2026-12-07" / part
+    times = json.loads((folder / "noise_times.json").read_text())
+    draws = pd.read_csv(folder / "draws.csv")
+    table = script["noise_table"](draws, "grpo", times["train_seconds"], times["eval_seconds"], 1.5)
+    committed = pd.read_csv(folder / "noise.csv")
+    pd.testing.assert_frame_equal(table.reset_index(drop=True), committed, check_dtype=False)
+    readme = (folder / "README.md").read_text()
+    assert readme[readme.index("| comparison") :].strip() in (REPO_ROOT / "docs/studies/power.md").read_text()
 
 
 def test_the_calibration_rule_picks_the_smallest_threshold_above_the_aligned_models_spikes(tmp_path):

@@ -105,6 +105,28 @@ def seeds_for_effect(sd: float, effect: float, level: float = LEVEL, power: floa
     return low
 
 
+def eval_noise_split(first: Iterable[float], second: Iterable[float]) -> dict[str, float]:
+    """Split the spread of a paired comparison across training seeds into the evaluation's sampling and the
+    training's seed-to-seed variation. ``first`` and ``second``: the same comparison's paired differences
+    per training seed, with the evaluations sampled twice (two sampling seeds, the same problems). Two draws
+    of one training seed differ by evaluation noise alone, so mean((a - b)^2) / 2 estimates its variance;
+    the total (pooled over both draws) less that is the training's. Standard deviations, in the inputs'
+    unit; ``train_sd`` 0 where the estimate falls below 0."""
+    a, b = np.asarray(list(first), dtype=float), np.asarray(list(second), dtype=float)
+    keep = ~(np.isnan(a) | np.isnan(b))
+    a, b = a[keep], b[keep]
+    if len(a) < 2:
+        return {"total_sd": math.nan, "eval_sd": math.nan, "train_sd": math.nan, "n": len(a)}
+    total = (a.var(ddof=1) + b.var(ddof=1)) / 2
+    evaluation = float(np.mean((a - b) ** 2) / 2)
+    return {
+        "total_sd": math.sqrt(total),
+        "eval_sd": math.sqrt(evaluation),
+        "train_sd": math.sqrt(max(total - evaluation, 0.0)),
+        "n": len(a),
+    }
+
+
 def t_interval(values: Iterable[float], level: float = LEVEL) -> dict[str, float]:
     """Mean of ``values`` (NaN and None dropped), its t-interval and two-sided p-value against 0."""
     d = np.asarray([x for x in values if x is not None and not math.isnan(x)], dtype=float)
