@@ -241,7 +241,7 @@ def power_table(
 
 
 def power_markdown(power: pd.DataFrame, effect: float = TARGET_EFFECT) -> str:
-    """The power table as docs/studies.md shows it."""
+    """The power table as docs/studies/power.md shows it."""
 
     def status(row: Any) -> str:
         if row["verdict_holm"] != "inconclusive":
