@@ -73,7 +73,8 @@ _D3S_SCHEDULE = dict(
 
 # The adaptive method's threshold, chosen on calibration seeds 5 and 6 (outside the studies' 0-4) by the rule
 # of docs/studies.md: the smallest candidate (1.5, 2, 2.5, ...) above every spike ratio D3S showed on the
-# default base model there, 1.10 (the weak base: 1.42; results/studies/2026-11-28/adaptive/calibration.csv).
+# default base model there, 1.37 (the weak base: 1.75; results/studies/2026-12-07/adaptive/calibration.csv;
+# 1.10 and 1.42 on 2026-11-28's bases).
 ADAPTIVE_SWITCH_THRESHOLD = 1.5
 
 _QUARTER = dict(keep_per_prompt_fraction_init=0.25, keep_per_prompt_fraction_final=0.25)  # N = G/4 fixed

@@ -759,25 +759,25 @@ def test_a_control_at_its_threshold_or_without_data_is_not_supported(tmp_path):
     assert (row["estimate"], row["ci_low"], row["ci_high"]) == (0, 0, 1) and not row["supported"]
 
 
-def test_the_shipped_controls_fail_where_the_committed_studies_were_uninformative(tmp_path):
-    """scripts/rerender_studies.py on the 2026-11-28 studies: the claims agree to the last digit; the adaptive
-    control (the switch never fired) and the alignment one (weak_grpo never ran) fail; the others pass, with
-    generalization taken as run again on its new axis (2026-11-29): its old folder holds other problems, so
-    rendering it alone is refused."""
+def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_them(tmp_path):
+    """scripts/rerender_studies.py, as each committed folder was made. 2026-11-28 rendered with the controls
+    of 2026-11-29's study files left alignment (weak_grpo never ran) and adaptive (the switch never fired)
+    uninformative; since 2026-12-07 their weak base is another (study file's ``bases``), so that folder is
+    refused for them, naming the change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the
+    new weak base: the four others' claims agree to the last digit, alignment's control (the weak base learns)
+    is now supported and adaptive's (the switch fires on the weak base) still fails, and what is committed is
+    what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
 
     with pytest.raises(
-        SystemExit, match=r"generalization: the study file's held-out evaluation \(study.ood\)"
+        SystemExit, match=r"alignment: the study file's testbed differs from the folder's in \['bases'\]"
     ):
         rerender(studies / "2026-11-28", tmp_path / "refused")
-    fresh = studies / "2026-11-29" / "generalization"
-    notes = rerender(studies / "2026-11-28", tmp_path / "again", {"generalization": fresh})
-    assert f"generalization: run again ({fresh}), not rendered from {studies / '2026-11-28'}" in notes
-    informative = {
-        folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
+    informative_then = {
+        folder.name: read_study(folder).informative for folder in study_folders(studies / "2026-11-29")
     }
-    assert informative == {
+    assert informative_then == {
         "token_level": True,
         "sample_level": True,
         "schedule": True,
@@ -785,8 +785,17 @@ def test_the_shipped_controls_fail_where_the_committed_studies_were_uninformativ
         "adaptive": False,
         "generalization": True,
     }
+
+    fresh = {name: studies / "2026-12-07" / name for name in ("alignment", "adaptive")}
+    notes = rerender(studies / "2026-11-29", tmp_path / "again", fresh)
+    for name, folder in fresh.items():
+        assert f"{name}: run again ({folder}), not rendered from {studies / '2026-11-29'}" in notes
+    informative = {
+        folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
+    }
+    assert informative == informative_then | {"alignment": True}
     for folder in study_folders(tmp_path / "again"):  # what is committed is what the script writes
-        committed = studies / "2026-11-29" / folder.name
+        committed = studies / "2026-12-07" / folder.name
         assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder.name
         assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder.name
 
