@@ -37,7 +37,10 @@ if [ "${D3S_GPU:-0}" != 1 ]; then
   # DeepSpeed on the CPU JIT-builds its shared-memory op at first use (1-2 min, needs a C++ compiler):
   # build it here, once, so the ZeRO tests find it in ~/.cache/torch_extensions.
   build_op='from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder as B; B().load()'
-  if ! .venv/bin/python -c "$build_op" >/dev/null 2>&1; then
+  # torch's extension build waits, without end, on a lock file that a killed build left behind: a lock older
+  # than any build (10 min) is stale, and the build gets 15 min at most, so a setup never hangs on it.
+  find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -mmin +10 -delete 2>/dev/null || true
+  if ! timeout 900 .venv/bin/python -c "$build_op" >/dev/null 2>&1; then
     echo "warning: DeepSpeed's CPU op did not build (is a C++ compiler installed?); the ZeRO tests retry"
   fi
 fi
