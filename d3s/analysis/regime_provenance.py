@@ -11,9 +11,11 @@ from typing import Any
 
 from d3s.provenance.settings_check import MixedSettingsError, compare, load_provenance
 
-# Settings that differ between the points by design: the batch (the --config values of d3s regime).
+# Settings that differ between the points by design: the batch (the --config values of d3s regime) and the
+# synthetic training set's size, which grows with the batch so that no point trains on a prompt twice.
 POINT_KEYS = (
     "config.resolved_trainer.per_device_train_batch_size",
+    "config.dataset.count",
     "config.resolved_trainer.generation_batch_size",
     "config.resolved_trainer.gradient_accumulation_steps",
     "config.resolved_trainer.steps_per_generation",

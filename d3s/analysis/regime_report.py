@@ -185,7 +185,7 @@ def report_markdown(
     )
     mixed = check.get("mixed") or []
     provenance = (
-        "The points' manifests agree in every setting but the batch "
+        "The points' manifests agree in every setting but the batch and the training set's size "
         f"({', '.join(f'`{k.rsplit(chr(46), 1)[-1]}`' for k in POINT_KEYS)})."
         if not mixed
         else "**MIXED** (allowed by analysis.allow_mixed_settings): "

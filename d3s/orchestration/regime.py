@@ -27,6 +27,7 @@ import yaml
 from snakemake.utils import update_config
 
 from d3s.orchestration.workflow_config import check_workflow_config, check_workflow_files, validate_config
+from d3s.runs.config import SyntheticDataset
 
 PROGRESS = re.compile(r"\d+ of \d+ steps \(\d+%\) done")
 
@@ -112,6 +113,7 @@ def plan_sweep(
             batch: dict[str, Any] = {"prompts_per_step": prompts}
         else:
             batch = {"trainer": {"per_device_train_batch_size": prompts * generations}}
+        batch |= _one_pass(train, prompts)
         overrides: dict[str, Any] = {"train": batch}
         if tiny:
             overrides["base_model"] = {"kind": "path", "path": base_model}
@@ -123,6 +125,20 @@ def plan_sweep(
             raise ValueError(f"{exc} (regime point P = {prompts})") from None
         points.append(point)
     return Sweep(config_path, config, experiment, base_experiment, base_model, tuple(points))
+
+
+def _one_pass(train: dict[str, Any], prompts: int) -> dict[str, Any]:
+    """The synthetic training set a point at ``prompts`` per step needs to train on every prompt once, none
+    twice: config/regime.yaml's 4,000 prompts cover 64 x 40 steps, so P = 256 gets 10,240. A larger count
+    only appends (the task draws its prompts in a fixed order per seed), so the smaller points' prompts are
+    the first of a larger point's; the count is then the one setting besides the batch in which points
+    differ (d3s.analysis.regime_provenance.POINT_KEYS)."""
+    dataset = train.get("dataset") or {}
+    steps = train["trainer"].get("max_steps")
+    if dataset.get("name", "synthetic") != "synthetic" or not isinstance(steps, int) or steps < 1:
+        return {}
+    needed = prompts * steps
+    return {"dataset": {"count": needed}} if needed > dataset.get("count", SyntheticDataset.count) else {}
 
 
 def point_config(raw: dict[str, Any], point: Point) -> dict[str, Any]:
