@@ -194,11 +194,11 @@ def test_regime_config_validates_and_plans_its_points():
     config = yaml.safe_load((REPO_ROOT / "config" / "regime.yaml").read_text())
     validate_config(config, SCHEMA)
     sweep = plan_sweep(str(REPO_ROOT / "config" / "regime.yaml"), ACCELERATE_DIR, SCHEMA)
-    assert [p.prompts for p in sweep.points] == [8, 16, 32, 64, 256, 512]
-    assert [p.experiment for p in sweep.points] == [f"regime/p{p}" for p in (8, 16, 32, 64, 256, 512)]
+    assert [p.prompts for p in sweep.points] == [8, 16, 32, 64, 256]
+    assert [p.experiment for p in sweep.points] == [f"regime/p{p}" for p in (8, 16, 32, 64, 256)]
     # every point trains on each prompt once: 4,000 cover 64 x 40 steps; larger points get P x 40
     counts = [point_config(config, p)["train"]["dataset"]["count"] for p in sweep.points]
-    assert counts == [4000, 4000, 4000, 4000, 256 * 40, 512 * 40]
+    assert counts == [4000, 4000, 4000, 4000, 256 * 40]
     assert "dataset" not in sweep.points[3].overrides["train"]
     assert sweep.base_model == "results/regime/base/base_model"
     point = point_config(yaml.safe_load((REPO_ROOT / "config" / "regime.yaml").read_text()), sweep.points[2])
