@@ -315,6 +315,8 @@ def test_regime_sweep_smoke_end_to_end(tmp_path):
     # more prompts, more update tokens; fewer than grpo's
     assert by.at[("d3s", 4), "update_tokens_per_step"] > by.at[("d3s", 2), "update_tokens_per_step"]
     assert (gap["update_tokens_per_step"] < gap["reference_update_tokens_per_step"]).all()
+    # one seed: the gap is the difference of the two final Pass@1 columns
+    assert (gap["pass_at_1_gap"] - (gap["method_pass_at_1"] - gap["reference_pass_at_1"])).abs().max() < 1e-9
     assert gap["pass_at_1_gap"].between(-100, 100).all() and gap["wall_clock_gap"].between(-100, 100).all()
     assert (gap["step_time_ratio"] > 0).all() and (gap["k"] == 4).all()
     claims = pd.read_csv(root / "tables" / "regime_claims.csv")

@@ -131,6 +131,7 @@ def report_markdown(
         "P": "{prompts_per_step}",
         "method": "{method}",
         "update tokens/step": lambda r: f"{r['update_tokens_per_step']:,.0f}",
+        "Pass@1 (method, ref)": lambda r: f"{r['method_pass_at_1']:.1f}, {r['reference_pass_at_1']:.1f}",
         "Pass@1 gap (equal steps)": lambda r: _fmt(
             r["pass_at_1_gap"], r["pass_at_1_ci_low"], r["pass_at_1_ci_high"]
         ),
