@@ -307,6 +307,7 @@ def test_regime_sweep_smoke_end_to_end(tmp_path):
         train = yaml.safe_load((root / point / "runs" / "d3s" / "seed0" / "train.yaml").read_text())
         assert train["model"] == "results/regime-smoke/base/base_model"
         assert train["trainer"]["per_device_train_batch_size"] == 8 * int(point[1:])
+        assert train["dataset"]["count"] == {"p2": 6, "p4": 8}[point]  # grown to P x steps: one pass
     assert not (root / "p2" / "base_model").exists()  # the base model is built once, shared
     gap = pd.read_csv(root / "tables" / "regime_gap.csv")
     assert sorted(zip(gap["prompts_per_step"], gap["method"], strict=True)) == [(2, "d3s"), (4, "d3s")]
