@@ -19,7 +19,14 @@ from helpers import ACCELERATE_DIR, REPO_ROOT, SCHEMA, copy_workflow, failed_job
 
 from d3s.analysis.claims import min_detectable_effect
 from d3s.analysis.paper_regime import PAPER, token_fraction
-from d3s.analysis.regime_gaps import gap_slope, trend_claims, value_at, wall_clock_gaps
+from d3s.analysis.regime_gaps import (
+    ERROR_RATIO,
+    gap_slope,
+    log_error_ratio,
+    trend_claims,
+    value_at,
+    wall_clock_gaps,
+)
 from d3s.cli import main
 from d3s.methods import METHODS
 from d3s.orchestration.regime import plan_sweep, point_config, snakemake_command
@@ -126,12 +133,37 @@ def test_trend_claims_have_the_claims_columns_and_verdicts():
     from d3s.analysis.claims import COLUMNS
 
     assert list(claims.columns) == COLUMNS
-    assert list(claims["claim"]) == ["gap_slope", "gap_slope_wall_clock"] * 2
+    assert list(claims["claim"]) == ["gap_slope", "gap_slope_wall_clock"] * 2  # no error-ratio gaps given
     d3s = claims[claims["method"] == "d3s"]
     assert (d3s["verdict"] == "supported").all()
     assert d3s["estimate"].to_numpy() == pytest.approx([5.0, 5.0], abs=1.0)
     assert (claims[claims["method"] == "pods"]["verdict"] == "inconclusive").all()
     assert (claims["unit"] == "points per decade").all() and (claims["seeds"] == 10).all()
+
+
+def test_the_error_ratio_measures_the_gap_against_the_ceiling():
+    """ln(reference errors / method errors): 0 where both err alike, ln 2 where the method errs half as often,
+    the same at 80 % as at 98 % (where a gap in points is ten times smaller), finite for a perfect seed."""
+    assert log_error_ratio(0.8, 0.8) == 0.0
+    ratios = log_error_ratio([0.9, 0.99], [0.8, 0.98])
+    assert ratios == pytest.approx([math.log(2), math.log(2)])
+    assert log_error_ratio(0.8, 0.9) == pytest.approx(-math.log(2))
+    assert math.isfinite(log_error_ratio(1.0, 0.9)) and log_error_ratio(1.0, 0.9) > math.log(100)
+
+
+def test_trend_claims_slope_the_error_ratio_where_the_gaps_have_it():
+    x = np.log10([200.0, 2000.0, 20000.0])
+    table = pd.DataFrame({"prompts_per_step": [8, 64, 512], "method": ["d3s"] * 3, "log10_update_tokens": x})
+    rows = [
+        {"method": "d3s", "seed": s, "measure": m, "gap": g + 0.01 * s, "prompts_per_step": p}
+        for p, g in zip((8, 64, 512), (0.0, 0.5, 1.0), strict=True)
+        for m in ("steps", "wall_clock", ERROR_RATIO)
+        for s in range(4)
+    ]
+    claims = trend_claims(table, pd.DataFrame(rows), "grpo")
+    assert list(claims["claim"]) == ["gap_slope", "gap_slope_wall_clock", "error_ratio_slope"]
+    error = claims.set_index("claim").loc["error_ratio_slope"]
+    assert error["estimate"] == pytest.approx(0.5) and error["unit"] == "ln(error ratio) per decade"
 
 
 # ---- equal wall-clock ----
@@ -322,8 +354,11 @@ def test_regime_sweep_smoke_end_to_end(tmp_path):
     assert (gap["step_time_ratio"] > 0).all() and (gap["k"] == 4).all()
     claims = pd.read_csv(root / "tables" / "regime_claims.csv")
     assert (
-        list(claims["claim"]) == ["gap_slope", "gap_slope_wall_clock"] and (claims["method"] == "d3s").all()
+        list(claims["claim"]) == ["gap_slope", "gap_slope_wall_clock", "error_ratio_slope"]
+        and (claims["method"] == "d3s").all()
     )
+    expected = log_error_ratio(gap["method_pass_at_1"] / 100, gap["reference_pass_at_1"] / 100)
+    assert gap["log_error_ratio"].to_numpy() == pytest.approx(expected)  # one seed: the two finals' ratio
     assert claims["estimate"].notna().all() and (claims["verdict"] == "inconclusive").all()
     for suffix in ("png", "pdf"):
         assert (root / "figures" / f"regime_gap.{suffix}").stat().st_size > 10_000

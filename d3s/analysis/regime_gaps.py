@@ -43,6 +43,28 @@ SLOPE_CLAIMS = {
     )
     for measure, label in MEASURES.items()
 }
+# Near 100 % a gap in points must shrink whatever the regime: the ceiling. The log of the reference's errors
+# over the method's (errors: 1 - the final models' Pass@1) measures the gap against the room the reference
+# leaves; its slope asks whether the method closes on the reference beyond what the ceiling forces.
+ERROR_RATIO = "error_ratio"
+SLOPE_CLAIMS[ERROR_RATIO] = Claim(
+    "error_ratio_slope",
+    "the reference's errors over the method's (1 - Pass@1, log) grow with the update tokens per step",
+    "ln(error ratio) per decade",
+    +1,
+    "difference",
+)
+ERROR_FLOOR = 1e-4  # a seed with no error keeps a finite log ratio
+
+
+def log_error_ratio(method_pass: Any, reference_pass: Any) -> Any:
+    """ln((1 - reference) / (1 - method)) of Pass@1 fractions in [0, 1], errors floored at ERROR_FLOOR:
+    positive where the method errs less than the reference, 0 where they err alike."""
+    method_errors = np.maximum(1 - np.asarray(method_pass, dtype=float), ERROR_FLOOR)
+    reference_errors = np.maximum(1 - np.asarray(reference_pass, dtype=float), ERROR_FLOOR)
+    return np.log(reference_errors / method_errors)
+
+
 WALL_CLOCK_GAP = Claim(
     "pass_at_1_wall_clock",
     "higher held-out Pass@1 than the reference at the method's own training wall-clock",
@@ -179,6 +201,11 @@ def point_gaps(
         ends = curve_end[method].reindex(pairs.index)
         clock_gaps, clamped = wall_clock_gaps(curves, ends, method, reference)
         gaps += [{"method": method, "seed": s, "measure": "steps", "gap": g} for s, g in step_gaps.items()]
+        error_gaps = log_error_ratio(pairs[method], pairs[reference])
+        gaps += [
+            {"method": method, "seed": s, "measure": ERROR_RATIO, "gap": float(g)}
+            for s, g in zip(pairs.index, error_gaps, strict=True)
+        ]
         gaps += [
             {"method": method, "seed": s, "measure": "wall_clock", "gap": g} for s, g in clock_gaps.items()
         ]
@@ -194,6 +221,7 @@ def point_gaps(
             # where the reference stands: near 100 % a gap is bounded by the ceiling, not by the regime
             "reference_pass_at_1": float(100 * pairs[reference].mean()),
             "method_pass_at_1": float(100 * pairs[method].mean()),
+            "log_error_ratio": float(np.mean(error_gaps)),
         }
         for prefix, claim in (("pass_at_1", p1), ("pass_at_k", pk), ("wall_clock", clock)):
             row |= {f"{prefix}_gap": claim["estimate"], f"{prefix}_ci_low": claim["ci_low"]}
@@ -237,6 +265,8 @@ def trend_claims(table: pd.DataFrame, gaps: pd.DataFrame, reference: str) -> pd.
         at = table[table["method"] == method].sort_values("prompts_per_step")
         for measure, claim in SLOPE_CLAIMS.items():
             chosen = gaps[(gaps["method"] == method) & (gaps["measure"] == measure)]
+            if chosen.empty:  # a measure the sweep's tables do not have
+                continue
             samples = [chosen.loc[chosen["prompts_per_step"] == p, "gap"] for p in at["prompts_per_step"]]
             result = gap_slope(at["log10_update_tokens"], samples)
             points = ", ".join(f"{p}" for p in at["prompts_per_step"])

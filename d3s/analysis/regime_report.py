@@ -151,7 +151,8 @@ def report_markdown(
     trend_columns = {
         "claim": "{claim}",
         "method vs reference": lambda r: f"{r['method']} vs {r['reference']}",
-        "slope (points per decade) [95 % CI]": lambda r: _fmt(r["estimate"], r["ci_low"], r["ci_high"], 2),
+        "slope per decade [95 % CI]": lambda r: _fmt(r["estimate"], r["ci_low"], r["ci_high"], 2),
+        "unit": "{unit}",
         "verdict": "{verdict}",
         "Holm": "{verdict_holm}",
         "min. detectable": lambda r: (
@@ -219,7 +220,10 @@ by seed, both on the checkpoints' problems (the final models' evaluations rescor
 The slope of each gap against log10 update tokens per step (points of Pass@1 per tenfold more update
 tokens): ordinary least squares on the points' mean gaps; its interval from the seed variance of each point
 (independent runs), t with Welch-Satterthwaite degrees of freedom (docs/workflow/regime-sweep.md).
-A positive slope means the method gains on the reference as the update grows.
+A positive slope means the method gains on the reference as the update grows. `error_ratio_slope` is the slope
+of ln(the reference's errors / the method's), errors being 1 - the final models' Pass@1 (floored at 1e-4): a
+gap in points must shrink as the reference nears 100 %, and this one asks whether the method closes on the
+reference beyond what that ceiling forces (the gap table's `log_error_ratio`, per point).
 
 {markdown_table(claims.to_dict("records"), trend_columns)}
 
