@@ -3,9 +3,9 @@ registered with transformers (its ``AttentionInterface``, the library's own exte
 
 transformers' SDPA path expands the key/value heads to the query heads (``repeat_kv``: a copy of the whole KV
 cache at every decoding step) whenever an attention mask is passed, since CUDA's fused kernels refuse a mask
-together with ``enable_gqa``. The CPU's flash kernel takes both and reads each query head's key/value head in
-place: the same products in the same order, so the same bits (tests/test_attention.py). On the tiny default the
-copy was a third of generation's time (docs/measurements.md, "Where a step goes").
+together with ``enable_gqa``. The CPU's flash kernel takes both and reads each query head's key/value head
+in place: the same products in the same order, so the same bits (tests/test_attention.py). On the tiny default
+the copy was a third of generation's time (docs/measurements.md, "Where a step goes").
 
 Only passes without a gradient take it (generation, the no-grad log-prob passes, evaluation): the kernel's
 backward sums a key/value head's gradient over its query heads in another order than ``repeat_kv``'s backward
@@ -63,8 +63,9 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA gets, built a
 
 def use_cpu_gqa(model: Any) -> Any:
     """``model`` with its SDPA attention replaced by this module's on a machine without CUDA (other
-    implementations are left as chosen); returns it. With CUDA the model trains or generates there, where this
-    would be transformers' SDPA anyway, and TRL's paged generation looks attention up by transformers' names."""
+    implementations are left as chosen); returns it. With CUDA the model trains or generates there, where
+    this would be transformers' SDPA anyway, and TRL's paged generation looks attention up by transformers'
+    names."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa" and not torch.cuda.is_available():
         model.set_attn_implementation(NAME)
     return model
