@@ -134,10 +134,13 @@ def load_model(model_path: str | os.PathLike[str], dtype: str, device: str) -> A
     import torch
     from transformers import AutoModelForCausalLM
 
+    from d3s.attention import use_cpu_gqa
+
     if dtype == "auto":
         use_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
         dtype = "bfloat16" if use_bf16 else "float32"
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    return use_cpu_gqa(model).to(device).eval()
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:

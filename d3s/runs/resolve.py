@@ -133,10 +133,12 @@ def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[
     losses written to ``output_dir``/sft_losses.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from d3s.attention import use_cpu_gqa
+
     model_name = config.get("model", "tiny")
     if model_name != "tiny":
         model = AutoModelForCausalLM.from_pretrained(model_name, **(model_kwargs or {}))
-        return model, AutoTokenizer.from_pretrained(model_name)
+        return use_cpu_gqa(model), AutoTokenizer.from_pretrained(model_name)
     from d3s.data.synthetic import arithmetic_problems
     from d3s.tiny_model import HEADS_BY_HEAD_DIM, build_model, build_tokenizer, sft_warm_start
 
@@ -151,4 +153,4 @@ def load_run_model(config: dict[str, Any], output_dir: Path, model_kwargs: dict[
         model, tokenizer, [(p.prompt, p.completion) for p in problems], steps=tiny.sft_steps
     )
     (output_dir / "sft_losses.json").write_text(json.dumps(losses))
-    return model, tokenizer
+    return use_cpu_gqa(model), tokenizer
