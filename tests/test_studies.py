@@ -10,6 +10,7 @@ import json
 import math
 import re
 import runpy
+import shutil
 import statistics
 import subprocess
 import sys
@@ -204,16 +205,19 @@ def test_the_six_studies_are_shipped():
 @pytest.mark.parametrize("name", STUDIES)
 def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     """Each study extends config/config.yaml: the default's base model, task, training and evaluation, so the
-    runs it shares with the default (and with other studies) are the same jobs."""
+    runs it shares with the default (and with other studies) are the same jobs. A study may add paired seeds
+    for power (the schedule's 24), after the default's own."""
     config = _study_config(name)
     default = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
     check_workflow_config(default, ACCELERATE_DIR, SCHEMA)
-    for key in ("experiment", "base_model", "task", "seeds", "train", "eval"):
+    for key in ("experiment", "base_model", "task", "train", "eval"):
         assert config[key] == default[key], key
+    assert config["seeds"][: len(default["seeds"])] == default["seeds"]
+    assert len(set(config["seeds"])) == len(config["seeds"])
     study = parse_study(config, run_variants(config))
     assert study is not None and study.name == name
     assert all(claim.measure in MEASURES for claim in study.claims)
-    assert len(config["seeds"]) == 5
+    assert len(config["seeds"]) >= 5  # 5 paired seeds at least: an interval needs several
     assert any(claim.primary for claim in study.claims), "name the claims the study decides (primary: true)"
 
 
@@ -760,20 +764,30 @@ def test_a_control_at_its_threshold_or_without_data_is_not_supported(tmp_path):
 
 
 def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_them(tmp_path):
-    """scripts/rerender_studies.py, as each committed folder was made. 2026-11-28 rendered with the controls
-    of 2026-11-29's study files left alignment (weak_grpo never ran) and adaptive (the switch never fired)
-    uninformative; since 2026-12-07 their weak base is another (study file's ``bases``), so that folder is
-    refused for them, naming the change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the
-    new weak base: the four others' claims agree to the last digit, alignment's control (the weak base learns)
-    is now supported and adaptive's (the switch fires on the weak base) still fails, and what is committed is
-    what the script writes."""
+    """scripts/rerender_studies.py, as each committed folder was made, under the study files as they are now.
+    2026-11-28 rendered with the controls of 2026-11-29's study files left alignment (weak_grpo never ran) and
+    adaptive (the switch never fired) uninformative; since 2026-12-07 their weak base is another (study file's
+    ``bases``) and since 2026-12-07-power the schedule has 24 seeds, so an older folder is refused for those
+    studies, naming the change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak
+    base: the others' claims agree to the last digit, alignment's control (the weak base learns) is now
+    supported and adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07
+    with the schedule run again at 24 seeds. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
 
+    def without_schedule(name: str) -> Path:  # a committed folder but its schedule, which had 5 seeds then
+        copy = tmp_path / "source" / name
+        shutil.copytree(studies / name, copy, ignore=shutil.ignore_patterns("schedule"))
+        return copy
+
+    with pytest.raises(
+        SystemExit, match=r"schedule: the study file's testbed differs from the folder's in \['seeds'\]"
+    ):
+        rerender(studies / "2026-11-28", tmp_path / "refused")
     with pytest.raises(
         SystemExit, match=r"alignment: the study file's testbed differs from the folder's in \['bases'\]"
     ):
-        rerender(studies / "2026-11-28", tmp_path / "refused")
+        rerender(without_schedule("2026-11-28"), tmp_path / "refused_too")
     informative_then = {
         folder.name: read_study(folder).informative for folder in study_folders(studies / "2026-11-29")
     }
@@ -787,17 +801,26 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     }
 
     fresh = {name: studies / "2026-12-07" / name for name in ("alignment", "adaptive")}
-    notes = rerender(studies / "2026-11-29", tmp_path / "again", fresh)
+    source = without_schedule("2026-11-29")
+    notes = rerender(source, tmp_path / "again", fresh)
     for name, folder in fresh.items():
-        assert f"{name}: run again ({folder}), not rendered from {studies / '2026-11-29'}" in notes
+        assert f"{name}: run again ({folder}), not rendered from {source}" in notes
     informative = {
         folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
     }
-    assert informative == informative_then | {"alignment": True}
-    for folder in study_folders(tmp_path / "again"):  # what is committed is what the script writes
-        committed = studies / "2026-12-07" / folder.name
-        assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder.name
-        assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder.name
+    assert informative == {k: v for k, v in informative_then.items() if k != "schedule"} | {"alignment": True}
+    power = {"schedule": studies / "2026-12-07-power" / "schedule"}
+    rerender(studies / "2026-12-07", tmp_path / "power", power)
+    assert read_study(tmp_path / "power" / "schedule").informative
+    for made, committed_root in (
+        (tmp_path / "again", "2026-12-07"),
+        (tmp_path / "power", "2026-12-07-power"),
+    ):
+        for folder in study_folders(made):  # what is committed is what the script writes
+            committed = studies / committed_root / folder.name
+            assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
+            assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
+    assert len(study_folders(tmp_path / "power")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
