@@ -37,9 +37,10 @@ class Method:
     # takes no sample or token slot and leaves the loss and its denominators; "trl" is TRL's (a zero weight
     # that still counts).
     zeroed_rollouts: str = "excluded"
-    # The adaptive method (D3S's first open question): cross-group selection until the gradient norm's spike
-    # ratio exceeds this, then intra-group (d3s.selection.ScopeSwitch); 0: the scope never changes.
+    # The adaptive method (D3S's first open question): cross-group selection until the switch's signal
+    # crosses this, then intra-group (d3s.selection.ScopeSwitch); 0: the scope never changes.
     scope_switch_threshold: float = 0.0
+    scope_switch_signal: str = "grad_norm_spike"
     # TRL GRPOConfig fields the method needs (GSPO's sequence-level ratio and tiny clip range; the adaptive
     # switch's record of every step). D3SConfig.for_method sets them; D3SConfig(method=...) refuses others.
     trl_settings: dict[str, Any] = field(default_factory=dict)

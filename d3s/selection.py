@@ -3,9 +3,9 @@
 Sample level, which rollouts train: max_variance_subset, select_samples, renormalize_advantages (PODS).
 Token level, which tokens of the kept rollouts train: token_scores, token_keep_mask. Schedule: N and K over
 training, with round_half_up the one rounding rule for keep counts; ScopeSwitch, the adaptive method's
-choice between cross- and intra-group selection from the gradient norm's spikes. vLLM's importance-sampling
-correction: zeroed_rollouts and corrected_loss_mask, what it zeroed (docs/fidelity/
-importance-sampling.md).
+choice between cross- and intra-group selection from the early rewards or the gradient norm's spikes.
+vLLM's importance-sampling correction: zeroed_rollouts and corrected_loss_mask, what it zeroed
+(docs/fidelity/importance-sampling.md).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ TokenRule = Literal["adv_entropy", "entropy", "none"]
 TokenScope = Literal["batch", "micro_batch", "sequence"]
 ScheduleKind = Literal["constant", "linear", "two_phase", "cosine"]
 ZeroedRollouts = Literal["excluded", "trl"]
+SwitchSignal = Literal["early_reward", "grad_norm_spike"]
 
 SAMPLE_RULES: tuple[str, ...] = get_args(SampleRule)
 SAMPLE_SCOPES: tuple[str, ...] = get_args(SampleScope)
@@ -32,6 +33,7 @@ TOKEN_RULES: tuple[str, ...] = get_args(TokenRule)
 TOKEN_SCOPES: tuple[str, ...] = get_args(TokenScope)
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 ZEROED_ROLLOUTS: tuple[str, ...] = get_args(ZeroedRollouts)
+SWITCH_SIGNALS: tuple[str, ...] = get_args(SwitchSignal)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -384,36 +386,62 @@ def spike_ratios(grad_norms: Sequence[float], warmup: int = 3) -> list[float]:
     return ratios
 
 
+def early_reward(rewards: Sequence[float], warmup: int = 3) -> float:
+    """The mean of the first ``warmup`` steps' mean rewards (NaN ones skipped): how well the model solves its
+    training problems before selection has moved it much. NaN until ``warmup`` steps have a reward."""
+    logged = [float(r) for r in rewards if not math.isnan(float(r))]
+    return math.fsum(logged[:warmup]) / warmup if len(logged) >= warmup else math.nan
+
+
 @dataclass(frozen=True)
 class ScopeSwitch:
-    """The adaptive method's sample scope: cross-group (``batch``) selection until the gradient norm spikes,
-    intra-group (``group``) from then on (the D3S paper's Appendix D.1: cross-group selection destabilises
-    poorly aligned models; D3S-I is stable on them).
+    """The adaptive method's sample scope: cross-group (``batch``) selection until the switch fires,
+    intra-group (``group``) from then on (the D3S paper's Appendix D.1: cross-group selection suits
+    well-aligned models and destabilises poorly aligned ones; D3S-I is stable on them).
 
-    The signal is the spike ratio of the latest optimizer step's gradient norm over the median of the earlier
-    ones (``spike_ratios``); the switch latches once a ratio exceeds ``threshold``. The threshold is a
-    setting, chosen on calibration seeds (docs/studies.md, "The adaptive switch").
+    The ``signal`` it reads from the trainer's log, oldest step first:
+
+    - ``early_reward``: fires once the mean reward of the first ``warmup`` steps (``early_reward``) is below
+      ``threshold``: a model that solves few of its training problems at the start is a poorly aligned one,
+      read from its own rollouts, before it is known. It decides once, at step ``warmup``.
+    - ``grad_norm_spike``: fires once a step's gradient norm exceeds ``threshold`` x the median of the
+      earlier ones (``spike_ratios``): the instability itself.
+
+    Either latches. The threshold is a setting, chosen on calibration seeds (docs/studies.md, "The adaptive
+    switch").
     """
 
     threshold: float
     warmup: int = 3
+    signal: SwitchSignal = "grad_norm_spike"
 
     def __post_init__(self) -> None:
-        if not self.threshold > 1.0:
+        if self.signal not in SWITCH_SIGNALS:
+            raise ValueError(f"scope switch signal must be one of {SWITCH_SIGNALS}; got {self.signal!r}")
+        if self.signal == "grad_norm_spike" and not self.threshold > 1.0:
             raise ValueError(
                 f"scope switch threshold must be > 1 (a ratio to the median); got {self.threshold}"
             )
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"scope switch threshold must be finite; got {self.threshold}")
         if self.warmup < 1:
             raise ValueError(f"scope switch warmup must be >= 1 step; got {self.warmup}")
 
-    def switched(self, grad_norms: Sequence[float]) -> bool:
-        """Whether some step of ``grad_norms`` (oldest first) spiked above the threshold."""
-        return any(ratio > self.threshold for ratio in spike_ratios(grad_norms, self.warmup))
+    @property
+    def log_key(self) -> str:
+        """The record of TrainerState.log_history the signal reads (TRL logs both every logging step)."""
+        return "reward" if self.signal == "early_reward" else "grad_norm"
 
-    def scope(self, grad_norms: Sequence[float]) -> SampleScope:
-        return "group" if self.switched(grad_norms) else "batch"
+    def switched(self, values: Sequence[float]) -> bool:
+        """Whether the switch has fired on ``values``, the logged ``log_key`` of the steps so far."""
+        if self.signal == "early_reward":
+            return early_reward(values, self.warmup) < self.threshold  # NaN (too early) compares False
+        return any(ratio > self.threshold for ratio in spike_ratios(values, self.warmup))
+
+    def scope(self, values: Sequence[float]) -> SampleScope:
+        return "group" if self.switched(values) else "batch"
 
     def scope_from_log(self, log_history: Sequence[Mapping[str, Any]]) -> SampleScope:
         """The scope after the optimizer steps of a trainer's log (TrainerState.log_history, restored on
-        resume): its records with a gradient norm, oldest first."""
-        return self.scope([record["grad_norm"] for record in log_history if "grad_norm" in record])
+        resume): its records with the signal's value, oldest first."""
+        return self.scope([record[self.log_key] for record in log_history if self.log_key in record])

@@ -111,6 +111,7 @@ class Calibration:
     seeds: tuple[int, ...]
     runs: tuple[str, ...]
     thresholds: tuple[float, ...] = ()
+    signal: str = "grad_norm_spike"  # the adaptive switch's (d3s.selection.SWITCH_SIGNALS; the schema's enum)
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ def parse_study(config: Mapping[str, Any], variants: Mapping[str, Any]) -> Study
             tuple(spec["seeds"]),
             check_runs("calibration.runs", spec["runs"]),
             tuple(float(t) for t in spec.get("thresholds") or ()),
+            str(spec.get("signal", "grad_norm_spike")),
         )
     return Study(
         name=raw["name"],

@@ -17,6 +17,7 @@ from d3s.selection import (
     SAMPLE_RULES,
     SAMPLE_SCOPES,
     SCHEDULES,
+    SWITCH_SIGNALS,
     TOKEN_RULES,
     TOKEN_SCOPES,
     ZEROED_ROLLOUTS,
@@ -90,8 +91,14 @@ class D3SConfig(GRPOConfig):
         "How N and K move with step / max_steps (constant, linear, two_phase, cosine).", SCHEDULES
     )
     scope_switch_threshold: float | None = _from_method(
-        "Adaptive scope: cross-group until the gradient norm's spike ratio exceeds this, then intra-group "
-        "(d3s.selection.ScopeSwitch); 0: off."
+        "Adaptive scope: cross-group until the switch's signal crosses this, then intra-group "
+        "(d3s.selection.ScopeSwitch): a mean reward it falls below (early_reward), a ratio to the median "
+        "gradient norm it exceeds (grad_norm_spike); 0: off."
+    )
+    scope_switch_signal: str | None = _from_method(
+        "What the adaptive scope's switch reads from the log: early_reward (the first 3 steps' mean reward) "
+        "or grad_norm_spike (a step's gradient norm over the median of the earlier ones).",
+        SWITCH_SIGNALS,
     )
     minibatches_per_generation: int | None = _from_method("Optimizer steps per generation batch (GSPO: 4).")
     zeroed_rollouts: str | None = _from_method(
@@ -156,6 +163,7 @@ class D3SConfig(GRPOConfig):
         keep_init, keep_final = method.keep_per_prompt(self.num_generations)
         same_names = ("sample_rule", "sample_scope", "renormalize", "token_rule", "token_scope", "schedule")
         same_names += ("minibatches_per_generation", "zeroed_rollouts", "scope_switch_threshold")
+        same_names += ("scope_switch_signal",)
         defaults = {name: getattr(method, name) for name in same_names} | {
             "keep_per_prompt": keep_init,
             "keep_per_prompt_final": keep_final,
@@ -207,7 +215,9 @@ class D3SConfig(GRPOConfig):
 
     def scope_switch(self) -> ScopeSwitch | None:
         """The adaptive scope's switch; None when the scope is fixed."""
-        return ScopeSwitch(float(self.scope_switch_threshold)) if self.scope_switch_threshold else None
+        if not self.scope_switch_threshold:
+            return None
+        return ScopeSwitch(float(self.scope_switch_threshold), signal=self.scope_switch_signal)
 
     @property
     def selection_schedule(self) -> Schedule:

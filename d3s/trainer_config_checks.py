@@ -49,7 +49,7 @@ TRAINER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         ["top_p", "token_keep_ratio", "token_keep_ratio_final", "vllm_gpu_memory_utilization"],
         (lambda v: 0 < v <= 1, "in (0, 1]"),
     ),
-    "scope_switch_threshold": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    "scope_switch_threshold": (lambda v: v >= 0, ">= 0 (0: off)"),
     "num_generations": (lambda v: v >= 2, ">= 2 (GRPO needs two rollouts per prompt for an advantage)"),
     # TRL samples num_generations_eval completions per prompt in evaluation, 1 included (no selection there)
     "num_generations_eval": (lambda v: v >= 1, ">= 1"),
@@ -214,14 +214,17 @@ def check_selection_loss(config: D3SConfig) -> None:
 
 
 def check_scope_switch(config: D3SConfig) -> None:
-    """The adaptive scope: cross-group selection switched to intra-group by every step's gradient norm."""
+    """The adaptive scope: cross-group selection switched to intra-group by a signal of every step's log."""
     threshold = config.scope_switch_threshold
     if not threshold:
         return
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 1:
+    signal = config.scope_switch_signal
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise ValueError(f"scope_switch_threshold must be a number (0: off); got {threshold!r}")
+    if signal == "grad_norm_spike" and threshold <= 1:
         raise ValueError(
-            f"scope_switch_threshold must be 0 (off) or a ratio > 1 to the median gradient norm; got "
-            f"{threshold!r}"
+            "scope_switch_threshold must be 0 (off) or a ratio > 1 to the median gradient norm under "
+            f"scope_switch_signal grad_norm_spike; got {threshold!r}"
         )
     if config.sample_rule == "none" or config.sample_scope != "batch":
         raise ValueError(
@@ -230,8 +233,9 @@ def check_scope_switch(config: D3SConfig) -> None:
             f"{config.sample_scope!r}); set scope_switch_threshold: 0 or sample_scope: batch"
         )
     if config.logging_steps != 1 or config.logging_strategy != "steps":
+        reads = "mean reward" if signal == "early_reward" else "gradient norm"
         raise ValueError(
-            "scope_switch_threshold reads every step's gradient norm from the trainer's log: set "
+            f"scope_switch_threshold reads every step's {reads} from the trainer's log: set "
             f"logging_steps: 1 (got {config.logging_steps}, logging_strategy {config.logging_strategy!r})"
         )
 

@@ -73,11 +73,13 @@ def rerender(source: Path, dest: Path, fresh: dict[str, Path] | None = None) -> 
             raise SystemExit(
                 f"{folder.name}: the study file's testbed differs from the folder's in {changed}"
             )
-        if config["study"].get("ood") != old.config["study"].get("ood"):  # other problems: new evaluations
-            raise SystemExit(
-                f"{folder.name}: the study file's held-out evaluation (study.ood) differs from the folder's; "
-                f"run the study again and pass --fresh {folder.name}=FOLDER"
-            )
+        # other problems (ood: new evaluations) or another switch to calibrate (calibration: new runs)
+        for key, what in (("ood", "held-out evaluation"), ("calibration", "calibration")):
+            if config["study"].get(key) != old.config["study"].get(key):
+                raise SystemExit(
+                    f"{folder.name}: the study file's {what} (study.{key}) differs from the folder's; "
+                    f"run the study again and pass --fresh {folder.name}=FOLDER"
+                )
         values = old.values.copy()
         runs_with_data = set(values["run"])
         if not values["run"].astype(str).str.startswith("base").any():

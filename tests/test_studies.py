@@ -42,7 +42,7 @@ from d3s.analysis.studies import (
 )
 from d3s.methods import ADAPTIVE_SWITCH_THRESHOLD, METHODS
 from d3s.orchestration.workflow_config import check_workflow_config
-from d3s.selection import SCHEDULES, Schedule, ScopeSwitch, spike_ratios
+from d3s.selection import SCHEDULES, SWITCH_SIGNALS, Schedule, ScopeSwitch, early_reward, spike_ratios
 from d3s.studies import MEASURES, parse_study
 from d3s.trainer import D3SConfig, D3STrainer
 from d3s.variants import Variant, base_model_settings, extended_config, run_variants
@@ -150,6 +150,69 @@ def test_the_switch_refuses_a_threshold_that_is_not_a_ratio_above_one():
         ScopeSwitch(0.5)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rewards=st.lists(st.one_of(st.floats(0.0, 1.0), st.just(math.nan)), max_size=12),
+    warmup=st.integers(1, 5),
+    threshold=st.floats(0.01, 1.0),
+)
+def test_the_early_reward_switch_decides_once_from_the_first_steps_mean_reward(rewards, warmup, threshold):
+    """The mean of the first ``warmup`` logged rewards (NaN skipped), brute force; before them the scope stays
+    cross-group, after them it is fixed for the rest of the run."""
+    logged = [r for r in rewards if not math.isnan(r)]
+    expected = sum(logged[:warmup]) / warmup if len(logged) >= warmup else math.nan
+    assert early_reward(rewards, warmup) == pytest.approx(expected, nan_ok=True)
+    switch = ScopeSwitch(threshold, warmup, "early_reward")
+    scopes = [switch.scope(rewards[:t]) for t in range(len(rewards) + 1)]
+    for t, scope in enumerate(scopes):
+        seen = [r for r in rewards[:t] if not math.isnan(r)]
+        fires = len(seen) >= warmup and sum(seen[:warmup]) / warmup < threshold
+        assert scope == ("group" if fires else "batch")
+    first = next((t for t, scope in enumerate(scopes) if scope == "group"), None)
+    if first is not None:  # latched
+        assert all(scope == "group" for scope in scopes[first:])
+
+
+def test_the_switch_reads_the_log_record_of_its_signal():
+    history = [{"reward": 0.1, "grad_norm": 1.0}, {"train_runtime": 1.0}, {"reward": 0.1, "grad_norm": 1.0}]
+    history += [{"reward": 0.1, "grad_norm": 1.0}, {"reward": 0.9, "grad_norm": 9.0}]
+    assert ScopeSwitch(0.2, signal="early_reward").scope_from_log(history) == "group"
+    assert ScopeSwitch(0.05, signal="early_reward").scope_from_log(history) == "batch"
+    assert ScopeSwitch(0.2, signal="early_reward").scope_from_log(history[:3]) == "batch"  # 2 steps so far
+    assert ScopeSwitch(3.0).scope_from_log(history[:4]) == "batch"
+    assert ScopeSwitch(3.0).scope_from_log(history) == "group"  # 9 over the median 1
+    with pytest.raises(ValueError, match="signal must be one of"):
+        ScopeSwitch(0.2, signal="loss")
+
+
+def test_the_switchs_signals_are_the_schemas():
+    """The study file's calibration.signal (config/schema.yaml) names what d3s.selection can read."""
+    schema = yaml.safe_load(SCHEMA.read_text())
+    calibration = schema["properties"]["study"]["properties"]["calibration"]["properties"]
+    assert tuple(sorted(calibration["signal"]["enum"])) == tuple(sorted(SWITCH_SIGNALS))
+
+
+def test_a_config_sets_the_early_reward_switch():
+    config = D3SConfig.for_method(
+        "d3s_adaptive",
+        output_dir="/tmp/unused",
+        scope_switch_signal="early_reward",
+        scope_switch_threshold=0.25,
+        **_TINY_BATCH,
+    )
+    assert config.scope_switch() == ScopeSwitch(0.25, signal="early_reward")
+    history = [{"reward": 0.2, "grad_norm": 1.0, "step": s} for s in range(1, 4)]
+    trainer = SimpleNamespace(args=config, state=SimpleNamespace(log_history=history), _metrics={"train": {}})
+    trainer._metrics["train"]["selection/cross_group"] = []
+    assert D3STrainer._sample_scope(trainer) == "group"  # 0.2 < 0.25 over the first 3 steps
+    assert (
+        D3STrainer._sample_scope(
+            SimpleNamespace(**vars(trainer) | {"state": SimpleNamespace(log_history=history[:2])})
+        )
+        == "batch"
+    )
+
+
 def test_the_adaptive_method_is_d3s_with_the_switch():
     adaptive, d3s = METHODS["d3s_adaptive"], METHODS["d3s"]
     assert adaptive.scope_switch_threshold == ADAPTIVE_SWITCH_THRESHOLD > 1
@@ -165,7 +228,9 @@ def test_the_adaptive_method_is_d3s_with_the_switch():
     [
         ({"sample_scope": "group"}, "needs a sample_rule and sample_scope batch"),
         ({"logging_steps": 2}, "needs logging_steps=1"),
-        ({"scope_switch_threshold": 0.5}, "scope_switch_threshold must be 0 .off. or > 1"),
+        ({"scope_switch_threshold": 0.5}, "scope_switch_threshold must be 0 .off. or a ratio > 1"),
+        ({"scope_switch_threshold": -0.5}, "scope_switch_threshold must be >= 0 .0: off."),
+        ({"scope_switch_signal": "loss"}, "scope_switch_signal"),
     ],
 )
 def test_the_switch_refuses_settings_it_cannot_honour(overrides, message):
@@ -309,7 +374,7 @@ def test_a_variant_is_a_method_with_overrides_on_a_base():
             {"study": {"claims": [{"kind": "versus", "measure": "kl", "runs": ["d3s"], "statement": "s"}]}},
             "a versus claim needs a reference run",
         ),
-        ({"study": {"calibration": {"seeds": [0, 7], "runs": ["d3s"]}}}, r"study.calibration.seeds: \[0\]"),
+        ({"study": {"calibration": {"seeds": [0, 99], "runs": ["d3s"]}}}, r"study.calibration.seeds: \[0\]"),
         (
             {"variants": {"v": {"method": "d3s_i", "trainer": {"scope_switch_threshold": 2.0}}}},
             "variant v: variants.v.trainer.*needs a sample_rule and sample_scope batch",
@@ -502,6 +567,34 @@ def test_the_calibration_rule_picks_the_smallest_threshold_above_the_aligned_mod
     assert chosen_threshold(table, study.calibration.thresholds) == 3.0
     weak = table[table["run"] == "weak_d3s"].iloc[0]
     assert weak["switches_above_3"] and not table[table["run"] == "d3s"]["switches_above_3"].any()
+
+
+def test_the_early_reward_calibration_picks_the_candidate_halfway_between_the_bases(tmp_path):
+    runs = {
+        ("d3s", 100): [0.375, 0.375, 0.375, 0.1],  # early reward 0.375 (the first 3 steps)
+        ("d3s", 101): [0.5, 0.5, 0.5],  # 0.5
+        ("weak_d3s", 100): [0.125, 0.125, 0.125, 0.9],  # 0.125
+        ("weak_d3s", 101): [0.0625, 0.125, 0.1875],  # 0.125
+    }
+    for (name, seed), rewards in runs.items():
+        folder = tmp_path / "runs" / name / f"seed{seed}"
+        folder.mkdir(parents=True)
+        lines = [f'{{"step": {s + 1}, "loss": 0.0, "reward": {r}}}' for s, r in enumerate(rewards)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
+    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
+    thresholds = [0.125, 0.2, 0.25, 0.3, 0.375]
+    calibration = {"seeds": [100, 101], "runs": ["d3s", "weak_d3s"], "thresholds": thresholds}
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
+    config = {"seeds": [0], "study": study | {"calibration": calibration | {"signal": "early_reward"}}}
+    study = parse_study(config, variants)
+    table = calibration_table(tmp_path, study, variants)
+    assert table["early_reward"].tolist() == [0.375, 0.5, 0.125, 0.125]
+    assert chosen_threshold(table, thresholds, "early_reward") == 0.25  # halfway between 0.125 and 0.375
+    assert table["switches_below_0.25"].tolist() == [False, False, True, True]
+    assert not table["switches_below_0.125"].any()  # 0.125 is not below 0.125
+    overlap = table.assign(early_reward=[0.375, 0.5, 0.4, 0.125])
+    assert math.isnan(chosen_threshold(overlap, thresholds, "early_reward"))  # no candidate separates them
 
 
 # ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
@@ -763,31 +856,54 @@ def test_a_control_at_its_threshold_or_without_data_is_not_supported(tmp_path):
     assert (row["estimate"], row["ci_low"], row["ci_high"]) == (0, 0, 1) and not row["supported"]
 
 
+def test_a_folder_calibrated_otherwise_is_not_rendered_again(tmp_path):
+    """A study folder whose calibration (runs, signal, seeds) is not the study file's was made by other
+    runs: the script refuses it instead of reading its calibration.csv under the new rule."""
+    rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
+    folder = tmp_path / "source" / "adaptive"
+    shutil.copytree(REPO_ROOT / "results" / "studies" / "2026-12-07-power" / "adaptive", folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config["study"]["calibration"]["seeds"] = [7, 8]
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(
+        SystemExit, match=r"adaptive: the study file's calibration \(study.calibration\) differs"
+    ):
+        rerender(tmp_path / "source", tmp_path / "dest")
+
+
 def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_them(tmp_path):
     """scripts/rerender_studies.py, as each committed folder was made, under the study files as they are now.
     2026-11-28 rendered with the controls of 2026-11-29's study files left alignment (weak_grpo never ran) and
     adaptive (the switch never fired) uninformative; since 2026-12-07 their weak base is another (study file's
-    ``bases``) and since 2026-12-07-power the schedule has 24 seeds, so an older folder is refused for those
-    studies, naming the change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak
-    base: the others' claims agree to the last digit, alignment's control (the weak base learns) is now
-    supported and adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07
-    with the schedule run again at 24 seeds. What is committed is what the script writes."""
+    ``bases``), since 2026-12-07-power the schedule has 24 seeds and since 2026-12-07-power30 token level,
+    sample level and generalization have 30, so an older folder is refused for those studies, naming the
+    change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak base: the others'
+    claims agree to the last digit, alignment's control (the weak base learns) is now supported and
+    adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07 with the
+    schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
+    at 30. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
+    thirty = ("token_level", "sample_level", "generalization")
 
-    def without_schedule(name: str) -> Path:  # a committed folder but its schedule, which had 5 seeds then
+    def without(name: str, *left_out: str) -> Path:  # a committed folder less studies run again since
         copy = tmp_path / "source" / name
-        shutil.copytree(studies / name, copy, ignore=shutil.ignore_patterns("schedule"))
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(studies / name, copy, ignore=shutil.ignore_patterns(*left_out))
         return copy
 
     with pytest.raises(
+        SystemExit, match=r"token_level: the study file's testbed differs from the folder's in \['seeds'\]"
+    ):
+        rerender(studies / "2026-12-07-power", tmp_path / "refused")
+    with pytest.raises(
         SystemExit, match=r"schedule: the study file's testbed differs from the folder's in \['seeds'\]"
     ):
-        rerender(studies / "2026-11-28", tmp_path / "refused")
+        rerender(without("2026-11-28", *thirty), tmp_path / "refused_too")
     with pytest.raises(
         SystemExit, match=r"alignment: the study file's testbed differs from the folder's in \['bases'\]"
     ):
-        rerender(without_schedule("2026-11-28"), tmp_path / "refused_too")
+        rerender(without("2026-11-28", *thirty, "schedule"), tmp_path / "refused_three")
     informative_then = {
         folder.name: read_study(folder).informative for folder in study_folders(studies / "2026-11-29")
     }
@@ -801,26 +917,29 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     }
 
     fresh = {name: studies / "2026-12-07" / name for name in ("alignment", "adaptive")}
-    source = without_schedule("2026-11-29")
+    source = without("2026-11-29", *thirty, "schedule")
     notes = rerender(source, tmp_path / "again", fresh)
     for name, folder in fresh.items():
         assert f"{name}: run again ({folder}), not rendered from {source}" in notes
     informative = {
         folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
     }
-    assert informative == {k: v for k, v in informative_then.items() if k != "schedule"} | {"alignment": True}
+    assert informative == {"alignment": True, "adaptive": False}
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
-    rerender(studies / "2026-12-07", tmp_path / "power", power)
+    rerender(without("2026-12-07", *thirty), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
+    power30 = {name: studies / "2026-12-07-power30" / name for name in thirty}
+    rerender(studies / "2026-12-07-power", tmp_path / "power30", power30)
     for made, committed_root in (
         (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
+        (tmp_path / "power30", "2026-12-07-power30"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
             assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "power")) == 6
+    assert len(study_folders(tmp_path / "power30")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------

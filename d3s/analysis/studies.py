@@ -24,12 +24,12 @@ from d3s.analysis.figures import save
 from d3s.analysis.io import read_jsonl
 from d3s.markdown import markdown_table
 from d3s.provenance.manifest import atomic_write_text
-from d3s.selection import spike_ratios
+from d3s.selection import ScopeSwitch, early_reward, spike_ratios
 from d3s.studies import BASE, BASE_MEASURES, MEASURES, Study, StudyClaim, StudyControl, base_run, parse_study
 from d3s.variants import Variant, run_variants
 
 KL_FILE = "kl.json"
-WARMUP = 3  # steps of history before a spike ratio counts: ScopeSwitch's default
+WARMUP = 3  # steps before the switch reads its signal: ScopeSwitch's default
 
 
 # ---- one value per (run, seed) -----------------------------------------------------------------------------
@@ -346,30 +346,56 @@ def failed_controls(controls: pd.DataFrame) -> pd.DataFrame:
 # ---- calibration (the adaptive switch's threshold) ---------------------------------------------------------
 
 
+# What each calibration run shows of the switch's signal (d3s.selection.ScopeSwitch), and how a candidate
+# threshold fires on it: a column named for the signal, one per candidate.
+_SIGNAL_COLUMN = {"early_reward": "early_reward", "grad_norm_spike": "max_spike_ratio"}
+_FIRES_COLUMN = {"early_reward": "switches_below_{:g}", "grad_norm_spike": "switches_above_{:g}"}
+
+
 def calibration_table(results: Path, study: Study, variants: Mapping[str, Variant]) -> pd.DataFrame:
-    """Per calibration run and seed: its largest spike ratio (d3s.selection.spike_ratios) and, for each
-    candidate threshold, whether the adaptive switch would have fired."""
+    """Per calibration run and seed: what it shows of the switch's signal (the mean reward of its first
+    steps, or its largest spike ratio: d3s.selection) and, for each candidate threshold, whether the adaptive
+    switch (ScopeSwitch itself) would have fired."""
     assert study.calibration is not None
+    signal = study.calibration.signal
     rows = []
     for name in study.calibration.runs:
         for seed in study.calibration.seeds:
             metrics = _metrics(results / "runs" / name / f"seed{seed}")
-            norms = metrics["grad_norm"].astype(float).tolist() if "grad_norm" in metrics else []
-            ratios = spike_ratios(norms, WARMUP)
+            key = ScopeSwitch(2.0, WARMUP, signal).log_key
+            logged = metrics[key].astype(float).tolist() if key in metrics else []
             row = {"run": name, "base": variants[name].base or "default", "seed": seed}
-            row["max_spike_ratio"] = max(ratios) if ratios else math.nan
+            if signal == "early_reward":
+                row["early_reward"] = early_reward(logged, WARMUP)
+            else:
+                ratios = spike_ratios(logged, WARMUP)
+                row["max_spike_ratio"] = max(ratios) if ratios else math.nan
             for threshold in study.calibration.thresholds:
-                row[f"switches_above_{threshold:g}"] = bool(any(r > threshold for r in ratios))
+                fires = ScopeSwitch(threshold, WARMUP, signal).switched(logged)
+                row[_FIRES_COLUMN[signal].format(threshold)] = bool(fires)
             rows.append(row)
     return pd.DataFrame(rows)
 
 
-def chosen_threshold(calibration: pd.DataFrame, thresholds: Sequence[float]) -> float:
-    """The rule: the smallest candidate above every spike ratio the default base model showed (so the
-    switch never fires on the calibration runs of a well-aligned model); NaN when none is."""
-    aligned = calibration.loc[calibration["base"] == "default", "max_spike_ratio"].max()
-    above = [t for t in sorted(thresholds) if t > aligned]
-    return above[0] if above else math.nan
+def chosen_threshold(
+    calibration: pd.DataFrame, thresholds: Sequence[float], signal: str = "grad_norm_spike"
+) -> float:
+    """The rule; NaN when no candidate satisfies it.
+
+    grad_norm_spike: the smallest candidate above every spike ratio the default base model showed (so the
+    switch never fires on the calibration runs of a well-aligned model).
+    early_reward: of the candidates between the highest early reward of the other (weakly aligned) base
+    models and the lowest of the default base model, the one nearest halfway between them (so it fires on
+    every calibration run of the weak base and on none of the default, with the widest margin both ways).
+    """
+    values = calibration[_SIGNAL_COLUMN[signal]]
+    aligned = calibration["base"] == "default"
+    if signal == "grad_norm_spike":
+        above = [t for t in sorted(thresholds) if t > values[aligned].max()]
+        return above[0] if above else math.nan
+    low, high = values[~aligned].max(), values[aligned].min()
+    between = [t for t in sorted(thresholds) if low < t < high]
+    return min(between, key=lambda t: abs(t - (low + high) / 2)) if between else math.nan
 
 
 # ---- figure ------------------------------------------------------------------------------------------------
@@ -638,35 +664,59 @@ def study_report(
     ]
     if calibration is not None and not calibration.empty:
         assert study.calibration is not None
-        chosen = chosen_threshold(calibration, study.calibration.thresholds)
-        declared = sorted(
-            {
-                float(variants[r].trainer.get("scope_switch_threshold", math.nan))
-                for r in study.runs
-                if "scope_switch_threshold" in variants[r].trainer
-            }
-        )
-        from d3s.methods import METHODS
-
-        registry = sorted({m.scope_switch_threshold for m in METHODS.values() if m.scope_switch_threshold})
-        lines += [
-            f"**Calibration** (seeds {', '.join(map(str, study.calibration.seeds))}, outside the study's): "
-            "the largest spike ratio of each calibration run (a step's gradient norm over the median of the "
-            f"earlier ones, after {WARMUP} steps) and whether each candidate threshold would have switched:",
-            "",
-            _frame_markdown(calibration),
-            "",
-            f"The rule (the smallest candidate above every ratio the default base model showed) chooses "
-            f"{_fmt(chosen)}; the registry's threshold is {', '.join(map(str, registry)) or '-'}"
-            + (f", the study's runs set {declared}" if declared else "")
-            + (
-                ". They agree."
-                if registry and chosen in registry
-                else ". THEY DIFFER: update d3s/methods.py."
-            ),
-            "",
-        ]
+        lines += _calibration_lines(study, variants, calibration)
     return "\n".join(lines)
+
+
+# The calibration section's words, by the switch's signal: what each run shows, and the rule.
+_CALIBRATION_WORDS = {
+    "grad_norm_spike": (
+        "the largest spike ratio of each calibration run (a step's gradient norm over the median of the "
+        f"earlier ones, after {WARMUP} steps)",
+        "the smallest candidate above every ratio the default base model showed",
+    ),
+    "early_reward": (
+        f"the mean reward of each calibration run's first {WARMUP} steps (the switch's signal)",
+        "the candidate nearest halfway between the highest early reward of the weak base and the lowest of "
+        "the default base, strictly between them",
+    ),
+}
+
+
+def _calibration_lines(study: Study, variants: Mapping[str, Variant], calibration: pd.DataFrame) -> list[str]:
+    """The report's calibration section: the table, the rule's choice and whether the registry agrees."""
+    from d3s.methods import METHODS
+
+    assert study.calibration is not None
+    signal = study.calibration.signal
+    chosen = chosen_threshold(calibration, study.calibration.thresholds, signal)
+    declared = sorted(
+        {
+            float(variants[r].trainer.get("scope_switch_threshold", math.nan))
+            for r in study.runs
+            if "scope_switch_threshold" in variants[r].trainer
+        }
+    )
+    registry = sorted(
+        {
+            m.scope_switch_threshold
+            for m in METHODS.values()
+            if m.scope_switch_threshold and m.scope_switch_signal == signal
+        }
+    )
+    shows, rule = _CALIBRATION_WORDS[signal]
+    return [
+        f"**Calibration** (seeds {', '.join(map(str, study.calibration.seeds))}, outside the study's): "
+        f"{shows} and whether each candidate threshold would have switched:",
+        "",
+        _frame_markdown(calibration),
+        "",
+        f"The rule ({rule}) chooses "
+        f"{_fmt(chosen)}; the registry's threshold is {', '.join(map(str, registry)) or '-'}"
+        + (f", the study's runs set {declared}" if declared else "")
+        + (". They agree." if registry and chosen in registry else ". THEY DIFFER: update d3s/methods.py."),
+        "",
+    ]
 
 
 def _frame_markdown(frame: pd.DataFrame) -> str:
