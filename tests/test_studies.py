@@ -885,27 +885,35 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     """scripts/rerender_studies.py, as each committed folder was made, under the study files as they are now.
     2026-11-28 rendered with the controls of 2026-11-29's study files left alignment (weak_grpo never ran) and
     adaptive (the switch never fired) uninformative; since 2026-12-07 their weak base is another (study file's
-    ``bases``) and since 2026-12-07-power the schedule has 24 seeds, so an older folder is refused for those
-    studies, naming the change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak
-    base: the others' claims agree to the last digit, alignment's control (the weak base learns) is now
-    supported and adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07
-    with the schedule run again at 24 seeds. What is committed is what the script writes."""
+    ``bases``), since 2026-12-07-power the schedule has 24 seeds and since 2026-12-07-power30 token level,
+    sample level and generalization have 30, so an older folder is refused for those studies, naming the
+    change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak base: the others'
+    claims agree to the last digit, alignment's control (the weak base learns) is now supported and
+    adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07 with the
+    schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
+    at 30. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
+    thirty = ("token_level", "sample_level", "generalization")
 
-    def without_schedule(name: str) -> Path:  # a committed folder but its schedule, which had 5 seeds then
+    def without(name: str, *left_out: str) -> Path:  # a committed folder less studies run again since
         copy = tmp_path / "source" / name
-        shutil.copytree(studies / name, copy, ignore=shutil.ignore_patterns("schedule"))
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(studies / name, copy, ignore=shutil.ignore_patterns(*left_out))
         return copy
 
     with pytest.raises(
+        SystemExit, match=r"token_level: the study file's testbed differs from the folder's in \['seeds'\]"
+    ):
+        rerender(studies / "2026-12-07-power", tmp_path / "refused")
+    with pytest.raises(
         SystemExit, match=r"schedule: the study file's testbed differs from the folder's in \['seeds'\]"
     ):
-        rerender(studies / "2026-11-28", tmp_path / "refused")
+        rerender(without("2026-11-28", *thirty), tmp_path / "refused_too")
     with pytest.raises(
         SystemExit, match=r"alignment: the study file's testbed differs from the folder's in \['bases'\]"
     ):
-        rerender(without_schedule("2026-11-28"), tmp_path / "refused_too")
+        rerender(without("2026-11-28", *thirty, "schedule"), tmp_path / "refused_three")
     informative_then = {
         folder.name: read_study(folder).informative for folder in study_folders(studies / "2026-11-29")
     }
@@ -919,26 +927,29 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     }
 
     fresh = {name: studies / "2026-12-07" / name for name in ("alignment", "adaptive")}
-    source = without_schedule("2026-11-29")
+    source = without("2026-11-29", *thirty, "schedule")
     notes = rerender(source, tmp_path / "again", fresh)
     for name, folder in fresh.items():
         assert f"{name}: run again ({folder}), not rendered from {source}" in notes
     informative = {
         folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
     }
-    assert informative == {k: v for k, v in informative_then.items() if k != "schedule"} | {"alignment": True}
+    assert informative == {"alignment": True, "adaptive": False}
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
-    rerender(studies / "2026-12-07", tmp_path / "power", power)
+    rerender(without("2026-12-07", *thirty), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
+    power30 = {name: studies / "2026-12-07-power30" / name for name in thirty}
+    rerender(studies / "2026-12-07-power", tmp_path / "power30", power30)
     for made, committed_root in (
         (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
+        (tmp_path / "power30", "2026-12-07-power30"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
             assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "power")) == 6
+    assert len(study_folders(tmp_path / "power30")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
