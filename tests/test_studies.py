@@ -891,7 +891,9 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     claims agree to the last digit, alignment's control (the weak base learns) is now supported and
     adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07 with the
     schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
-    at 30. What is committed is what the script writes."""
+    at 30, and 2026-12-07-switch is 2026-12-07-power30 with adaptive run again on its new switch
+    (early_reward, calibrated on seeds 100-103), which every older adaptive folder's calibration differs
+    from. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
     thirty = ("token_level", "sample_level", "generalization")
@@ -935,21 +937,26 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
         folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
     }
     assert informative == {"alignment": True, "adaptive": False}
+    with pytest.raises(SystemExit, match=r"adaptive: the study file's calibration \(study.calibration\)"):
+        rerender(without("2026-12-07-power30", "token_level", "sample_level"), tmp_path / "refused_four")
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
-    rerender(without("2026-12-07", *thirty), tmp_path / "power", power)
+    rerender(without("2026-12-07", *thirty, "adaptive"), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
     power30 = {name: studies / "2026-12-07-power30" / name for name in thirty}
-    rerender(studies / "2026-12-07-power", tmp_path / "power30", power30)
+    rerender(without("2026-12-07-power", "adaptive"), tmp_path / "power30", power30)
+    switch = {"adaptive": studies / "2026-12-07-switch" / "adaptive"}
+    rerender(studies / "2026-12-07-power30", tmp_path / "switch", switch)
     for made, committed_root in (
         (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
         (tmp_path / "power30", "2026-12-07-power30"),
+        (tmp_path / "switch", "2026-12-07-switch"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
             assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "power30")) == 6
+    assert len(study_folders(tmp_path / "switch")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
