@@ -72,11 +72,13 @@ _D3S_SCHEDULE = dict(
     schedule="linear",
 )
 
-# The adaptive method's threshold, chosen on calibration seeds 5 and 6 (outside the studies' 0-4) by the rule
-# of docs/studies.md: the smallest candidate (1.5, 2, 2.5, ...) above every spike ratio D3S showed on the
-# default base model there, 1.37 (the weak base: 1.75; results/studies/2026-12-07/adaptive/calibration.csv;
-# 1.10 and 1.42 on 2026-11-28's bases).
-ADAPTIVE_SWITCH_THRESHOLD = 1.5
+# The adaptive method's switch: intra-group once the first 3 steps' mean reward is below the threshold
+# (d3s.selection.ScopeSwitch, early_reward). The gradient-norm spike, its signal until 2026-12-07, did not
+# separate the base models (docs/studies.md, "The adaptive switch"). The threshold was chosen on calibration
+# seeds 100-103 (outside the studies') by the rule of docs/studies.md: of the candidates strictly between the
+# weak base's highest early reward (0.176) and the default base's lowest (0.341), the one nearest halfway.
+ADAPTIVE_SWITCH_SIGNAL = "early_reward"
+ADAPTIVE_SWITCH_THRESHOLD = 0.25
 
 _QUARTER = dict(keep_per_prompt_fraction_init=0.25, keep_per_prompt_fraction_final=0.25)  # N = G/4 fixed
 _CROSS_GROUP = dict(sample_rule="max_variance", sample_scope="batch")
@@ -139,12 +141,13 @@ METHODS: dict[str, Method] = {
     ),
     "d3s_adaptive": Method(
         "Adaptive D3S (this suite's answer to D3S's first open question; docs/studies.md): D3S's schedule, "
-        "cross-group until a gradient-norm spike (step norm / median of the earlier ones > threshold), "
-        "then intra-group (D3S-I) for the rest of the run",
+        "cross-group unless the first 3 steps' mean reward says the model is poorly aligned (below the "
+        "threshold), then intra-group (D3S-I) for the rest of the run",
         **_CROSS_GROUP,
         **_D3S_SCHEDULE,
         scope_switch_threshold=ADAPTIVE_SWITCH_THRESHOLD,
-        trl_settings={"logging_steps": 1},  # the switch reads every step's gradient norm from the log
+        scope_switch_signal=ADAPTIVE_SWITCH_SIGNAL,
+        trl_settings={"logging_steps": 1},  # the switch reads every step's reward from the log
     ),
     "entropy_8020": Method(
         "80/20 rule (Beyond the 80/20 Rule, arXiv 2506.01939): gradients on the top 20 % "

@@ -103,8 +103,8 @@ PAPERS = {
     "d2s": Paper("max_variance", "batch", token_rule="adv_entropy", tokens=(0.05, 0.05), **QUARTER),
     "d3s": Paper(**D3S),
     "d3s_i": Paper(**(D3S | dict(sample_scope="group"))),  # D3S Appendix D.1: intra-group
-    # this suite's adaptive D3S (docs/studies.md): D3S until a gradient-norm spike, then D3S-I; the switch
-    # reads 3 steps of history first, so these short runs are D3S throughout (the switch: test_studies.py)
+    # this suite's adaptive D3S (docs/studies.md): D3S until the first 3 steps' reward is low, then D3S-I;
+    # the switch reads 3 steps of history first, so these short runs are D3S throughout (test_studies.py)
     "d3s_adaptive": Paper(**D3S),
     "entropy_8020": Paper(token_rule="entropy", tokens=(0.2, 0.2)),  # Beyond the 80/20 Rule: top 20 % by H
     "gspo": Paper(zeroed="trl", **GSPO),

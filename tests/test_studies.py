@@ -40,7 +40,7 @@ from d3s.analysis.studies import (
     slope_per_seed,
     study_folders,
 )
-from d3s.methods import ADAPTIVE_SWITCH_THRESHOLD, METHODS
+from d3s.methods import ADAPTIVE_SWITCH_SIGNAL, ADAPTIVE_SWITCH_THRESHOLD, METHODS
 from d3s.orchestration.workflow_config import check_workflow_config
 from d3s.selection import SCHEDULES, SWITCH_SIGNALS, Schedule, ScopeSwitch, early_reward, spike_ratios
 from d3s.studies import MEASURES, parse_study
@@ -215,11 +215,12 @@ def test_a_config_sets_the_early_reward_switch():
 
 def test_the_adaptive_method_is_d3s_with_the_switch():
     adaptive, d3s = METHODS["d3s_adaptive"], METHODS["d3s"]
-    assert adaptive.scope_switch_threshold == ADAPTIVE_SWITCH_THRESHOLD > 1
+    assert adaptive.scope_switch_threshold == ADAPTIVE_SWITCH_THRESHOLD > 0
+    assert adaptive.scope_switch_signal == ADAPTIVE_SWITCH_SIGNAL == "early_reward"
     same = ("sample_rule", "sample_scope", "token_rule", "schedule", "keep_per_prompt_fraction_init")
     assert all(getattr(adaptive, name) == getattr(d3s, name) for name in same)
     config = D3SConfig.for_method("d3s_adaptive", output_dir="/tmp/unused", **_TINY_BATCH)
-    assert config.scope_switch() == ScopeSwitch(ADAPTIVE_SWITCH_THRESHOLD)
+    assert config.scope_switch() == ScopeSwitch(ADAPTIVE_SWITCH_THRESHOLD, signal="early_reward")
     assert D3SConfig.for_method("d3s", output_dir="/tmp/unused", **_TINY_BATCH).scope_switch() is None
 
 
@@ -228,7 +229,10 @@ def test_the_adaptive_method_is_d3s_with_the_switch():
     [
         ({"sample_scope": "group"}, "needs a sample_rule and sample_scope batch"),
         ({"logging_steps": 2}, "needs logging_steps=1"),
-        ({"scope_switch_threshold": 0.5}, "scope_switch_threshold must be 0 .off. or a ratio > 1"),
+        (
+            {"scope_switch_threshold": 0.5, "scope_switch_signal": "grad_norm_spike"},
+            "scope_switch_threshold must be 0 .off. or a ratio > 1",
+        ),
         ({"scope_switch_threshold": -0.5}, "scope_switch_threshold must be >= 0 .0: off."),
         ({"scope_switch_signal": "loss"}, "scope_switch_signal"),
     ],
@@ -241,12 +245,18 @@ def test_the_switch_refuses_settings_it_cannot_honour(overrides, message):
 def test_the_trainer_reads_the_switch_from_the_logged_gradient_norms():
     """D3STrainer._sample_scope on a stand-in trainer: cross-group (logged 1) while no step spiked,
     intra-group (logged 0) from the step after a spike on."""
-    config = D3SConfig.for_method("d3s_adaptive", output_dir="/tmp/unused", **_TINY_BATCH)
+    config = D3SConfig.for_method(
+        "d3s_adaptive",
+        output_dir="/tmp/unused",
+        scope_switch_signal="grad_norm_spike",
+        scope_switch_threshold=1.5,
+        **_TINY_BATCH,
+    )
     history = [{"grad_norm": 1.0, "step": s} for s in range(1, 5)]
     trainer = SimpleNamespace(args=config, state=SimpleNamespace(log_history=history), _metrics={"train": {}})
     trainer._metrics["train"]["selection/cross_group"] = []
     assert D3STrainer._sample_scope(trainer) == "batch"
-    history.append({"grad_norm": 10 * ADAPTIVE_SWITCH_THRESHOLD, "step": 5})
+    history.append({"grad_norm": 15.0, "step": 5})
     history.append({"train_runtime": 1.0})  # a record without a gradient norm is skipped
     assert D3STrainer._sample_scope(trainer) == "group"
     assert trainer._metrics["train"]["selection/cross_group"] == [1.0, 0.0]
@@ -881,7 +891,9 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     claims agree to the last digit, alignment's control (the weak base learns) is now supported and
     adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07 with the
     schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
-    at 30. What is committed is what the script writes."""
+    at 30, and 2026-12-07-switch is 2026-12-07-power30 with adaptive run again on its new switch
+    (early_reward, calibrated on seeds 100-103), which every older adaptive folder's calibration differs
+    from. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
     thirty = ("token_level", "sample_level", "generalization")
@@ -925,21 +937,26 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
         folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
     }
     assert informative == {"alignment": True, "adaptive": False}
+    with pytest.raises(SystemExit, match=r"adaptive: the study file's calibration \(study.calibration\)"):
+        rerender(without("2026-12-07-power30", "token_level", "sample_level"), tmp_path / "refused_four")
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
-    rerender(without("2026-12-07", *thirty), tmp_path / "power", power)
+    rerender(without("2026-12-07", *thirty, "adaptive"), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
     power30 = {name: studies / "2026-12-07-power30" / name for name in thirty}
-    rerender(studies / "2026-12-07-power", tmp_path / "power30", power30)
+    rerender(without("2026-12-07-power", "adaptive"), tmp_path / "power30", power30)
+    switch = {"adaptive": studies / "2026-12-07-switch" / "adaptive"}
+    rerender(studies / "2026-12-07-power30", tmp_path / "switch", switch)
     for made, committed_root in (
         (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
         (tmp_path / "power30", "2026-12-07-power30"),
+        (tmp_path / "switch", "2026-12-07-switch"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
             assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "power30")) == 6
+    assert len(study_folders(tmp_path / "switch")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
