@@ -38,12 +38,21 @@ from d3s.analysis.studies import (
     read_study,
     render_study,
     slope_per_seed,
+    study_figure,
     study_folders,
 )
 from d3s.methods import ADAPTIVE_SWITCH_SIGNAL, ADAPTIVE_SWITCH_THRESHOLD, METHODS
 from d3s.orchestration.workflow_config import check_workflow_config
-from d3s.selection import SCHEDULES, SWITCH_SIGNALS, Schedule, ScopeSwitch, early_reward, spike_ratios
-from d3s.studies import MEASURES, parse_study
+from d3s.selection import (
+    SCHEDULES,
+    SIGNAL_LOG_KEYS,
+    SWITCH_SIGNALS,
+    Schedule,
+    ScopeSwitch,
+    early_reward,
+    spike_ratios,
+)
+from d3s.studies import MEASURES, Study, parse_study
 from d3s.trainer import D3SConfig, D3STrainer
 from d3s.variants import Variant, base_model_settings, extended_config, run_variants
 
@@ -186,10 +195,12 @@ def test_the_switch_reads_the_log_record_of_its_signal():
 
 
 def test_the_switchs_signals_are_the_schemas():
-    """The study file's calibration.signal (config/schema.yaml) names what d3s.selection can read."""
+    """The study file's calibration.signal (config/schema.yaml) names what d3s.selection can read, and every
+    signal names the log record it reads."""
     schema = yaml.safe_load(SCHEMA.read_text())
     calibration = schema["properties"]["study"]["properties"]["calibration"]["properties"]
     assert tuple(sorted(calibration["signal"]["enum"])) == tuple(sorted(SWITCH_SIGNALS))
+    assert sorted(SIGNAL_LOG_KEYS) == sorted(SWITCH_SIGNALS)
 
 
 def test_a_config_sets_the_early_reward_switch():
@@ -554,23 +565,31 @@ def test_the_committed_noise_split_is_what_its_draws_give_and_what_the_docs_show
     assert readme[readme.index("| comparison") :].strip() in (REPO_ROOT / "docs/studies/power.md").read_text()
 
 
+def _calibration_study(tmp_path: Path, key: str, logged: dict, calibration: dict) -> tuple[Study, dict]:
+    """A study of d3s on the default and the weak base with ``calibration``, and a results folder whose runs
+    (name, seed) logged ``key`` at each step as ``logged`` says."""
+    for (name, seed), values in logged.items():
+        folder = tmp_path / "runs" / name / f"seed{seed}"
+        folder.mkdir(parents=True)
+        lines = [f'{{"step": {s + 1}, "loss": 0.0, "{key}": {v}}}' for s, v in enumerate(values)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
+    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
+    calibration = {"runs": ["d3s", "weak_d3s"]} | calibration
+    parsed = parse_study({"seeds": [0], "study": study | {"calibration": calibration}}, variants)
+    assert parsed is not None
+    return parsed, variants
+
+
 def test_the_calibration_rule_picks_the_smallest_threshold_above_the_aligned_models_spikes(tmp_path):
     runs = {
         ("d3s", 5): [1, 1, 1, 1.5, 1, 2.2],
         ("d3s", 6): [1, 1, 1, 1, 1.4],
         ("weak_d3s", 5): [1, 1, 1, 9, 1],
     }
-    for (name, seed), norms in runs.items():
-        folder = tmp_path / "runs" / name / f"seed{seed}"
-        folder.mkdir(parents=True)
-        lines = [f'{{"step": {s + 1}, "loss": 0.0, "grad_norm": {g}}}' for s, g in enumerate(norms)]
-        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
-    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
-    calibration = {"seeds": [5, 6], "runs": ["d3s", "weak_d3s"], "thresholds": [1.5, 2.0, 3.0, 4.0]}
-    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
-    config = {"seeds": [0], "study": study | {"calibration": calibration}}
-    study = parse_study(config, variants)
+    calibration = {"seeds": [5, 6], "thresholds": [1.5, 2.0, 3.0, 4.0]}
+    study, variants = _calibration_study(tmp_path, "grad_norm", runs, calibration)
     table = calibration_table(tmp_path, study, variants)
     aligned = table[table["base"] == "default"]["max_spike_ratio"]
     assert aligned.max() == pytest.approx(2.2)  # seed 5: 2.2 over the median 1 of the five steps before it
@@ -586,18 +605,9 @@ def test_the_early_reward_calibration_picks_the_candidate_halfway_between_the_ba
         ("weak_d3s", 100): [0.125, 0.125, 0.125, 0.9],  # 0.125
         ("weak_d3s", 101): [0.0625, 0.125, 0.1875],  # 0.125
     }
-    for (name, seed), rewards in runs.items():
-        folder = tmp_path / "runs" / name / f"seed{seed}"
-        folder.mkdir(parents=True)
-        lines = [f'{{"step": {s + 1}, "loss": 0.0, "reward": {r}}}' for s, r in enumerate(rewards)]
-        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
-    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
     thresholds = [0.125, 0.2, 0.25, 0.3, 0.375]
-    calibration = {"seeds": [100, 101], "runs": ["d3s", "weak_d3s"], "thresholds": thresholds}
-    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
-    config = {"seeds": [0], "study": study | {"calibration": calibration | {"signal": "early_reward"}}}
-    study = parse_study(config, variants)
+    calibration = {"seeds": [100, 101], "thresholds": thresholds, "signal": "early_reward"}
+    study, variants = _calibration_study(tmp_path, "reward", runs, calibration)
     table = calibration_table(tmp_path, study, variants)
     assert table["early_reward"].tolist() == [0.375, 0.5, 0.125, 0.125]
     assert chosen_threshold(table, thresholds, "early_reward") == 0.25  # halfway between 0.125 and 0.375
@@ -605,6 +615,33 @@ def test_the_early_reward_calibration_picks_the_candidate_halfway_between_the_ba
     assert not table["switches_below_0.125"].any()  # 0.125 is not below 0.125
     overlap = table.assign(early_reward=[0.375, 0.5, 0.4, 0.125])
     assert math.isnan(chosen_threshold(overlap, thresholds, "early_reward"))  # no candidate separates them
+
+
+def test_a_fraction_is_drawn_on_its_whole_range():
+    """A run at the bottom of a fraction (the weak base's 3 cross-group steps of 20) is drawn whole, not on
+    the axis's edge."""
+    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
+    claim = {
+        "kind": "versus",
+        "measure": "pass_at_1",
+        "runs": ["weak_d3s"],
+        "reference": "d3s",
+        "statement": "s",
+    }
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
+    figure = {"measures": ["pass_at_1", "cross_group_fraction"]}
+    parsed = parse_study({"seeds": [0, 1], "study": study | {"figure": figure}}, variants)
+    rows = [
+        {"run": run, "seed": seed, "measure": measure, "value": value}
+        for run, fraction in (("d3s", 1.0), ("weak_d3s", 0.15))
+        for seed in (0, 1)
+        for measure, value in (("pass_at_1", 50.0 + seed), ("cross_group_fraction", fraction))
+    ]
+    fig = study_figure(pd.DataFrame(rows), parsed, variants)
+    points, fraction = fig.axes
+    assert fraction.get_ylim() == (-0.05, 1.05)
+    assert points.get_ylim()[0] > 40  # other units keep matplotlib's own limits
+    fig.clf()
 
 
 # ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
