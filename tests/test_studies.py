@@ -296,7 +296,10 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     config = _study_config(name)
     default = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
     check_workflow_config(default, ACCELERATE_DIR, SCHEMA)
-    for key in ("experiment", "base_model", "task", "train", "eval"):
+    # a study in the default's results tree shares its runs, so it keeps its testbed; one in a tree of its
+    # own (generalization: another RL task) keeps its training and evaluation
+    shared = config["experiment"] == default["experiment"]
+    for key in ("experiment", "base_model", "task", "train", "eval") if shared else ("train", "eval"):
         assert config[key] == default[key], key
     assert config["seeds"][: len(default["seeds"])] == default["seeds"]
     assert len(set(config["seeds"])) == len(config["seeds"])
@@ -307,14 +310,32 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     assert any(claim.primary for claim in study.claims), "name the claims the study decides (primary: true)"
 
 
+def test_generalization_holds_out_a_length_its_base_model_knows():
+    """The generalization study's base model is the default's (its SFT on the default's task, 3-7
+    operations), its RL task holds the longest chains out, and those are its held-out problems."""
+    config = _study_config("generalization")
+    default = _study_config("token_level")  # the default's testbed, with the schema's defaults filled in
+    assert config["task"] | config["base_model"]["sft_task"] == default["task"]
+    assert config["base_model"] | {"sft_task": {}} == default["base_model"]
+    assert config["experiment"] != default["experiment"]  # its runs are not the default's
+    study = parse_study(config, run_variants(config))
+    assert study is not None and study.ood is not None
+    held_out = study.ood.task
+    assert (
+        held_out["min_ops"] > config["task"]["max_ops"] and held_out["max_ops"] <= default["task"]["max_ops"]
+    )
+
+
 def test_studies_that_share_a_run_name_define_it_alike():
-    """A run name is one run in results/<experiment>/runs/: every study that names it trains it the same."""
+    """A run name is one run in results/<experiment>/runs/: every study of that experiment that names it
+    trains it the same, on the same task."""
     seen: dict[str, tuple] = {}
     for name in STUDIES:
         config = _study_config(name)
         for run, variant in run_variants(config).items():
-            definition = (variant.method, variant.trainer, base_model_settings(config, variant.base))
-            assert seen.setdefault(run, definition) == definition, (name, run)
+            settings = (variant.method, variant.trainer, base_model_settings(config, variant.base))
+            definition = (*settings, config["task"], config["train"])
+            assert seen.setdefault((config["experiment"], run), definition) == definition, (name, run)
 
 
 def test_extends_merges_mappings_and_replaces_lists(tmp_path):
@@ -399,6 +420,10 @@ def test_a_variant_is_a_method_with_overrides_on_a_base():
         (
             {"variants": {"v": {"method": "d3s_i", "trainer": {"scope_switch_threshold": 2.0}}}},
             "variant v: variants.v.trainer.*needs a sample_rule and sample_scope batch",
+        ),
+        (
+            {"base_model": {"sft_task": {"min_ops": 8}}},
+            r"base_model.sft_task: the SFT.s chains run from min_ops 8 to max_ops 7 .*min_ops <= max_ops",
         ),
     ],
 )
