@@ -41,6 +41,7 @@ from d3s.analysis.studies import (
     study_figure,
     study_folders,
 )
+from d3s.data.synthetic import arithmetic_problems
 from d3s.methods import ADAPTIVE_SWITCH_SIGNAL, ADAPTIVE_SWITCH_THRESHOLD, METHODS
 from d3s.orchestration.workflow_config import check_workflow_config
 from d3s.selection import (
@@ -310,9 +311,10 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     assert any(claim.primary for claim in study.claims), "name the claims the study decides (primary: true)"
 
 
-def test_generalization_holds_out_a_length_its_base_model_knows():
-    """The generalization study's base model is the default's (its SFT on the default's task, 3-7
-    operations), its RL task holds the longest chains out, and those are its held-out problems."""
+def test_generalization_holds_out_values_its_base_model_knows():
+    """The generalization study's base model is the default's (its SFT on the default's task, values in
+    0..9), its RL task holds the values above 5 out, and its held-out problems have them; the setup's count
+    of held-out problems that reach one is right."""
     config = _study_config("generalization")
     default = _study_config("token_level")  # the default's testbed, with the schema's defaults filled in
     assert config["task"] | config["base_model"]["sft_task"] == default["task"]
@@ -320,10 +322,13 @@ def test_generalization_holds_out_a_length_its_base_model_knows():
     assert config["experiment"] != default["experiment"]  # its runs are not the default's
     study = parse_study(config, run_variants(config))
     assert study is not None and study.ood is not None
-    held_out = study.ood.task
-    assert (
-        held_out["min_ops"] > config["task"]["max_ops"] and held_out["max_ops"] <= default["task"]["max_ops"]
-    )
+    held_out = config["task"] | study.ood.task
+    assert held_out == default["task"] and config["task"]["max_operand"] < held_out["max_operand"]
+    problems = arithmetic_problems(study.ood.count, seed=0, split="test", **held_out)
+    numbers = [[int(n) for n in re.findall(r"\d+", p.prompt + p.completion)] for p in problems]
+    above = sum(max(values) > config["task"]["max_operand"] for values in numbers)
+    assert f"{study.ood.count} held-out chains" in study.setup
+    assert f"{above} of them reach a value above" in study.setup
 
 
 def test_studies_that_share_a_run_name_define_it_alike():
