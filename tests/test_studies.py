@@ -960,9 +960,9 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
     at 30, and 2026-12-07-switch is 2026-12-07-power30 with adaptive run again on its new switch
     (early_reward, calibrated on seeds 100-103), which every older adaptive folder's calibration differs
-    from. 2026-12-08-generalization is 2026-12-07-switch with generalization run again on 400 held-out
-    problems (its older folders' study.ood differs) on the slower machine class. What is committed is what
-    the script writes."""
+    from. 2026-12-08-generalization is 2026-12-07-switch with generalization run again on its new axis
+    (values held out of RL: another task and results tree, so every older generalization folder is refused).
+    What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
     thirty = ("token_level", "sample_level", "generalization")
@@ -1011,29 +1011,30 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
     rerender(without("2026-12-07", *thirty, "adaptive"), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
-    power30 = {name: studies / "2026-12-07-power30" / name for name in thirty}
-    rerender(without("2026-12-07-power", "adaptive"), tmp_path / "power30", power30)
+    power30 = {name: studies / "2026-12-07-power30" / name for name in ("token_level", "sample_level")}
+    rerender(without("2026-12-07-power", "adaptive", "generalization"), tmp_path / "power30", power30)
     switch = {"adaptive": studies / "2026-12-07-switch" / "adaptive"}
     rerender(without("2026-12-07-power30", "generalization"), tmp_path / "switch", switch)
+    changed = r"\['experiment', 'base_model', 'task'\]"
     with pytest.raises(
-        SystemExit, match=r"generalization: the study file's held-out evaluation \(study.ood\)"
+        SystemExit, match=rf"generalization: the study file's testbed differs .* in {changed}"
     ):
         rerender(studies / "2026-12-07-switch", tmp_path / "refused_five")
-    slower = {"generalization": studies / "2026-12-08-generalization" / "generalization"}
-    rerender(studies / "2026-12-07-switch", tmp_path / "slower", slower)
-    assert read_study(tmp_path / "slower" / "generalization").informative
+    values = {"generalization": studies / "2026-12-08-generalization" / "generalization"}
+    rerender(studies / "2026-12-07-switch", tmp_path / "values", values)
+    assert read_study(tmp_path / "values" / "generalization").informative
     for made, committed_root in (
         (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
         (tmp_path / "power30", "2026-12-07-power30"),
         (tmp_path / "switch", "2026-12-07-switch"),
-        (tmp_path / "slower", "2026-12-08-generalization"),
+        (tmp_path / "values", "2026-12-08-generalization"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
             assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "slower")) == 6
+    assert len(study_folders(tmp_path / "values")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
