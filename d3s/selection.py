@@ -34,6 +34,8 @@ TOKEN_SCOPES: tuple[str, ...] = get_args(TokenScope)
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 ZEROED_ROLLOUTS: tuple[str, ...] = get_args(ZeroedRollouts)
 SWITCH_SIGNALS: tuple[str, ...] = get_args(SwitchSignal)
+# The record of TrainerState.log_history each switch signal reads (TRL logs both every logging step).
+SIGNAL_LOG_KEYS: dict[str, str] = {"early_reward": "reward", "grad_norm_spike": "grad_norm"}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -429,8 +431,8 @@ class ScopeSwitch:
 
     @property
     def log_key(self) -> str:
-        """The record of TrainerState.log_history the signal reads (TRL logs both every logging step)."""
-        return "reward" if self.signal == "early_reward" else "grad_norm"
+        """The record of TrainerState.log_history the signal reads (``SIGNAL_LOG_KEYS``)."""
+        return SIGNAL_LOG_KEYS[self.signal]
 
     def switched(self, values: Sequence[float]) -> bool:
         """Whether the switch has fired on ``values``, the logged ``log_key`` of the steps so far."""

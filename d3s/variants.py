@@ -76,6 +76,17 @@ def base_model_settings(config: Mapping[str, Any], base: str | None) -> dict[str
     return settings | copy.deepcopy(dict(config["bases"][base]))
 
 
+TASK_KEYS = ("min_ops", "max_ops", "max_operand", "bounded")
+
+
+def sft_task(config: Mapping[str, Any], base: str | None) -> dict[str, Any]:
+    """The synthetic task the SFT of ``base`` draws its demonstrations from: the config's ``task`` with the
+    base model's ``sft_task`` on top, in one key order (so two configs that build the same base model give its
+    job the same parameters)."""
+    task = dict(config["task"]) | dict(base_model_settings(config, base).get("sft_task") or {})
+    return {key: task[key] for key in TASK_KEYS}
+
+
 def extended_config(config: Mapping[str, Any], root: str | os.PathLike[str]) -> dict[str, Any]:
     """``config`` laid over the file its ``extends`` names (a path from ``root``, the repository): mappings
     merge key by key, everything else (lists included) is replaced; ``extends`` itself is dropped. A config

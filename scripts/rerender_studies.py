@@ -12,6 +12,7 @@ control on it is not supported). Never writes into SOURCE."""
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ import pandas as pd
 import yaml
 
 from d3s.analysis.studies import claim_rows, index_markdown, read_study, render_study, study_folders
-from d3s.orchestration.workflow_config import check_workflow_config
+from d3s.orchestration.workflow_config import check_workflow_config, validate_config
 from d3s.provenance.manifest import atomic_write_text
 from d3s.studies import base_run, parse_study
 from d3s.variants import extended_config, run_variants
@@ -35,6 +36,14 @@ def current_config(name: str) -> dict:
     config = extended_config(raw, ROOT)
     check_workflow_config(config, ROOT / "workflow" / "accelerate", ROOT / "config" / "schema.yaml")
     return config
+
+
+def with_defaults(config: dict) -> dict:
+    """A folder's config with the current schema's defaults filled in, so that a key the schema gained since
+    (base_model.sft_task, empty by default) is no change of testbed."""
+    filled = copy.deepcopy(config)
+    validate_config(filled, ROOT / "config" / "schema.yaml")
+    return filled
 
 
 def bases_from_report(report: str) -> dict[tuple[str, str], float]:
@@ -59,7 +68,8 @@ def rerender(source: Path, dest: Path, fresh: dict[str, Path] | None = None) -> 
             run = read_study(
                 fresh[folder.name]
             )  # a complete study folder, or an error naming what is missing
-            if run.config != current_config(folder.name) | {"study": run.config["study"]}:
+            written = with_defaults(run.config)
+            if written != current_config(folder.name) | {"study": written["study"]}:
                 raise SystemExit(
                     f"{folder.name}: {fresh[folder.name]} was not written by the current study file"
                 )
@@ -68,7 +78,8 @@ def rerender(source: Path, dest: Path, fresh: dict[str, Path] | None = None) -> 
             continue
         old = read_study(folder)
         config = current_config(folder.name)
-        changed = [key for key in TESTBED if config.get(key) != old.config.get(key)]
+        written = with_defaults(old.config)
+        changed = [key for key in TESTBED if config.get(key) != written.get(key)]
         if changed:
             raise SystemExit(
                 f"{folder.name}: the study file's testbed differs from the folder's in {changed}"

@@ -108,6 +108,25 @@ def test_sft_on_cuda_without_a_gpu_is_refused_with_the_fix(tmp_path):
     assert not any(tmp_path.iterdir())  # refused before anything was built or written
 
 
+def test_the_sft_learns_the_chain_lengths_of_its_sft_task(tmp_path):
+    """base_model.sft_task replaces the task's chain lengths for the SFT only (the generalization study's base
+    model knows chains of 7 operations that its RL task, 3-6, holds out): the demonstrations are drawn on
+    them, as arithmetic_problems draws them for that task."""
+    from d3s.data.synthetic import arithmetic_problems
+    from d3s.tiny_model import build_tokenizer
+
+    task = {"min_ops": 3, "max_ops": 6, "max_operand": 9, "bounded": True}
+    summary = build_base(tmp_path / "a", _sft(1, 40) | {"sft_task": {"max_ops": 7}}, task, threads=1)
+    assert (summary["min_ops"], summary["max_ops"]) == (3, 7)
+    problems = arithmetic_problems(40, seed=1000, **(task | {"max_ops": 7}))
+    assert max(p.num_ops for p in problems) == 7  # the SFT saw chains its RL task holds out
+    tokenizer = build_tokenizer()
+    tokens = [len(tokenizer(p.completion, add_special_tokens=False)["input_ids"]) + 1 for p in problems]
+    assert summary["completion_tokens_mean"] == pytest.approx(sum(tokens) / len(tokens))
+    plain = build_base(tmp_path / "b", _sft(1, 40), task, threads=1)  # no sft_task: the task's lengths
+    assert (plain["min_ops"], plain["max_ops"]) == (3, 6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sft_runs_on_cuda_and_saves_the_model(tmp_path):
     from transformers import AutoModelForCausalLM

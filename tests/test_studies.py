@@ -38,12 +38,22 @@ from d3s.analysis.studies import (
     read_study,
     render_study,
     slope_per_seed,
+    study_figure,
     study_folders,
 )
+from d3s.data.synthetic import arithmetic_problems
 from d3s.methods import ADAPTIVE_SWITCH_SIGNAL, ADAPTIVE_SWITCH_THRESHOLD, METHODS
 from d3s.orchestration.workflow_config import check_workflow_config
-from d3s.selection import SCHEDULES, SWITCH_SIGNALS, Schedule, ScopeSwitch, early_reward, spike_ratios
-from d3s.studies import MEASURES, parse_study
+from d3s.selection import (
+    SCHEDULES,
+    SIGNAL_LOG_KEYS,
+    SWITCH_SIGNALS,
+    Schedule,
+    ScopeSwitch,
+    early_reward,
+    spike_ratios,
+)
+from d3s.studies import MEASURES, Study, parse_study
 from d3s.trainer import D3SConfig, D3STrainer
 from d3s.variants import Variant, base_model_settings, extended_config, run_variants
 
@@ -186,10 +196,12 @@ def test_the_switch_reads_the_log_record_of_its_signal():
 
 
 def test_the_switchs_signals_are_the_schemas():
-    """The study file's calibration.signal (config/schema.yaml) names what d3s.selection can read."""
+    """The study file's calibration.signal (config/schema.yaml) names what d3s.selection can read, and every
+    signal names the log record it reads."""
     schema = yaml.safe_load(SCHEMA.read_text())
     calibration = schema["properties"]["study"]["properties"]["calibration"]["properties"]
     assert tuple(sorted(calibration["signal"]["enum"])) == tuple(sorted(SWITCH_SIGNALS))
+    assert sorted(SIGNAL_LOG_KEYS) == sorted(SWITCH_SIGNALS)
 
 
 def test_a_config_sets_the_early_reward_switch():
@@ -285,7 +297,10 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     config = _study_config(name)
     default = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
     check_workflow_config(default, ACCELERATE_DIR, SCHEMA)
-    for key in ("experiment", "base_model", "task", "train", "eval"):
+    # a study in the default's results tree shares its runs, so it keeps its testbed; one in a tree of its
+    # own (generalization: another RL task) keeps its training and evaluation
+    shared = config["experiment"] == default["experiment"]
+    for key in ("experiment", "base_model", "task", "train", "eval") if shared else ("train", "eval"):
         assert config[key] == default[key], key
     assert config["seeds"][: len(default["seeds"])] == default["seeds"]
     assert len(set(config["seeds"])) == len(config["seeds"])
@@ -296,14 +311,36 @@ def test_every_study_config_checks_and_keeps_the_default_testbed(name):
     assert any(claim.primary for claim in study.claims), "name the claims the study decides (primary: true)"
 
 
+def test_generalization_holds_out_values_its_base_model_knows():
+    """The generalization study's base model is the default's (its SFT on the default's task, values in
+    0..9), its RL task holds the values above 5 out, and its held-out problems have them; the setup's count
+    of held-out problems that reach one is right."""
+    config = _study_config("generalization")
+    default = _study_config("token_level")  # the default's testbed, with the schema's defaults filled in
+    assert config["task"] | config["base_model"]["sft_task"] == default["task"]
+    assert config["base_model"] | {"sft_task": {}} == default["base_model"]
+    assert config["experiment"] != default["experiment"]  # its runs are not the default's
+    study = parse_study(config, run_variants(config))
+    assert study is not None and study.ood is not None
+    held_out = config["task"] | study.ood.task
+    assert held_out == default["task"] and config["task"]["max_operand"] < held_out["max_operand"]
+    problems = arithmetic_problems(study.ood.count, seed=0, split="test", **held_out)
+    numbers = [[int(n) for n in re.findall(r"\d+", p.prompt + p.completion)] for p in problems]
+    above = sum(max(values) > config["task"]["max_operand"] for values in numbers)
+    assert f"{study.ood.count} held-out chains" in study.setup
+    assert f"{above} of them reach a value above" in study.setup
+
+
 def test_studies_that_share_a_run_name_define_it_alike():
-    """A run name is one run in results/<experiment>/runs/: every study that names it trains it the same."""
+    """A run name is one run in results/<experiment>/runs/: every study of that experiment that names it
+    trains it the same, on the same task."""
     seen: dict[str, tuple] = {}
     for name in STUDIES:
         config = _study_config(name)
         for run, variant in run_variants(config).items():
-            definition = (variant.method, variant.trainer, base_model_settings(config, variant.base))
-            assert seen.setdefault(run, definition) == definition, (name, run)
+            settings = (variant.method, variant.trainer, base_model_settings(config, variant.base))
+            definition = (*settings, config["task"], config["train"])
+            assert seen.setdefault((config["experiment"], run), definition) == definition, (name, run)
 
 
 def test_extends_merges_mappings_and_replaces_lists(tmp_path):
@@ -388,6 +425,10 @@ def test_a_variant_is_a_method_with_overrides_on_a_base():
         (
             {"variants": {"v": {"method": "d3s_i", "trainer": {"scope_switch_threshold": 2.0}}}},
             "variant v: variants.v.trainer.*needs a sample_rule and sample_scope batch",
+        ),
+        (
+            {"base_model": {"sft_task": {"min_ops": 8}}},
+            r"base_model.sft_task: the SFT.s chains run from min_ops 8 to max_ops 7 .*min_ops <= max_ops",
         ),
     ],
 )
@@ -554,23 +595,31 @@ def test_the_committed_noise_split_is_what_its_draws_give_and_what_the_docs_show
     assert readme[readme.index("| comparison") :].strip() in (REPO_ROOT / "docs/studies/power.md").read_text()
 
 
+def _calibration_study(tmp_path: Path, key: str, logged: dict, calibration: dict) -> tuple[Study, dict]:
+    """A study of d3s on the default and the weak base with ``calibration``, and a results folder whose runs
+    (name, seed) logged ``key`` at each step as ``logged`` says."""
+    for (name, seed), values in logged.items():
+        folder = tmp_path / "runs" / name / f"seed{seed}"
+        folder.mkdir(parents=True)
+        lines = [f'{{"step": {s + 1}, "loss": 0.0, "{key}": {v}}}' for s, v in enumerate(values)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
+    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
+    calibration = {"runs": ["d3s", "weak_d3s"]} | calibration
+    parsed = parse_study({"seeds": [0], "study": study | {"calibration": calibration}}, variants)
+    assert parsed is not None
+    return parsed, variants
+
+
 def test_the_calibration_rule_picks_the_smallest_threshold_above_the_aligned_models_spikes(tmp_path):
     runs = {
         ("d3s", 5): [1, 1, 1, 1.5, 1, 2.2],
         ("d3s", 6): [1, 1, 1, 1, 1.4],
         ("weak_d3s", 5): [1, 1, 1, 9, 1],
     }
-    for (name, seed), norms in runs.items():
-        folder = tmp_path / "runs" / name / f"seed{seed}"
-        folder.mkdir(parents=True)
-        lines = [f'{{"step": {s + 1}, "loss": 0.0, "grad_norm": {g}}}' for s, g in enumerate(norms)]
-        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
-    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
-    calibration = {"seeds": [5, 6], "runs": ["d3s", "weak_d3s"], "thresholds": [1.5, 2.0, 3.0, 4.0]}
-    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
-    config = {"seeds": [0], "study": study | {"calibration": calibration}}
-    study = parse_study(config, variants)
+    calibration = {"seeds": [5, 6], "thresholds": [1.5, 2.0, 3.0, 4.0]}
+    study, variants = _calibration_study(tmp_path, "grad_norm", runs, calibration)
     table = calibration_table(tmp_path, study, variants)
     aligned = table[table["base"] == "default"]["max_spike_ratio"]
     assert aligned.max() == pytest.approx(2.2)  # seed 5: 2.2 over the median 1 of the five steps before it
@@ -586,18 +635,9 @@ def test_the_early_reward_calibration_picks_the_candidate_halfway_between_the_ba
         ("weak_d3s", 100): [0.125, 0.125, 0.125, 0.9],  # 0.125
         ("weak_d3s", 101): [0.0625, 0.125, 0.1875],  # 0.125
     }
-    for (name, seed), rewards in runs.items():
-        folder = tmp_path / "runs" / name / f"seed{seed}"
-        folder.mkdir(parents=True)
-        lines = [f'{{"step": {s + 1}, "loss": 0.0, "reward": {r}}}' for s, r in enumerate(rewards)]
-        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
-    claim = {"kind": "versus", "measure": "kl", "runs": ["weak_d3s"], "reference": "d3s", "statement": "s"}
     thresholds = [0.125, 0.2, 0.25, 0.3, 0.375]
-    calibration = {"seeds": [100, 101], "runs": ["d3s", "weak_d3s"], "thresholds": thresholds}
-    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
-    config = {"seeds": [0], "study": study | {"calibration": calibration | {"signal": "early_reward"}}}
-    study = parse_study(config, variants)
+    calibration = {"seeds": [100, 101], "thresholds": thresholds, "signal": "early_reward"}
+    study, variants = _calibration_study(tmp_path, "reward", runs, calibration)
     table = calibration_table(tmp_path, study, variants)
     assert table["early_reward"].tolist() == [0.375, 0.5, 0.125, 0.125]
     assert chosen_threshold(table, thresholds, "early_reward") == 0.25  # halfway between 0.125 and 0.375
@@ -605,6 +645,33 @@ def test_the_early_reward_calibration_picks_the_candidate_halfway_between_the_ba
     assert not table["switches_below_0.125"].any()  # 0.125 is not below 0.125
     overlap = table.assign(early_reward=[0.375, 0.5, 0.4, 0.125])
     assert math.isnan(chosen_threshold(overlap, thresholds, "early_reward"))  # no candidate separates them
+
+
+def test_a_fraction_is_drawn_on_its_whole_range():
+    """A run at the bottom of a fraction (the weak base's 3 cross-group steps of 20) is drawn whole, not on
+    the axis's edge."""
+    variants = {"d3s": Variant("d3s", "d3s"), "weak_d3s": Variant("weak_d3s", "d3s", base="weak")}
+    claim = {
+        "kind": "versus",
+        "measure": "pass_at_1",
+        "runs": ["weak_d3s"],
+        "reference": "d3s",
+        "statement": "s",
+    }
+    study = {"name": "t", "title": "t", "question": "q", "runs": ["d3s", "weak_d3s"], "claims": [claim]}
+    figure = {"measures": ["pass_at_1", "cross_group_fraction"]}
+    parsed = parse_study({"seeds": [0, 1], "study": study | {"figure": figure}}, variants)
+    rows = [
+        {"run": run, "seed": seed, "measure": measure, "value": value}
+        for run, fraction in (("d3s", 1.0), ("weak_d3s", 0.15))
+        for seed in (0, 1)
+        for measure, value in (("pass_at_1", 50.0 + seed), ("cross_group_fraction", fraction))
+    ]
+    fig = study_figure(pd.DataFrame(rows), parsed, variants)
+    points, fraction = fig.axes
+    assert fraction.get_ylim() == (-0.05, 1.05)
+    assert points.get_ylim()[0] > 40  # other units keep matplotlib's own limits
+    fig.clf()
 
 
 # ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
@@ -893,7 +960,9 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
     at 30, and 2026-12-07-switch is 2026-12-07-power30 with adaptive run again on its new switch
     (early_reward, calibrated on seeds 100-103), which every older adaptive folder's calibration differs
-    from. What is committed is what the script writes."""
+    from. 2026-12-08-generalization is 2026-12-07-switch with generalization run again on its new axis
+    (values held out of RL: another task and results tree, so every older generalization folder is refused).
+    What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
     thirty = ("token_level", "sample_level", "generalization")
@@ -942,21 +1011,34 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
     rerender(without("2026-12-07", *thirty, "adaptive"), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
-    power30 = {name: studies / "2026-12-07-power30" / name for name in thirty}
-    rerender(without("2026-12-07-power", "adaptive"), tmp_path / "power30", power30)
+    power30 = {name: studies / "2026-12-07-power30" / name for name in ("token_level", "sample_level")}
+    rerender(without("2026-12-07-power", "adaptive", "generalization"), tmp_path / "power30", power30)
     switch = {"adaptive": studies / "2026-12-07-switch" / "adaptive"}
-    rerender(studies / "2026-12-07-power30", tmp_path / "switch", switch)
+    rerender(without("2026-12-07-power30", "generalization"), tmp_path / "switch", switch)
+    changed = r"\['experiment', 'base_model', 'task'\]"
+    with pytest.raises(
+        SystemExit, match=rf"generalization: the study file's testbed differs .* in {changed}"
+    ):
+        rerender(studies / "2026-12-07-switch", tmp_path / "refused_five")
+    values = {"generalization": studies / "2026-12-08-generalization" / "generalization"}
+    rerender(studies / "2026-12-07-switch", tmp_path / "values", values)
+    assert read_study(tmp_path / "values" / "generalization").informative
     for made, committed_root in (
         (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
         (tmp_path / "power30", "2026-12-07-power30"),
         (tmp_path / "switch", "2026-12-07-switch"),
+        (tmp_path / "values", "2026-12-08-generalization"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
-            assert (folder / "claims.csv").read_text() == (committed / "claims.csv").read_text(), folder
+            # to the last printed digit; the CSV's full floats to 1e-9 (a least-squares slope's last bits
+            # differ between CPUs' float kernels)
+            pd.testing.assert_frame_equal(
+                pd.read_csv(folder / "claims.csv"), pd.read_csv(committed / "claims.csv"), rtol=1e-9
+            )
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "switch")) == 6
+    assert len(study_folders(tmp_path / "values")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------

@@ -24,7 +24,7 @@ from d3s.analysis.figures import save
 from d3s.analysis.io import read_jsonl
 from d3s.markdown import markdown_table
 from d3s.provenance.manifest import atomic_write_text
-from d3s.selection import ScopeSwitch, early_reward, spike_ratios
+from d3s.selection import SIGNAL_LOG_KEYS, ScopeSwitch, early_reward, spike_ratios
 from d3s.studies import BASE, BASE_MEASURES, MEASURES, Study, StudyClaim, StudyControl, base_run, parse_study
 from d3s.variants import Variant, run_variants
 
@@ -362,7 +362,7 @@ def calibration_table(results: Path, study: Study, variants: Mapping[str, Varian
     for name in study.calibration.runs:
         for seed in study.calibration.seeds:
             metrics = _metrics(results / "runs" / name / f"seed{seed}")
-            key = ScopeSwitch(2.0, WARMUP, signal).log_key
+            key = SIGNAL_LOG_KEYS[signal]
             logged = metrics[key].astype(float).tolist() if key in metrics else []
             row = {"run": name, "base": variants[name].base or "default", "seed": seed}
             if signal == "early_reward":
@@ -452,6 +452,8 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
         description, unit = MEASURES[measure]
         ax.set_title(description, fontsize=9)
         ax.set_ylabel(unit)
+        if unit == "fraction":  # the whole 0..1 range, so a run at either end is drawn whole
+            ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
         if len(groups) > 1:
             ax.legend(fontsize=8)

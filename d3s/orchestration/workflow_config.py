@@ -15,7 +15,7 @@ from d3s.memory_plan import check_fit
 from d3s.orchestration.run_config import run_trainer, train_launch
 from d3s.startup import skip_iri_format_checks
 from d3s.studies import parse_study
-from d3s.variants import run_variants
+from d3s.variants import run_variants, sft_task
 
 
 def check_workflow_files(schema: str | os.PathLike[str], accelerate_dir: str | os.PathLike[str]) -> None:
@@ -102,6 +102,14 @@ def check_workflow_config(
             raise ValueError(
                 "bases: base-model variants rebuild the tiny base model; set base_model.kind tiny"
             )
+        for base in (None, *(config.get("bases") or {})):
+            sft = sft_task(config, base)
+            if sft["min_ops"] > sft["max_ops"]:
+                where = "base_model" if base is None else f"bases.{base}"
+                raise ValueError(
+                    f"{where}.sft_task: the SFT's chains run from min_ops {sft['min_ops']} to max_ops "
+                    f"{sft['max_ops']} (task's keys with sft_task's on top); make min_ops <= max_ops"
+                )
         parse_study(config, variants)
         launch = train_launch(train_cfg, accelerate_dir)
         for variant in variants.values():

@@ -6,8 +6,8 @@ rule base_model:
         config=f"{RESULTS}/base_model/config.json",
         summary=f"{RESULTS}/base_model/base_summary.json",
     params:
-        cfg=config["base_model"],
-        task=TASK,
+        cfg=sft_params(None)[0],
+        task=sft_params(None)[1],
     threads: config["base_model"]["threads"]
     resources:
         **config["base_model"].get("resources", {}),

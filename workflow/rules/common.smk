@@ -8,7 +8,7 @@ from pathlib import Path
 from snakemake.utils import update_config
 
 from d3s.orchestration.workflow_config import check_workflow_config, typed_config_overrides
-from d3s.variants import Variant, base_model_settings, extended_config, run_variants
+from d3s.variants import TASK_KEYS, Variant, base_model_settings, extended_config, run_variants, sft_task
 from d3s.studies import parse_study
 
 # All jobs run in the project's environment (environment.yml: the pinned set and this package).
@@ -36,7 +36,7 @@ SAVE_STEPS = TRAINER.get("save_steps", MAX_STEPS) if TRAINER.get("save_strategy"
 # Intermediate checkpoints evaluated for the learning curves (the last one is the final model).
 CKPT_STEPS = list(range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS))
 # The schema filled in the defaults; this key order keeps the jobs' params (a new order would re-run them).
-TASK = {key: config["task"][key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
+TASK = {key: config["task"][key] for key in TASK_KEYS}
 ANALYSIS = config["analysis"]
 
 
@@ -54,6 +54,14 @@ def variant_of(name):
 def base_dir(base):
     """The folder of base model ``base`` (a name under bases; None: the config's own base model)."""
     return BASE_MODEL if base is None else f"{RESULTS}/base_models/{base}"
+
+
+def sft_params(base):
+    """A base model's job parameters: its settings, and the task its SFT draws from (the task with its sft_task
+    on top, d3s.variants.sft_task) in place of sft_task, so that a config without one keeps the jobs' params."""
+    settings = base_model_settings(config, base)
+    settings.pop("sft_task", None)
+    return settings, sft_task(config, base)
 
 
 def run_base_input(wildcards):

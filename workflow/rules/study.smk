@@ -38,8 +38,8 @@ if STUDY is not None:
             config=f"{RESULTS}/base_models/{{base}}/config.json",
             summary=f"{RESULTS}/base_models/{{base}}/base_summary.json",
         params:
-            cfg=lambda wildcards: base_model_settings(config, wildcards.base),
-            task=TASK,
+            cfg=lambda wildcards: sft_params(wildcards.base)[0],
+            task=lambda wildcards: sft_params(wildcards.base)[1],
         threads: config["base_model"]["threads"]
         resources:
             **config["base_model"].get("resources", {}),
