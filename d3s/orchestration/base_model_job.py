@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from d3s.orchestration.gpu_slots import gpu_job, granted_gpus, job_gpus
+from d3s.variants import TASK_KEYS
 
 
 def build_base(
     out: Path, cfg: Mapping[str, Any], task: Mapping[str, Any], threads: int, device: str = "cpu"
 ) -> dict:
     """Build, warm-start and save the model of ``cfg`` (the base_model section, with the schema's defaults) on
-    the synthetic ``task`` (its chain lengths replaced by ``cfg["sft_task"]``'s where it has any); returns
+    the synthetic ``task`` (its keys replaced by ``cfg["sft_task"]``'s where it has any); returns
     the summary written to ``out``/base_summary.json."""
     from d3s.data.synthetic import arithmetic_problems, demonstrations
     from d3s.tiny_model import build_model, build_tokenizer, sft_warm_start
@@ -37,10 +38,10 @@ def build_base(
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed, **cfg["model"])
     model.to(device)  # initialised on the CPU, so the initial weights are the same on every device
-    # the SFT's task: the RL task's, with base_model.sft_task's chain lengths on top (a base model may know
-    # chains that training holds out: the generalization study)
+    # the SFT's task: the RL task's, with base_model.sft_task's keys on top (a base model may know problems
+    # that training holds out: the generalization study)
     sft_task = dict(task) | dict(cfg.get("sft_task") or {})
-    options = {key: sft_task[key] for key in ("min_ops", "max_ops", "max_operand", "bounded")}
+    options = {key: sft_task[key] for key in TASK_KEYS}
     problems = arithmetic_problems(cfg["sft_problems"], seed=1000 + seed, **options)
     losses = sft_warm_start(
         model,
