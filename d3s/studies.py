@@ -25,7 +25,7 @@ MEASURES: dict[str, tuple[str, str]] = {
     "entropy": ("policy entropy of the completion tokens, mean over the steps", "nats"),
     "entropy_selected": ("entropy of the tokens that train, mean over the steps", "nats"),
     "kl": ("KL to the initial policy at the last evaluated checkpoint (k3)", "nats"),
-    "ood_pass_at_1": ("final model's Pass@1 on the held-out longer problems", "points"),
+    "ood_pass_at_1": ("final model's Pass@1 on the study's held-out problems (study.ood)", "points"),
     "cross_group_fraction": ("fraction of the steps that selected cross-group", "fraction"),
 }
 CLAIM_KINDS = ("versus", "slope", "interaction")
