@@ -938,7 +938,7 @@ def test_a_folder_calibrated_otherwise_is_not_rendered_again(tmp_path):
     runs: the script refuses it instead of reading its calibration.csv under the new rule."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     folder = tmp_path / "source" / "adaptive"
-    shutil.copytree(REPO_ROOT / "results" / "studies" / "2026-12-07-power" / "adaptive", folder)
+    shutil.copytree(REPO_ROOT / "results" / "studies" / "2026-12-08-seeds" / "adaptive", folder)
     config = yaml.safe_load((folder / "config.yaml").read_text())
     config["study"]["calibration"]["seeds"] = [7, 8]
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
@@ -952,20 +952,23 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     """scripts/rerender_studies.py, as each committed folder was made, under the study files as they are now.
     2026-11-28 rendered with the controls of 2026-11-29's study files left alignment (weak_grpo never ran) and
     adaptive (the switch never fired) uninformative; since 2026-12-07 their weak base is another (study file's
-    ``bases``), since 2026-12-07-power the schedule has 24 seeds and since 2026-12-07-power30 token level,
-    sample level and generalization have 30, so an older folder is refused for those studies, naming the
-    change. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak base: the others'
-    claims agree to the last digit, alignment's control (the weak base learns) is now supported and
-    adaptive's (the switch fires on the weak base) still fails. 2026-12-07-power is 2026-12-07 with the
-    schedule run again at 24 seeds, 2026-12-07-power30 is 2026-12-07-power with the three others run again
-    at 30, and 2026-12-07-switch is 2026-12-07-power30 with adaptive run again on its new switch
-    (early_reward, calibrated on seeds 100-103), which every older adaptive folder's calibration differs
-    from. 2026-12-08-generalization is 2026-12-07-switch with generalization run again on its new axis
-    (values held out of RL: another task and results tree, so every older generalization folder is refused).
-    What is committed is what the script writes."""
+    ``bases``), since 2026-12-07-power the schedule has 24 seeds, since 2026-12-07-power30 token level and
+    sample level have 30, since 2026-12-08-generalization generalization holds out values (another task and
+    results tree) and since 2026-12-08-seeds alignment and adaptive have 12 seeds and generalization 46, so an
+    older folder is refused for those studies, naming the change, and a study run again under an older study
+    file is refused as fresh. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak
+    base (alignment's control, the weak base learns, supported; adaptive's, the switch fires on the weak
+    base, not), 2026-12-07-power is 2026-12-07 with the schedule run again at 24 seeds, 2026-12-07-power30
+    is 2026-12-07-power with the three others run again at 30, 2026-12-07-switch is 2026-12-07-power30 with
+    adaptive run again on its new switch (early_reward, calibrated on seeds 100-103),
+    2026-12-08-generalization is 2026-12-07-switch with generalization run again on its new axis, and
+    2026-12-08-seeds is 2026-12-08-generalization with alignment, adaptive and generalization run again with
+    more seeds on one machine. Each step renders what the study files as they are now still render: the
+    studies they left as they were. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
     thirty = ("token_level", "sample_level", "generalization")
+    more_seeds = ("alignment", "adaptive", "generalization")  # run again in 2026-12-08-seeds
 
     def without(name: str, *left_out: str) -> Path:  # a committed folder less studies run again since
         copy = tmp_path / "source" / name
@@ -973,22 +976,34 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
         shutil.copytree(studies / name, copy, ignore=shutil.ignore_patterns(*left_out))
         return copy
 
-    with pytest.raises(
-        SystemExit, match=r"token_level: the study file's testbed differs from the folder's in \['seeds'\]"
+    def only(name: str, study: str) -> Path:  # one study of a committed folder
+        copy = tmp_path / "one" / name / study
+        shutil.copytree(studies / name / study, copy)
+        return copy.parent
+
+    for name, study, changed in (
+        ("2026-12-07-power", "token_level", ["seeds"]),
+        ("2026-11-28", "schedule", ["seeds"]),
+        ("2026-11-28", "alignment", ["bases", "seeds"]),
+        ("2026-12-08-generalization", "alignment", ["seeds"]),
+        ("2026-12-08-generalization", "adaptive", ["seeds"]),
+        ("2026-12-07-switch", "generalization", ["experiment", "base_model", "task", "seeds"]),
+        ("2026-12-08-generalization", "generalization", ["seeds"]),
     ):
-        rerender(studies / "2026-12-07-power", tmp_path / "refused")
-    with pytest.raises(
-        SystemExit, match=r"schedule: the study file's testbed differs from the folder's in \['seeds'\]"
-    ):
-        rerender(without("2026-11-28", *thirty), tmp_path / "refused_too")
-    with pytest.raises(
-        SystemExit, match=r"alignment: the study file's testbed differs from the folder's in \['bases'\]"
-    ):
-        rerender(without("2026-11-28", *thirty, "schedule"), tmp_path / "refused_three")
-    informative_then = {
-        folder.name: read_study(folder).informative for folder in study_folders(studies / "2026-11-29")
-    }
-    assert informative_then == {
+        with pytest.raises(
+            SystemExit,
+            match=rf"{study}: the study file's testbed differs from the folder's in "
+            + re.escape(str(changed)),
+        ):
+            rerender(only(name, study), tmp_path / "refused" / name / study)
+    with pytest.raises(SystemExit, match=r"adaptive: .*2026-12-07-switch.* was not written by the current"):
+        fresh = {"adaptive": studies / "2026-12-07-switch" / "adaptive"}
+        rerender(only("2026-12-08-generalization", "adaptive"), tmp_path / "refused_fresh", fresh)
+
+    def informative(root: Path) -> dict[str, bool]:
+        return {folder.name: read_study(folder).informative for folder in study_folders(root)}
+
+    assert informative(studies / "2026-11-29") == {
         "token_level": True,
         "sample_level": True,
         "schedule": True,
@@ -996,39 +1011,28 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
         "adaptive": False,
         "generalization": True,
     }
-
-    fresh = {name: studies / "2026-12-07" / name for name in ("alignment", "adaptive")}
-    source = without("2026-11-29", *thirty, "schedule")
-    notes = rerender(source, tmp_path / "again", fresh)
-    for name, folder in fresh.items():
-        assert f"{name}: run again ({folder}), not rendered from {source}" in notes
-    informative = {
-        folder.name: read_study(folder).informative for folder in study_folders(tmp_path / "again")
+    assert {name: informative(studies / "2026-12-07")[name] for name in ("alignment", "adaptive")} == {
+        "alignment": True,
+        "adaptive": False,
     }
-    assert informative == {"alignment": True, "adaptive": False}
-    with pytest.raises(SystemExit, match=r"adaptive: the study file's calibration \(study.calibration\)"):
-        rerender(without("2026-12-07-power30", "token_level", "sample_level"), tmp_path / "refused_four")
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
-    rerender(without("2026-12-07", *thirty, "adaptive"), tmp_path / "power", power)
+    rerender(without("2026-12-07", *thirty, *more_seeds), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
     power30 = {name: studies / "2026-12-07-power30" / name for name in ("token_level", "sample_level")}
-    rerender(without("2026-12-07-power", "adaptive", "generalization"), tmp_path / "power30", power30)
-    switch = {"adaptive": studies / "2026-12-07-switch" / "adaptive"}
-    rerender(without("2026-12-07-power30", "generalization"), tmp_path / "switch", switch)
-    changed = r"\['experiment', 'base_model', 'task'\]"
-    with pytest.raises(
-        SystemExit, match=rf"generalization: the study file's testbed differs .* in {changed}"
-    ):
-        rerender(studies / "2026-12-07-switch", tmp_path / "refused_five")
-    values = {"generalization": studies / "2026-12-08-generalization" / "generalization"}
-    rerender(studies / "2026-12-07-switch", tmp_path / "values", values)
-    assert read_study(tmp_path / "values" / "generalization").informative
+    rerender(without("2026-12-07-power", *more_seeds), tmp_path / "power30", power30)
+    rerender(without("2026-12-07-power30", *more_seeds), tmp_path / "switch")
+    rerender(without("2026-12-07-switch", *more_seeds), tmp_path / "values")
+    fresh = {name: studies / "2026-12-08-seeds" / name for name in more_seeds}
+    notes = rerender(studies / "2026-12-08-generalization", tmp_path / "seeds", fresh)
+    for name, folder in fresh.items():
+        assert f"{name}: run again ({folder}), not rendered from" in "\n".join(notes)
+    assert all(informative(tmp_path / "seeds").values()) and len(study_folders(tmp_path / "seeds")) == 6
     for made, committed_root in (
-        (tmp_path / "again", "2026-12-07"),
         (tmp_path / "power", "2026-12-07-power"),
         (tmp_path / "power30", "2026-12-07-power30"),
         (tmp_path / "switch", "2026-12-07-switch"),
         (tmp_path / "values", "2026-12-08-generalization"),
+        (tmp_path / "seeds", "2026-12-08-seeds"),
     ):
         for folder in study_folders(made):  # what is committed is what the script writes
             committed = studies / committed_root / folder.name
@@ -1038,7 +1042,6 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
                 pd.read_csv(folder / "claims.csv"), pd.read_csv(committed / "claims.csv"), rtol=1e-9
             )
             assert (folder / "report.md").read_text() == (committed / "report.md").read_text(), folder
-    assert len(study_folders(tmp_path / "values")) == 6
 
 
 # ---- every study, for real, on a tiny testbed --------------------------------------------------------------
