@@ -954,7 +954,7 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     adaptive (the switch never fired) uninformative; since 2026-12-07 their weak base is another (study file's
     ``bases``), since 2026-12-07-power the schedule has 24 seeds, since 2026-12-07-power30 token level and
     sample level have 30, since 2026-12-08-generalization generalization holds out values (another task and
-    results tree) and since 2026-12-08-seeds alignment and adaptive have 12 seeds and generalization 46, so an
+    results tree) and since 2026-12-08-seeds alignment and adaptive have 16 seeds and generalization 46, so an
     older folder is refused for those studies, naming the change, and a study run again under an older study
     file is refused as fresh. 2026-12-07 is 2026-11-29 with alignment and adaptive run again on the new weak
     base (alignment's control, the weak base learns, supported; adaptive's, the switch fires on the weak
