@@ -849,7 +849,7 @@ def _control_study(tmp_path: Path, weak_gain: float, fired_weak: list[float], fi
         ],
     }
     config = _study_config("alignment") | {"methods": [], "variants": variants, "study": study}
-    config["analysis"] = {"reference": "a"}
+    config |= {"analysis": {"reference": "a"}, "seeds": [0, 1, 2, 3, 4]}  # 5 seeds, whatever the study file's
     seeds = [int(s) for s in config["seeds"]]
     table = {
         ("a", "pass_at_1"): 60 + rng.normal(0, 0.3, 5),
@@ -940,7 +940,7 @@ def test_a_folder_calibrated_otherwise_is_not_rendered_again(tmp_path):
     folder = tmp_path / "source" / "adaptive"
     shutil.copytree(REPO_ROOT / "results" / "studies" / "2026-12-08-seeds" / "adaptive", folder)
     config = yaml.safe_load((folder / "config.yaml").read_text())
-    config["study"]["calibration"]["seeds"] = [7, 8]
+    config["study"]["calibration"]["seeds"] = [70, 71]
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(
         SystemExit, match=r"adaptive: the study file's calibration \(study.calibration\) differs"
@@ -977,8 +977,8 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
         return copy
 
     def only(name: str, study: str) -> Path:  # one study of a committed folder
-        copy = tmp_path / "one" / name / study
-        shutil.copytree(studies / name / study, copy)
+        copy = tmp_path / "one" / name / study / study
+        shutil.copytree(studies / name / study, copy, dirs_exist_ok=True)
         return copy.parent
 
     for name, study, changed in (
