@@ -674,6 +674,39 @@ def test_a_fraction_is_drawn_on_its_whole_range():
     fig.clf()
 
 
+def test_runs_side_by_side_are_drawn_whole_when_only_the_last_has_the_measure():
+    """The adaptive study's third panel: only the adaptive runs have the switch's fraction, and the groups are
+    drawn side by side around each run's slot; every slot is on the axis, so no group's point is cut."""
+    names = ("d3s", "adaptive", "weak_d3s", "weak_adaptive")
+    variants = {
+        name: Variant(name, "d3s", base="weak" if name.startswith("weak") else None) for name in names
+    }
+    claim = {
+        "kind": "versus",
+        "measure": "pass_at_1",
+        "runs": ["adaptive"],
+        "reference": "d3s",
+        "statement": "s",
+    }
+    figure = {
+        "measures": ["cross_group_fraction"],
+        "groups": {"default base": ["d3s", "adaptive"], "weak base": ["weak_d3s", "weak_adaptive"]},
+    }
+    study = {"name": "t", "title": "t", "question": "q", "runs": list(names), "claims": [claim]}
+    parsed = parse_study({"seeds": [0, 1], "study": study | {"figure": figure}}, variants)
+    rows = [
+        {"run": run, "seed": seed, "measure": "cross_group_fraction", "value": fraction}
+        for run, fraction in (("adaptive", 1.0), ("weak_adaptive", 0.15))
+        for seed in (0, 1)
+    ]
+    fig = study_figure(pd.DataFrame(rows), parsed, variants)
+    (ax,) = fig.axes
+    low, high = ax.get_xlim()
+    drawn = [x for collection in ax.collections for x, _ in collection.get_offsets()]
+    assert (low, high) == (-0.5, 1.5) and drawn and all(low < x < high for x in drawn)
+    fig.clf()
+
+
 # ---- controls (docs/studies.md, "Controls") ----------------------------------------------------------------
 
 

@@ -449,6 +449,9 @@ def study_figure(values: pd.DataFrame, study: Study, variants: Mapping[str, Vari
         else:
             runs = list(groups.values())[0]
             ax.set_xticks(np.arange(len(runs)), [_label(variants, r) for r in runs], fontsize=8, rotation=20)
+            # every run's slot whole: a measure only the last runs have (the switch's fraction) would
+            # otherwise end the axis at their points and cut the groups drawn beside them
+            ax.set_xlim(-0.5, len(runs) - 0.5)
         description, unit = MEASURES[measure]
         ax.set_title(description, fontsize=9)
         ax.set_ylabel(unit)
