@@ -1000,7 +1000,6 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
     studies they left as they were. What is committed is what the script writes."""
     rerender = runpy.run_path(str(REPO_ROOT / "scripts" / "rerender_studies.py"))["rerender"]
     studies = REPO_ROOT / "results" / "studies"
-    thirty = ("token_level", "sample_level", "generalization")
     more_seeds = ("alignment", "adaptive", "generalization")  # run again in 2026-12-08-seeds
 
     def without(name: str, *left_out: str) -> Path:  # a committed folder less studies run again since
@@ -1049,7 +1048,7 @@ def test_the_committed_studies_are_what_the_script_renders_from_the_runs_before_
         "adaptive": False,
     }
     power = {"schedule": studies / "2026-12-07-power" / "schedule"}
-    rerender(without("2026-12-07", *thirty, *more_seeds), tmp_path / "power", power)
+    rerender(without("2026-12-07", "token_level", "sample_level", *more_seeds), tmp_path / "power", power)
     assert read_study(tmp_path / "power" / "schedule").informative
     power30 = {name: studies / "2026-12-07-power30" / name for name in ("token_level", "sample_level")}
     rerender(without("2026-12-07-power", *more_seeds), tmp_path / "power30", power30)
